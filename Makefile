@@ -1,0 +1,62 @@
+# Two commands do all the set-up on a fresh machine:
+#   make lab    install everything (once) and open JupyterLab on the course
+#   make test   install everything (once) and run every test, notebooks included
+# Both are idempotent: the install runs again only when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.course-installed
+KERNEL_NAME := distcourse
+KERNEL_DISPLAY := Python 3 (distributed training course)
+
+# The torch pin lives in pyproject.toml; read it from there so it is written only once.
+TORCH_PIN := $(shell sed -n 's/^ *"\(torch==[^"]*\)".*/\1/p' pyproject.toml)
+# Without an NVIDIA GPU, take torch's CPU build: PyPI's default Linux wheel pulls several GB
+# of CUDA libraries that a laptop cannot use. Override with `make TORCH_INDEX= ...`.
+HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+TORCH_INDEX ?= $(if $(HAVE_GPU),,https://download.pytorch.org/whl/cpu)
+
+# nbgrader runs `alembic`, pytest runs `jupyter`: the venv's tools come first, so nothing
+# here needs an activated venv.
+export PATH := $(abspath $(BIN)):$(PATH)
+# Workers started from tests and notebooks share 2 cores on the course machines.
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install lab test lint format bench clean
+
+install: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --disable-pip-version-check \
+	    $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --retries 1 --timeout 20) \
+	    "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --disable-pip-version-check -e ".[test]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name $(KERNEL_NAME) \
+	    --display-name "$(KERNEL_DISPLAY)"
+	touch $@
+
+lab: install
+	$(BIN)/jupyter lab --notebook-dir="$(CURDIR)"
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install lint
+	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=300 \
+	    -p no:cacheprovider lectures
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: install
+	$(BIN)/python bench/launch.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,51 @@
+"""course_lib: the small library behind the distributed-training course notebooks.
+
+    from course_lib import launch, rank, world_size, device, CommCounter
+
+One module per topic: `launch` (workers from a notebook cell), `runtime` (who am I),
+`comm` (counting bytes), `models` and `data` (seeded toy models and data), `compare`
+(single-process references and parameter-by-parameter comparison), `magic` (the
+`%%distributed` cell magic), `torchrun` (the same functions on a cluster).
+"""
+
+import sys
+
+from course_lib.comm import CommCounter
+from course_lib.launch import (
+    LaunchError,
+    LaunchTimeout,
+    RankError,
+    WorkerDied,
+    WorkerPool,
+    launch,
+    shutdown,
+)
+from course_lib.magic import load_ipython_extension
+from course_lib.runtime import device, local_rank, rank, world_size
+
+__all__ = [
+    "CommCounter",
+    "LaunchError",
+    "LaunchTimeout",
+    "RankError",
+    "WorkerDied",
+    "WorkerPool",
+    "device",
+    "launch",
+    "load_ipython_extension",
+    "local_rank",
+    "rank",
+    "shutdown",
+    "world_size",
+]
+
+
+def _register_magic() -> None:
+    """Make `%%distributed` available as soon as a notebook imports course_lib."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is not None:
+        load_ipython_extension(shell)
+
+
+_register_magic()

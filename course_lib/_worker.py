@@ -1,0 +1,309 @@
+"""One launched rank: joins the process group, then runs the calls the launcher sends it.
+
+A worker is started by the fork server (`_zygote.py`) or, as a fallback, as
+`python -m course_lib._worker SPEC FD`. It talks to the launcher over one connection (calls
+in, replies out). Its stdout and stderr are pipes that the launcher reads and prints with a
+rank prefix; after each call the worker writes an end mark on both, so the launcher knows it
+has shown every line of that call before it returns.
+
+Between calls a warm worker puts back what a call may have changed (random states, default
+dtype, global module hooks, imported user modules, environment, child processes), so a call
+never sees what an earlier one left behind.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import json
+import linecache
+import os
+import pickle
+import random
+import signal
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import cloudpickle
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+
+from course_lib import runtime
+
+END_MARK = b"\x00course_lib:end:"
+PARENT_POLL_S = 0.2
+_stack_file = None  # kept open for faulthandler for the life of the worker
+_SIGNAL_HANDLERS = {s: signal.getsignal(s) for s in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM)}
+_streams: tuple = ()  # this worker's own stdout and stderr, put back after every call
+
+
+def end_mark(call_id: int) -> bytes:
+    """The bytes a worker writes to stdout and stderr when call `call_id` is over."""
+    return END_MARK + str(call_id).encode() + b"\x00\n"
+
+
+def serve(spec: dict, conn: Connection) -> None:
+    """Set this process up as rank `spec['rank']` and answer calls until the launcher leaves."""
+    _become_worker(spec)
+    _join_process_group(spec)
+    baseline = _Baseline()
+    conn.send_bytes(pickle.dumps(("ready", os.getpid(), threading.main_thread().ident)))
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return  # the launcher closed the pool
+        call_id, payload, context = message
+        reply = _run_call(call_id, payload, context, spec)
+        _end_call(call_id)
+        conn.send_bytes(reply)
+        baseline.restore()
+
+
+# --- set-up -------------------------------------------------------------------------------
+
+
+def _become_worker(spec: dict) -> None:
+    global _stack_file, _streams
+    os.environ.update(spec["env"])
+    # Line-buffered text streams on the pipes, so prints reach the notebook as they happen.
+    _streams = (_line_stream(1), _line_stream(2))
+    sys.stdout, sys.stderr = _streams
+    # The launcher sends SIGUSR1 to a rank that hangs, to show the student where it blocks.
+    _stack_file = open(spec["stack_file"], "w")  # noqa: SIM115 (lives as long as the process)
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+    threading.Thread(target=_die_with_parent, args=(os.getppid(),), daemon=True).start()
+    torch.set_num_threads(1)
+
+
+def _line_stream(fd: int) -> io.TextIOWrapper:
+    raw = open(fd, "wb", buffering=0, closefd=False)  # noqa: SIM115
+    return io.TextIOWrapper(
+        raw, encoding="utf-8", errors="backslashreplace", line_buffering=True, write_through=True
+    )
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Kill this worker and everything it started as soon as its parent is gone.
+
+    The worker leads its own process group, so one killpg also takes down DataLoader
+    workers and other children, even after a SIGKILL of the notebook kernel.
+    """
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os.killpg(0, signal.SIGKILL)
+
+
+def _join_process_group(spec: dict) -> None:
+    store = dist.TCPStore(
+        spec["store_host"], spec["store_port"], is_master=False, timeout=timedelta(seconds=120)
+    )
+    timeout = timedelta(seconds=spec["pg_timeout_s"])
+    rank, world = spec["rank"], spec["world_size"]
+    if spec["backend"] == "nccl":
+        # One GPU per rank; CPU tensors still work through gloo.
+        torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl",
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            device_id=torch.device("cuda", rank),
+        )
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+# --- one call -----------------------------------------------------------------------------
+
+
+def _run_call(call_id: int, payload: bytes, context: dict, spec: dict) -> bytes:
+    _apply_context(context, spec)
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload)
+        value = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 (SystemExit from student code is an error too)
+        return _error_reply(call_id, exc)
+    try:
+        data = _dumps_result(value)
+    except Exception as exc:  # noqa: BLE001
+        return _error_reply(call_id, exc, "the function's return value cannot be sent back")
+    broken = not dist.is_initialized()
+    return pickle.dumps(("ok", call_id, data, broken))
+
+
+def _apply_context(context: dict, spec: dict) -> None:
+    """Run the call where the launcher is: its environment, working directory and sys.path."""
+    os.environ.clear()
+    os.environ.update(context["env"])
+    os.environ.update(spec["env"])
+    os.chdir(context["cwd"])
+    sys.path[:] = context["sys_path"]
+    # Source of notebook cells, so that tracebacks on this rank can quote their lines.
+    linecache.cache.update(context["linecache"])
+
+
+def _error_reply(call_id: int, exc: BaseException, note: str | None = None) -> bytes:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # hide this module's frames: the student's code comes first
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    message = str(exc) if note is None else f"{note}: {exc}"
+    return pickle.dumps(("error", call_id, type(exc).__name__, message, text, _pickled(exc)))
+
+
+def _pickled(exc: BaseException) -> bytes | None:
+    try:
+        return cloudpickle.dumps(exc)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+class _ResultPickler(cloudpickle.Pickler):
+    """Pickles a rank's return value, moving GPU tensors to the CPU on the way."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return super().reducer_override(obj)
+
+
+def _dumps_result(value: object) -> bytes:
+    buffer = io.BytesIO()
+    _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
+def _end_call(call_id: int) -> None:
+    """Stop what the call started, then mark the end of its output on both streams."""
+    # A DataLoader installs a SIGCHLD handler that raises when its workers die: put the
+    # signal handlers back first, then kill whatever the call started.
+    for signum, handler in _SIGNAL_HANDLERS.items():
+        signal.signal(signum, handler)
+    _kill_children()
+    runtime.run_call_end_callbacks()
+    for stream in (sys.stdout, sys.stderr, *_streams):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass  # the call may have replaced or closed them
+    sys.stdout, sys.stderr = _streams
+    mark = end_mark(call_id)
+    os.write(1, mark)
+    os.write(2, mark)
+
+
+def _kill_children() -> None:
+    """No process a call started (DataLoader workers, say) outlives the call."""
+    children = _child_pids()
+    if not children:
+        return
+    victims = []
+    for pid in children:
+        try:
+            process = psutil.Process(pid)
+            victims += [process, *process.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    for process in victims:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=2)
+
+
+def _child_pids() -> list[int]:
+    try:  # Linux: one small file per thread, much cheaper than scanning every process
+        pids = []
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids += [int(pid) for pid in f.read().split()]
+        return pids
+    except OSError:
+        return [p.pid for p in psutil.Process().children()]
+
+
+# --- putting the process back as it was ---------------------------------------------------
+
+_LIBRARY_DIRS = tuple(
+    {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    | {os.path.dirname(os.path.abspath(runtime.__file__))}
+)
+
+
+class _Baseline:
+    """What a fresh worker looks like, taken once and restored after every call."""
+
+    def __init__(self) -> None:
+        self.modules = set(sys.modules)
+        self.torch_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.python_rng = random.getstate()
+        self.numpy_rng = np.random.get_state()
+        self.warning_filters = list(warnings.filters)
+        self.num_threads = torch.get_num_threads()
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.python_rng)
+        np.random.set_state(self.numpy_rng)
+        torch.set_default_dtype(torch.float32)
+        torch.set_default_device(None)
+        torch.set_grad_enabled(True)
+        torch.autograd.set_detect_anomaly(False)
+        if torch.are_deterministic_algorithms_enabled():  # switching it costs 1.5 s
+            torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(self.num_threads)
+        _clear_global_module_hooks()
+        warnings.filters[:] = self.warning_filters
+        self._forget_user_modules()
+        _forget_pickled_classes()
+
+    def _forget_user_modules(self) -> None:
+        """Drop modules the call imported from outside the libraries (a student's .py file),
+        so the next call imports them afresh, with fresh globals and any edits."""
+        for name in set(sys.modules) - self.modules:
+            path = getattr(sys.modules[name], "__file__", None)
+            if path and not os.path.abspath(path).startswith(_LIBRARY_DIRS):
+                del sys.modules[name]
+
+
+def _clear_global_module_hooks() -> None:
+    module = torch.nn.modules.module
+    for name in dir(module):
+        value = getattr(module, name)
+        if name.startswith("_global_") and "hooks" in name and isinstance(value, dict):
+            value.clear()
+
+
+def _forget_pickled_classes() -> None:
+    """cloudpickle reuses a class it has unpickled before; forget them so a class defined in
+    a notebook cell starts each call with its class attributes as written."""
+    from cloudpickle import cloudpickle as cp
+
+    for name in ("_DYNAMIC_CLASS_TRACKER_BY_CLASS", "_DYNAMIC_CLASS_TRACKER_BY_ID"):
+        tracker = getattr(cp, name, None)
+        if tracker is not None:
+            tracker.clear()
+
+
+def main() -> None:
+    """Entry point of the fallback start method: `python -m course_lib._worker SPEC FD`."""
+    spec = json.loads(sys.argv[1])
+    serve(spec, Connection(int(sys.argv[2])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Count the bytes a rank sends and receives through torch.distributed.
+
+    with CommCounter() as c:
+        ring_all_reduce(t)
+    c.bytes_sent   # compare with 2 * (P - 1) / P * t.numel() * t.element_size()
+
+While a counter is active, the torch.distributed calls below are wrapped. Point-to-point
+calls (send, recv, isend, irecv, and batch_isend_irecv through them) are counted exactly:
+the bytes of the tensor. What a built-in collective moves inside the backend cannot be seen
+from Python, so it is counted with the per-rank volume of the textbook algorithm in
+`COLLECTIVE_MODEL` (ring for all-reduce, all-gather and reduce-scatter; a flat tree for
+broadcast, reduce, gather and scatter), the volume the lectures' formulas describe.
+
+Calls made through a name bound before the counter started (`from torch.distributed import
+send`) and calls made from C++ (DistributedDataParallel's reducer) are not seen.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from course_lib import runtime
+
+# How each collective is counted, for a group of P ranks, N = bytes of the tensor argument.
+COLLECTIVE_MODEL = {
+    "all_reduce": "ring: sends and receives 2(P-1)/P * N",
+    "all_gather": "ring: sends and receives (P-1) * N (N = this rank's tensor)",
+    "all_gather_into_tensor": "ring: sends and receives (P-1) * N (N = this rank's input)",
+    "reduce_scatter": "ring: sends and receives (P-1) * N (N = this rank's output)",
+    "reduce_scatter_tensor": "ring: sends and receives (P-1) * N (N = this rank's output)",
+    "broadcast": "flat tree: the source sends (P-1) * N, every other rank receives N",
+    "reduce": "flat tree: every other rank sends N, the destination receives (P-1) * N",
+    "gather": "flat tree: every other rank sends N, the destination receives (P-1) * N",
+    "scatter": "flat tree: the source sends (P-1) * N, every other rank receives N",
+    "all_to_all_single": "direct: sends and receives all but its own chunk",
+    "all_to_all": "direct: sends and receives all but its own chunk",
+    "barrier": "no payload: 0 bytes",
+}
+POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+
+
+@dataclass
+class CommCounter:
+    """Bytes this rank sends and receives through torch.distributed while the block runs."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    calls: Counter = field(default_factory=Counter)
+    by_op: dict[str, list[int]] = field(default_factory=dict)
+
+    def __enter__(self) -> CommCounter:
+        with _lock:
+            if not _active:
+                _install()
+            _active.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        with _lock:
+            if self in _active:
+                _active.remove(self)
+            if not _active:
+                _uninstall()
+
+    def add(self, op: str, sent: int, received: int) -> None:
+        self.bytes_sent += sent
+        self.bytes_received += received
+        self.calls[op] += 1
+        totals = self.by_op.setdefault(op, [0, 0])
+        totals[0] += sent
+        totals[1] += received
+
+    def summary(self) -> str:
+        """A small table: calls, bytes sent and received per operation."""
+        rows = [f"{'op':<24}{'calls':>6}{'sent':>14}{'received':>14}"]
+        for op, (sent, received) in sorted(self.by_op.items()):
+            rows.append(f"{op:<24}{self.calls[op]:>6}{sent:>14,}{received:>14,}")
+        rows.append(
+            f"{'total':<24}{sum(self.calls.values()):>6}{self.bytes_sent:>14,}"
+            f"{self.bytes_received:>14,}"
+        )
+        return "\n".join(rows)
+
+
+_active: list[CommCounter] = []
+_lock = threading.Lock()
+_originals: dict[str, Callable] = {}
+_depth = threading.local()  # a wrapped call made inside another is counted once, outermost
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _is_root(args: dict, root: str) -> bool:
+    group = args.get("group")
+    group_root = args.get(f"group_{root}")
+    if group_root is not None:
+        return dist.get_rank(group) == group_root
+    return dist.get_rank() == args.get(root)
+
+
+def _volume(op: str, args: dict) -> tuple[int, int]:
+    """(bytes sent, bytes received) by this rank for one call, per `COLLECTIVE_MODEL`."""
+    if op in ("send", "isend"):
+        return _nbytes(args["tensor"]), 0
+    if op in ("recv", "irecv"):
+        return 0, _nbytes(args["tensor"])
+    if op == "barrier":
+        return 0, 0
+    p = _group_size(args.get("group"))
+    if op == "all_reduce":
+        n = 2 * (p - 1) * _nbytes(args["tensor"]) // p
+        return n, n
+    if op == "all_gather":
+        n = (p - 1) * _nbytes(args["tensor"])
+        return n, n
+    if op == "all_gather_into_tensor":
+        n = (p - 1) * _nbytes(args["input_tensor"])
+        return n, n
+    if op in ("reduce_scatter", "reduce_scatter_tensor"):
+        n = (p - 1) * _nbytes(args["output"])
+        return n, n
+    if op == "broadcast":
+        n = _nbytes(args["tensor"])
+        return ((p - 1) * n, 0) if _is_root(args, "src") else (0, n)
+    if op in ("reduce", "gather"):
+        n = _nbytes(args["tensor"])
+        return (0, (p - 1) * n) if _is_root(args, "dst") else (n, 0)
+    if op == "scatter":
+        n = _nbytes(args["tensor"])
+        return ((p - 1) * n, 0) if _is_root(args, "src") else (0, n)
+    if op == "all_to_all_single":
+        sent = _nbytes(args["input"]) * (p - 1) // p
+        received = _nbytes(args["output"]) * (p - 1) // p
+        return sent, received
+    if op == "all_to_all":
+        me = dist.get_rank(args.get("group"))
+        sent = sum(_nbytes(t) for i, t in enumerate(args["input_tensor_list"]) if i != me)
+        received = sum(_nbytes(t) for i, t in enumerate(args["output_tensor_list"]) if i != me)
+        return sent, received
+    raise KeyError(op)
+
+
+def _wrap(op: str, original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        depth = getattr(_depth, "value", 0)
+        if depth == 0 and _active:
+            bound = signature.bind(*args, **kwargs).arguments
+            if not c10d._rank_not_in_group(bound.get("group")):
+                sent, received = _volume(op, bound)
+                for counter in list(_active):
+                    counter.add(op, sent, received)
+        _depth.value = depth + 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _depth.value = depth
+
+    counted.__wrapped_by_course_lib__ = True
+    return counted
+
+
+def _install() -> None:
+    for op in (*POINT_TO_POINT, *COLLECTIVE_MODEL):
+        original = getattr(c10d, op)
+        _originals[op] = original
+        wrapped = _wrap(op, original)
+        # Both namespaces: user code calls dist.X, and torch's own helpers call c10d.X.
+        setattr(c10d, op, wrapped)
+        setattr(dist, op, wrapped)
+
+
+def _uninstall() -> None:
+    for op, original in _originals.items():
+        setattr(c10d, op, original)
+        setattr(dist, op, original)
+    _originals.clear()
+
+
+def _reset() -> None:
+    """After a launched call: drop counters left active, put torch.distributed back."""
+    with _lock:
+        _active.clear()
+        _uninstall()
+
+
+runtime.at_call_end(_reset)

@@ -1,0 +1,81 @@
+"""Run a course function under torchrun, unchanged: on a cluster, or on one CPU machine.
+
+    torchrun --standalone --nproc-per-node 2 -m course_lib.torchrun examples/hello.py:main 8
+
+torchrun starts the processes and sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous;
+this entry point joins the process group (NCCL with one GPU per local rank when there are
+GPUs, else gloo), calls the function with the extra arguments, prints what it returned, and
+leaves the group. Inside the function, `course_lib.rank()`, `world_size()` and `device()`
+answer exactly as they do under `course_lib.launch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import os
+import runpy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from course_lib import runtime
+
+
+def load_function(target: str) -> Callable:
+    """'path/to/file.py:name' or 'package.module:name' -> the function. A file is run under a
+    name other than __main__, so its `if __name__ == "__main__":` block does not launch."""
+    where, _, name = target.rpartition(":")
+    if not where or not name:
+        raise SystemExit(f"expected FILE.py:FUNCTION or MODULE:FUNCTION, got {target!r}")
+    if where.endswith(".py"):
+        namespace = runpy.run_path(where, run_name="__course_lib_torchrun__")
+    else:
+        namespace = vars(importlib.import_module(where))
+    if name not in namespace:
+        raise SystemExit(f"{where} has no function {name!r}")
+    return namespace[name]
+
+
+def init_from_env(backend: str = "auto") -> str:
+    """Join the process group torchrun describes in the environment; return the backend."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if backend == "auto":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        backend = "nccl" if local_rank < gpus else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    return backend
+
+
+def _literal(text: str) -> object:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", help="FILE.py:FUNCTION or MODULE:FUNCTION")
+    parser.add_argument("args", nargs="*", help="arguments for the function (Python literals)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    options = parser.parse_args(argv)
+    fn = load_function(options.target)
+    init_from_env(options.backend)
+    try:
+        result = fn(*[_literal(a) for a in options.args])
+        if result is not None:
+            print(f"[rank {runtime.rank()}] returned {result!r}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

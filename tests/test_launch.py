@@ -1,0 +1,452 @@
+"""course_lib.launch: results, live output, errors, hangs, bad input, clean-up, warm pools."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import course_lib
+from course_lib import LaunchTimeout, RankError, WorkerDied, WorkerPool, launch
+from course_lib.launch import default_pool
+from tests.conftest import all_gone, alive, descendants
+
+# --- functions run on the ranks (module level, so workers import them by reference) -------
+
+
+def rank_info(offset, scale=1):
+    return (course_lib.rank() + offset) * scale, course_lib.world_size(), str(course_lib.device())
+
+
+def all_reduce_ranks():
+    t = torch.tensor([float(course_lib.rank())])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def print_then_sleep(pause):
+    print(f"first line from {course_lib.rank()}")
+    print(f"to stderr from {course_lib.rank()}", file=sys.stderr)
+    time.sleep(pause)
+    print("last words without newline", end="")
+    return course_lib.rank()
+
+
+def raise_on_rank_two():
+    if course_lib.rank() == 2:
+        raise ValueError("rank two does not like this")
+    t = torch.zeros(1)
+    dist.recv(t, src=2)  # never comes: these ranks are blocked when rank 2 raises
+
+
+def unmatched_recv():
+    t = torch.zeros(1)
+    if course_lib.rank() == 0:
+        dist.recv(t, src=1)  # rank 1 never sends
+    return course_lib.rank()
+
+
+def exit_abruptly():
+    if course_lib.rank() == 1:
+        os._exit(3)
+    time.sleep(30)
+
+
+def return_lock():
+    return threading.Lock()
+
+
+def start_sleeper():
+    child = subprocess.Popen(["sleep", "300"])
+    return child.pid
+
+
+def start_dataloader_workers():
+    """A DataLoader with persistent workers, kept alive in a global: its processes must still
+    not outlive the call."""
+    global _loader
+    data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    _loader = iter(torch.utils.data.DataLoader(data, num_workers=2, persistent_workers=True))
+    next(_loader)
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+
+
+def listening_addresses():
+    return sorted(
+        {c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"}
+    )
+
+
+def draw_random_state():
+    return torch.rand(3).tolist(), np.random.rand(), random.random()
+
+
+def disturb_global_state(module_dir):
+    sys.path.insert(0, module_dir)
+    import course_test_user_module
+
+    course_test_user_module.counter += 1
+    torch.manual_seed(123)
+    np.random.seed(5)
+    random.seed(5)
+    torch.set_default_dtype(torch.float64)
+    torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    return course_test_user_module.counter
+
+
+def read_global_state(module_dir):
+    sys.path.insert(0, module_dir)
+    import course_test_user_module
+
+    hooks = len(torch.nn.modules.module._global_forward_hooks)
+    return draw_random_state(), torch.get_default_dtype(), hooks, course_test_user_module.counter
+
+
+def destroy_group():
+    dist.destroy_process_group()
+    return "destroyed"
+
+
+def noop():
+    return None
+
+
+# --- results ------------------------------------------------------------------------------
+
+
+def test_returns_results_in_rank_order_with_args_and_kwargs():
+    results = launch(rank_info, 10, scale=2, world_size=4)
+    assert results == [(20, 4, "cpu"), (22, 4, "cpu"), (24, 4, "cpu"), (26, 4, "cpu")]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_process_group_spans_exactly_the_ranks(world_size):
+    expected = float(sum(range(world_size)))
+    assert launch(all_reduce_ranks, world_size=world_size) == [expected] * world_size
+
+
+def test_prints_appear_live_and_prefixed(monkeypatch):
+    """Each line reaches the launcher's stdout while the ranks are still running."""
+    arrivals: list[tuple[float, str]] = []
+
+    class Recorder:
+        def write(self, text):
+            arrivals.append((time.monotonic(), text))
+
+        def flush(self):
+            pass
+
+    launch(noop, world_size=2)  # warm the pool, so timing only covers the call
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    launch(print_then_sleep, 1.5, world_size=2)
+    returned = time.monotonic()
+    monkeypatch.undo()
+    text = {t for _, t in arrivals}
+    for rank in (0, 1):
+        assert f"[rank {rank}] first line from {rank}\n" in text
+        assert f"[rank {rank}] to stderr from {rank}\n" in text
+        assert f"[rank {rank}] last words without newline\n" in text
+    first = min(when for when, t in arrivals if "first line" in t)
+    assert returned - first > 1.0, "the first line only arrived when the call ended"
+
+
+# --- errors and hangs ---------------------------------------------------------------------
+
+
+def test_raising_rank_stops_all_and_is_named():
+    launch(noop)
+    old = default_pool().pids
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(raise_on_rank_two, timeout=60)
+    assert time.monotonic() - start < 5, "blocked ranks were not stopped promptly"
+    error = info.value
+    assert error.rank == 2 and error.exc_type == "ValueError"
+    message = str(error)
+    assert message.startswith("rank 2 of 4 raised ValueError: rank two does not like this")
+    assert 'raise ValueError("rank two does not like this")' in message  # the remote line
+    assert "raise_on_rank_two" in message
+    assert all_gone(old, 5)
+
+
+def test_hang_times_out_with_each_rank_stack():
+    launch(noop)
+    old = default_pool().pids
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(unmatched_recv, timeout=2)
+    assert time.monotonic() - start < 6
+    message = str(info.value)
+    assert "did not finish within 2 s: rank 0 still running (ranks 1, 2, 3 had returned)" in message
+    assert "--- rank 0 ---" in message
+    assert "in unmatched_recv" in message and "dist.recv(t, src=1)" in message
+    assert set(info.value.stacks) == {0}
+    assert all_gone(old, 5)
+
+
+def test_worker_that_dies_is_reported_with_exit_code():
+    launch(noop)
+    old = default_pool().pids
+    with pytest.raises(WorkerDied, match=r"rank 1 of 4 died.*exited with code 3"):
+        launch(exit_abruptly, timeout=60)
+    assert all_gone(old, 5)
+
+
+def test_unsendable_return_value_is_an_error_of_that_rank():
+    with pytest.raises(RankError, match="return value cannot be sent back"):
+        launch(return_lock, world_size=2)
+
+
+def test_pool_recovers_after_crash_and_hang():
+    with pytest.raises(RankError):
+        launch(raise_on_rank_two)
+    assert launch(all_reduce_ranks) == [6.0] * 4
+    with pytest.raises(LaunchTimeout):
+        launch(unmatched_recv, timeout=1)
+    assert launch(all_reduce_ranks) == [6.0] * 4
+
+
+def test_destroying_the_process_group_restarts_the_pool():
+    assert launch(destroy_group, world_size=2) == ["destroyed"] * 2
+    assert launch(all_reduce_ranks, world_size=2) == [1.0, 1.0]
+
+
+# --- bad input gets a clear error before any process starts -------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"world_size": 0}, ValueError, "world_size must be a whole number >= 1"),
+        ({"world_size": -2}, ValueError, "world_size must be a whole number >= 1"),
+        ({"world_size": 2.5}, ValueError, "world_size must be a whole number >= 1"),
+        ({"backend": "mpi"}, ValueError, "backend must be 'auto', 'gloo' or 'nccl'"),
+        ({"timeout": 0}, ValueError, "timeout must be a number of seconds > 0"),
+    ],
+)
+def test_bad_arguments_fail_before_starting(kwargs, error, match):
+    course_lib.shutdown()
+    before = descendants()
+    with pytest.raises(error, match=match):
+        launch(noop, **kwargs)
+    assert descendants() <= before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine with fewer GPUs than ranks")
+def test_more_nccl_ranks_than_gpus_fails_before_starting():
+    before = descendants()
+    with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank: 2 ranks"):
+        launch(noop, world_size=2, backend="nccl")
+    assert descendants() <= before
+
+
+def test_non_callable_and_unpicklable_arguments_fail_before_starting():
+    course_lib.shutdown()
+    before = descendants()
+    with pytest.raises(TypeError, match="must be callable, got int 3"):
+        launch(3)
+    with pytest.raises(TypeError, match=r"positional argument 1 \(lock\) cannot be sent"):
+        launch(rank_info, 1, threading.Lock())
+    with pytest.raises(TypeError, match=r"keyword argument 'scale' \(generator\) cannot be sent"):
+        launch(rank_info, 1, scale=(i for i in range(3)))
+    assert descendants() <= before
+
+
+def test_pool_rejects_a_different_world_size():
+    with WorkerPool(2) as pool, pytest.raises(ValueError, match="this pool has 2 workers"):
+        pool.launch(noop, world_size=3)
+
+
+# --- processes: nothing left behind -------------------------------------------------------
+
+
+def test_processes_started_by_a_call_do_not_outlive_it():
+    sleepers = launch(start_sleeper, world_size=2)
+    assert all_gone(sleepers, 5)
+    pids = launch(start_dataloader_workers, world_size=2)
+    assert len(pids[0]) == 2
+    assert all_gone(pids[0] + pids[1], 5)
+
+
+def test_close_stops_every_worker():
+    pool = WorkerPool(2)
+    pool.launch(noop)
+    pids = pool.pids
+    assert all(alive(pid) for pid in pids)
+    pool.close()
+    assert all_gone(pids, 5)
+
+
+def test_killing_the_launcher_leaves_no_process_behind(run_script, tmp_path):
+    """SIGKILL of the launching process (a kernel's death): workers, the processes they
+    started, and the fork server all go."""
+    script = run_script(
+        f"""
+        import subprocess, time
+        from course_lib import launch
+        from course_lib.launch import default_pool, _fork_server
+
+        def work(path):
+            child = subprocess.Popen(["sleep", "300"])
+            with open(path + str(child.pid), "w"):
+                pass
+            time.sleep(300)
+
+        launch(lambda: None, world_size=2)
+        print(*default_pool().pids, _fork_server().pid, flush=True)
+        launch(work, {str(tmp_path / "child-")!r}, world_size=2, timeout=600)
+        """
+    )
+    pids = [int(p) for p in script.stdout.readline().split()]
+    assert len(pids) == 3
+    children = []
+    assert_wait = time.monotonic() + 20
+    while len(children) < 2 and time.monotonic() < assert_wait:
+        children = [int(p.name.split("-")[1]) for p in tmp_path.glob("child-*")]
+        time.sleep(0.05)
+    assert len(children) == 2 and all(alive(pid) for pid in pids + children)
+    script.kill()
+    script.wait()
+    assert all_gone(pids + children, 5)
+
+
+def test_ctrl_c_stops_the_ranks_and_reports_where_they_were(run_script):
+    script = run_script(
+        """
+        import time
+        from course_lib import launch
+        from course_lib.launch import default_pool
+
+        def wait_forever():
+            time.sleep(300)
+
+        launch(lambda: None, world_size=2)
+        print(*default_pool().pids, flush=True)
+        try:
+            launch(wait_forever, world_size=2, timeout=600)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        """
+    )
+    pids = [int(p) for p in script.stdout.readline().split()]
+    time.sleep(1.0)
+    script.send_signal(signal.SIGINT)
+    out, err = script.communicate(timeout=30)
+    assert "interrupted" in out
+    assert "Interrupted: stopped all 2 ranks" in err
+    assert "time.sleep(300)" in err
+    assert all_gone(pids, 5)
+
+
+# --- networking ---------------------------------------------------------------------------
+
+
+def test_everything_listens_on_loopback_only():
+    pool = WorkerPool(2)
+    try:
+        worker_addresses = pool.launch(listening_addresses)
+        store_addresses = listening_addresses()  # the rendezvous store lives in this process
+    finally:
+        pool.close()
+    addresses = set(store_addresses).union(*worker_addresses)
+    assert addresses and addresses <= {"127.0.0.1", "::1"}, addresses
+
+
+def test_concurrent_launches_from_separate_processes_do_not_collide(run_script):
+    source = """
+        import torch, torch.distributed as dist
+        from course_lib import launch, rank
+
+        def total():
+            t = torch.tensor([rank() + 1.0])
+            dist.all_reduce(t)
+            return t.item()
+
+        for _ in range(3):
+            assert launch(total, world_size=2) == [3.0, 3.0]
+        print("ok")
+        """
+    scripts = [run_script(source, name=f"concurrent{i}.py") for i in range(3)]
+    for script in scripts:
+        out, err = script.communicate(timeout=120)
+        assert script.returncode == 0, err
+        assert out.strip() == "ok"
+
+
+def test_functions_defined_in_a_script_are_shipped_by_value(run_script):
+    script = run_script(
+        """
+        from course_lib import launch, rank
+
+        class Greeter:
+            def __init__(self, word):
+                self.word = word
+
+            def __call__(self):
+                print(self.word, rank())
+                return rank()
+
+        print(launch(Greeter("hi from"), world_size=2))
+        """
+    )
+    out, err = script.communicate(timeout=120)
+    assert script.returncode == 0, err
+    assert "[rank 0] hi from 0" in out and "[rank 1] hi from 1" in out
+    assert out.strip().endswith("[0, 1]")
+
+
+# --- warm pools ---------------------------------------------------------------------------
+
+
+def test_warm_pool_reuses_workers_and_isolates_calls(tmp_path):
+    (tmp_path / "course_test_user_module.py").write_text("counter = 0\n")
+    with WorkerPool(2) as pool:
+        fresh = pool.launch(draw_random_state)
+        pids = pool.pids
+        assert pool.launch(disturb_global_state, str(tmp_path)) == [1, 1]
+        state = pool.launch(read_global_state, str(tmp_path))
+        assert pool.pids == pids, "the workers were restarted instead of reused"
+    for rank in range(2):
+        random_state, dtype, hooks, counter = state[rank]
+        assert random_state == fresh[rank], "random state leaked from the previous call"
+        assert dtype == torch.float32
+        assert hooks == 0
+        assert counter == 0, "a module imported by the previous call kept its globals"
+
+
+def test_fallback_start_method_runs_and_reports_errors():
+    with WorkerPool(2, start_method="subprocess") as pool:
+        assert pool.launch(all_reduce_ranks) == [1.0, 1.0]
+        with pytest.raises(RankError, match="rank 1 of 2 raised"):
+            pool.launch(raise_on_rank_two_of_two)
+
+
+def raise_on_rank_two_of_two():
+    if course_lib.rank() == 1:
+        raise RuntimeError("boom")
+
+
+def test_default_pool_follows_the_world_size():
+    assert len(launch(noop, world_size=2)) == 2
+    assert len(launch(noop, world_size=3)) == 3
+    assert default_pool().world_size == 3
+
+
+def test_free_port_is_not_reused_while_a_pool_runs():
+    """Two pools at once get different rendezvous ports on loopback."""
+    with WorkerPool(1) as a, WorkerPool(1) as b:
+        a.launch(noop)
+        b.launch(noop)
+        ports = {a._store.port, b._store.port}
+    assert len(ports) == 2
