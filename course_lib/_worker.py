@@ -14,6 +14,7 @@ never sees what an earlier one left behind.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import io
 import json
 import linecache
@@ -266,10 +267,10 @@ class _Baseline:
         if torch.are_deterministic_algorithms_enabled():  # switching it costs 1.5 s
             torch.use_deterministic_algorithms(False)
         torch.set_num_threads(self.num_threads)
+        gc.enable()
         _clear_global_module_hooks()
         warnings.filters[:] = self.warning_filters
         self._forget_user_modules()
-        _forget_pickled_classes()
 
     def _forget_user_modules(self) -> None:
         """Drop modules the call imported from outside the libraries (a student's .py file),
@@ -286,17 +287,6 @@ def _clear_global_module_hooks() -> None:
         value = getattr(module, name)
         if name.startswith("_global_") and "hooks" in name and isinstance(value, dict):
             value.clear()
-
-
-def _forget_pickled_classes() -> None:
-    """cloudpickle reuses a class it has unpickled before; forget them so a class defined in
-    a notebook cell starts each call with its class attributes as written."""
-    from cloudpickle import cloudpickle as cp
-
-    for name in ("_DYNAMIC_CLASS_TRACKER_BY_CLASS", "_DYNAMIC_CLASS_TRACKER_BY_ID"):
-        tracker = getattr(cp, name, None)
-        if tracker is not None:
-            tracker.clear()
 
 
 def main() -> None:

@@ -34,8 +34,10 @@ from course_lib import runtime
 COLLECTIVE_MODEL = {
     "all_reduce": "ring: sends and receives 2(P-1)/P * N",
     "all_gather": "ring: sends and receives (P-1) * N (N = this rank's tensor)",
+    "all_gather_single": "ring: sends and receives (P-1) * N (N = this rank's input)",
     "all_gather_into_tensor": "ring: sends and receives (P-1) * N (N = this rank's input)",
     "reduce_scatter": "ring: sends and receives (P-1) * N (N = this rank's output)",
+    "reduce_scatter_single": "ring: sends and receives (P-1) * N (N = this rank's output)",
     "reduce_scatter_tensor": "ring: sends and receives (P-1) * N (N = this rank's output)",
     "broadcast": "flat tree: the source sends (P-1) * N, every other rank receives N",
     "reduce": "flat tree: every other rank sends N, the destination receives (P-1) * N",
@@ -128,10 +130,10 @@ def _volume(op: str, args: dict) -> tuple[int, int]:
     if op == "all_gather":
         n = (p - 1) * _nbytes(args["tensor"])
         return n, n
-    if op == "all_gather_into_tensor":
+    if op in ("all_gather_single", "all_gather_into_tensor"):
         n = (p - 1) * _nbytes(args["input_tensor"])
         return n, n
-    if op in ("reduce_scatter", "reduce_scatter_tensor"):
+    if op in ("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor"):
         n = (p - 1) * _nbytes(args["output"])
         return n, n
     if op == "broadcast":

@@ -21,7 +21,7 @@ import linecache
 
 import cloudpickle
 
-from course_lib import launch as launch_module
+from course_lib.launch import DEFAULT_TIMEOUT, launch
 
 _cells = itertools.count(1)
 # Names IPython puts in the user namespace that a cell never means to send.
@@ -49,7 +49,7 @@ def run_cell(
     lines = source.splitlines(keepends=True)
     linecache.cache[filename] = (len(source), None, lines, filename)
     names = _names_to_send(source, filename, user_ns)
-    results = launch_module.launch(
+    results = launch(
         exec_cell,
         source,
         filename,
@@ -93,7 +93,7 @@ def load_ipython_extension(ipython) -> None:
         @argument(
             "--timeout",
             type=float,
-            default=launch_module.DEFAULT_TIMEOUT,
+            default=DEFAULT_TIMEOUT,
             help="seconds before the cell counts as hung",
         )
         @cell_magic

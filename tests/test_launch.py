@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import course_lib
 from course_lib import LaunchTimeout, RankError, WorkerDied, WorkerPool, launch
 from course_lib.launch import default_pool
-from tests.conftest import all_gone, alive, descendants
+from tests.conftest import alive, all_gone, descendants
 
 # --- functions run on the ranks (module level, so workers import them by reference) -------
 
@@ -101,6 +102,7 @@ def disturb_global_state(module_dir):
     random.seed(5)
     torch.set_default_dtype(torch.float64)
     torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    gc.disable()
     return course_test_user_module.counter
 
 
@@ -109,7 +111,8 @@ def read_global_state(module_dir):
     import course_test_user_module
 
     hooks = len(torch.nn.modules.module._global_forward_hooks)
-    return draw_random_state(), torch.get_default_dtype(), hooks, course_test_user_module.counter
+    counter = course_test_user_module.counter
+    return draw_random_state(), torch.get_default_dtype(), hooks, counter, gc.isenabled()
 
 
 def destroy_group():
@@ -418,11 +421,12 @@ def test_warm_pool_reuses_workers_and_isolates_calls(tmp_path):
         state = pool.launch(read_global_state, str(tmp_path))
         assert pool.pids == pids, "the workers were restarted instead of reused"
     for rank in range(2):
-        random_state, dtype, hooks, counter = state[rank]
+        random_state, dtype, hooks, counter, gc_enabled = state[rank]
         assert random_state == fresh[rank], "random state leaked from the previous call"
         assert dtype == torch.float32
         assert hooks == 0
         assert counter == 0, "a module imported by the previous call kept its globals"
+        assert gc_enabled
 
 
 def test_fallback_start_method_runs_and_reports_errors():
