@@ -22,6 +22,10 @@ TORCH_INDEX ?= $(if $(HAVE_GPU),,https://download.pytorch.org/whl/cpu)
 export PATH := $(abspath $(BIN)):$(PATH)
 # Workers started from tests and notebooks share 2 cores on the course machines.
 export OMP_NUM_THREADS ?= 1
+# Extra options for JupyterLab, e.g. make lab LAB_ARGS="--no-browser --port 8890"
+LAB_ARGS ?=
+# Jupyter refuses to run as root unless told; containers and CI machines often are root.
+ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: install lab test lint format bench clean
 
@@ -40,7 +44,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $@
 
 lab: install
-	$(BIN)/jupyter lab --notebook-dir="$(CURDIR)"
+	$(BIN)/jupyter lab --notebook-dir="$(CURDIR)" $(ROOT_ARGS) $(LAB_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

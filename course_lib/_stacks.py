@@ -35,18 +35,20 @@ def main_thread_frames(dump: str, main_ident: int) -> list[tuple[str, int, str]]
 
 
 def _drop_plumbing(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+    """Keep the frames below the launcher's own; if there are none (the rank runs a built-in
+    such as time.sleep), keep the launcher frame that called it."""
     last_internal = -1
     for i, (path, _, _) in enumerate(frames):
         if path.replace("\\", "/").endswith(_INTERNAL):
             last_internal = i
-    return frames[last_internal + 1 :]
+    return frames[last_internal + 1 :] or frames[last_internal:]
 
 
 def format_frames(frames: list[tuple[str, int, str]]) -> str:
     """Format frames like a traceback, quoting each line from the launcher's own sources
     (which include the notebook's cells)."""
     if not frames:
-        return "    (waiting between calls: not inside the launched function)\n"
+        return "    (no Python frames)\n"
     out = []
     for path, lineno, function in frames:
         out.append(f'  File "{path}", line {lineno}, in {function}\n')

@@ -187,6 +187,12 @@ class WorkerPool:
         """Process ids of the running workers, in rank order (empty before the first call)."""
         return [w.pid for w in self._workers]
 
+    def __del__(self) -> None:
+        try:
+            self._kill()
+        except Exception:  # noqa: BLE001 (interpreter shutdown: the workers die with us)
+            pass
+
     def __enter__(self) -> WorkerPool:
         return self
 
@@ -332,9 +338,8 @@ class WorkerPool:
         __tracebackhide__ = True
         call = _Call(next(self._calls), self.world_size, timeout)
         message = pickle.dumps((call.id, payload, self._context()))
-        for worker in self._workers:
-            worker.send(message)
         try:
+            self._send_to_all(message)
             while not call.finished():
                 if call.errors and time.monotonic() >= call.error_deadline:
                     raise self._rank_failure(call)
@@ -344,9 +349,22 @@ class WorkerPool:
         except KeyboardInterrupt:
             self._interrupt(call)
             raise
+        except BaseException:
+            self._kill()  # never leave ranks running after an unexpected failure
+            raise
         if call.broken:
             self.close()  # the function destroyed the process group: start afresh next time
         return call.results
+
+    def _send_to_all(self, message: bytes) -> None:
+        """Send the call to every rank; if a worker died while idle, restart and resend."""
+        try:
+            for worker in self._workers:
+                worker.send(message)
+        except OSError:
+            self._start()
+            for worker in self._workers:
+                worker.send(message)
 
     def _handle_next_event(self, call: _Call) -> None:
         try:

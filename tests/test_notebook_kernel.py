@@ -140,6 +140,9 @@ import os, subprocess, time
 from course_lib import launch
 from course_lib.launch import default_pool, _fork_server
 
+def wait_forever():
+    time.sleep(300)
+
 def sleep_with_child(folder):
     child = subprocess.Popen(["sleep", "300"])
     open(os.path.join(folder, f"child-{child.pid}"), "w").close()
@@ -157,13 +160,14 @@ def pids_from(output: str) -> list[int]:
 
 def test_interrupting_the_kernel_stops_every_rank(kernel):
     *workers, _server, _kernel_pid = pids_from(kernel.run(SETUP))
-    msg_id = kernel.start("launch(time.sleep, 300, world_size=2, timeout=600)")
+    msg_id = kernel.start("launch(wait_forever, world_size=2, timeout=600)")
     time.sleep(1.5)
     kernel.manager.interrupt_kernel()
     reply, out = kernel.finish(msg_id, timeout=30)
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
     assert "Interrupted: stopped all 2 ranks" in out
-    assert "time.sleep" not in out or "--- rank 0 ---" in out
+    assert "--- rank 0 ---" in out and "--- rank 1 ---" in out
+    assert "in wait_forever" in out and "time.sleep(300)" in out, out
     assert all_gone(workers, 5)
     assert "[7, 7]" in kernel.run("launch(max, 7, 3, world_size=2)")  # the pool comes back
 
