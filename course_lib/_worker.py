@@ -18,6 +18,7 @@ import gc
 import io
 import json
 import linecache
+import multiprocessing
 import os
 import pickle
 import random
@@ -269,6 +270,9 @@ class _Baseline:
         torch.set_num_threads(self.num_threads)
         gc.enable()
         _clear_global_module_hooks()
+        # Processes the call started were killed; multiprocessing must forget them too, or
+        # active_children() in the next call would report them.
+        multiprocessing.process._children.clear()
         warnings.filters[:] = self.warning_filters
         self._forget_user_modules()
 

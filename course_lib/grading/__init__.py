@@ -1,0 +1,23 @@
+"""Grading checks: the thin, named interface between assignments, graders and tests.
+
+A notebook's test cell calls a check with the student's function or class, e.g.
+`check_ping_pong(ping, pong)`. The check runs it on several processes, compares with an
+independent reference, and raises `CheckFailed` (an AssertionError) saying what is wrong.
+One module per assignment topic.
+"""
+
+from course_lib.grading._harness import CheckFailed
+from course_lib.grading.processes import (
+    check_chain,
+    check_dist_ping_pong,
+    check_ping_pong,
+    check_round_trip_time,
+)
+
+__all__ = [
+    "CheckFailed",
+    "check_chain",
+    "check_dist_ping_pong",
+    "check_ping_pong",
+    "check_round_trip_time",
+]

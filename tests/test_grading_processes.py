@@ -1,0 +1,382 @@
+"""Assignment 0's checks accept right implementations and reject wrong ones."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import rank
+from course_lib.grading import (
+    CheckFailed,
+    check_chain,
+    check_dist_ping_pong,
+    check_ping_pong,
+    check_round_trip_time,
+)
+
+FORK = multiprocessing.get_context("fork")
+
+# --- ping and pong ------------------------------------------------------------------------
+
+
+def ping(conn, rounds):
+    replies = []
+    for i in range(rounds):
+        conn.send(i)
+        replies.append(conn.recv())
+    return replies
+
+
+def pong(conn, rounds):
+    for _ in range(rounds):
+        conn.send(conn.recv() + 1)
+
+
+def ping_polling(conn, rounds):
+    """Right, in another style: waits with poll() before each recv."""
+    out = []
+    for i in range(rounds):
+        conn.send(i)
+        while not conn.poll(0.01):
+            pass
+        out.append(conn.recv())
+    return out
+
+
+def pong_counting(conn, rounds):
+    """Right, in another style: a while loop that counts replies."""
+    done = 0
+    while done < rounds:
+        value = conn.recv()
+        conn.send(value + 1)
+        done += 1
+    return done
+
+
+def pong_echo(conn, rounds):
+    for _ in range(rounds):
+        conn.send(conn.recv())
+
+
+def pong_one_short(conn, rounds):
+    for _ in range(rounds - 1):
+        conn.send(conn.recv() + 1)
+
+
+def ping_fabricates(conn, rounds):
+    return list(range(1, rounds + 1))
+
+
+def ping_one_extra(conn, rounds):
+    return [(conn.send(i), conn.recv())[1] for i in range(rounds + 1)][:rounds]
+
+
+def ping_returns_sent(conn, rounds):
+    for i in range(rounds):
+        conn.send(i)
+        conn.recv()
+    return list(range(rounds))
+
+
+def not_implemented(*args):
+    raise NotImplementedError()
+
+
+@pytest.mark.parametrize("ping_fn, pong_fn", [(ping, pong), (ping_polling, pong_counting)])
+@pytest.mark.parametrize("rounds", [1, 5])
+def test_ping_pong_accepts_right_implementations(ping_fn, pong_fn, rounds):
+    check_ping_pong(ping_fn, pong_fn, rounds=rounds)
+
+
+@pytest.mark.parametrize(
+    "ping_fn, pong_fn, message",
+    [
+        (ping, pong_echo, "each reply should be the number received plus one"),
+        (ping, pong_one_short, "your pong replied to only 2 of 3 numbers"),
+        (ping_fabricates, pong, "your ping sent [] and then closed the connection"),
+        (ping_one_extra, pong, "was a message sent or awaited too many?"),
+        (ping_returns_sent, pong, "your ping returned [0, 1, 2], expected the replies"),
+        (not_implemented, pong, "NotImplementedError"),
+        (ping, not_implemented, "NotImplementedError"),
+    ],
+)
+def test_ping_pong_rejects_wrong_implementations(ping_fn, pong_fn, message):
+    start = time.monotonic()
+    with pytest.raises(CheckFailed) as info:
+        check_ping_pong(ping_fn, pong_fn, rounds=3, wait=2)
+    assert str(info.value).startswith("check_ping_pong: ")
+    assert message in str(info.value)
+    assert time.monotonic() - start < 30
+
+
+# --- the chain ----------------------------------------------------------------------------
+
+
+def relay(index, inbox, outbox):
+    total, path = inbox.recv()
+    outbox.send((total + index, [*path, index]))
+
+
+def run_chain(n, relay_fn):
+    pipes = [FORK.Pipe(duplex=False) for _ in range(n + 1)]
+    processes = [
+        FORK.Process(target=relay_fn, args=(k, pipes[k][0], pipes[k + 1][1])) for k in range(n)
+    ]
+    for p in processes:
+        p.start()
+    pipes[0][1].send((0, []))
+    result = pipes[n][0].recv()
+    for p in processes:
+        p.join()
+    return result
+
+
+def run_chain_backwards(n, relay_fn):
+    """Right, in another style: duplex pipes, processes started last to first."""
+    links = [FORK.Pipe() for _ in range(n + 1)]
+    processes = [
+        FORK.Process(target=relay_fn, args=(k, links[k][1], links[k + 1][0]))
+        for k in reversed(range(n))
+    ]
+    for p in processes:
+        p.start()
+    links[0][0].send((0, []))
+    result = links[n][1].recv()
+    for p in processes:
+        p.join()
+    return result
+
+
+def relay_adds_twice(index, inbox, outbox):
+    total, path = inbox.recv()
+    outbox.send((total + 2 * index, [*path, index]))
+
+
+def relay_drops_message(index, inbox, outbox):
+    inbox.recv()
+
+
+def run_chain_in_one_process(n, relay_fn):
+    pipes = [FORK.Pipe(duplex=False) for _ in range(n + 1)]
+    pipes[0][1].send((0, []))
+    for k in range(n):
+        relay_fn(k, pipes[k][0], pipes[k + 1][1])
+    return pipes[n][0].recv()
+
+
+def run_chain_miswired(n, relay_fn):
+    pipes = [FORK.Pipe(duplex=False) for _ in range(n + 1)]
+    processes = [
+        FORK.Process(target=relay_fn, args=(k, pipes[k + 1][0], pipes[k][1])) for k in range(n)
+    ]
+    for p in processes:
+        p.start()
+    pipes[0][1].send((0, []))
+    return pipes[n][0].recv()
+
+
+def run_chain_forgets_result(n, relay_fn):
+    pipes = [FORK.Pipe(duplex=False) for _ in range(n + 1)]
+    processes = [
+        FORK.Process(target=relay_fn, args=(k, pipes[k][0], pipes[k + 1][1])) for k in range(n)
+    ]
+    for p in processes:
+        p.start()
+    pipes[0][1].send((0, []))
+    for p in processes:
+        p.join()
+    return (0, [])
+
+
+@pytest.mark.parametrize("chain_fn", [run_chain, run_chain_backwards])
+@pytest.mark.parametrize("n", [1, 4])
+def test_chain_accepts_right_implementations(chain_fn, n):
+    check_chain(relay, chain_fn, n=n)
+
+
+@pytest.mark.parametrize(
+    "relay_fn, chain_fn, message",
+    [
+        (relay_adds_twice, run_chain, "turned (0, []) into (12, [0, 1, 2, 3])"),
+        (relay_drops_message, run_chain, "although relay 0 had finished: does each relay send"),
+        (relay, run_chain_in_one_process, "must run each relay in its own new process"),
+        (relay, run_chain_miswired, "did not finish within"),
+        (relay, run_chain_forgets_result, "returned total 0 after relays []"),
+        (not_implemented, run_chain, "NotImplementedError"),
+    ],
+)
+def test_chain_rejects_wrong_implementations(relay_fn, chain_fn, message):
+    with pytest.raises(CheckFailed) as info:
+        check_chain(relay_fn, chain_fn, n=4, wait=2)
+    assert message in str(info.value)
+
+
+# --- torch.distributed ping-pong ----------------------------------------------------------
+
+
+def dist_ping_pong(rounds):
+    out = []
+    for i in range(rounds):
+        if rank() == 0:
+            dist.send(torch.tensor([float(i)], dtype=torch.float64), dst=1)
+            reply = torch.zeros(1, dtype=torch.float64)
+            dist.recv(reply, src=1)
+            out.append(reply.item())
+        else:
+            got = torch.zeros(1, dtype=torch.float64)
+            dist.recv(got, src=0)
+            out.append(got.item())
+            dist.send(got + 1, dst=0)
+    return out
+
+
+def dist_ping_pong_async(rounds):
+    """Right, in another style: isend/irecv with explicit waits."""
+    out = []
+    peer = 1 - rank()
+    buffer = torch.zeros(1, dtype=torch.float64)
+    for i in range(rounds):
+        if rank() == 0:
+            dist.isend(torch.tensor([float(i)], dtype=torch.float64), peer).wait()
+            dist.irecv(buffer, peer).wait()
+        else:
+            dist.irecv(buffer, peer).wait()
+            dist.isend(buffer + 1, peer).wait()
+        out.append(buffer.item())
+    return out
+
+
+def dist_no_plus_one(rounds):
+    out = []
+    for i in range(rounds):
+        t = torch.tensor([float(i)], dtype=torch.float64)
+        if rank() == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        else:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        out.append(t.item())
+    return out
+
+
+def dist_broadcast(rounds):
+    out = []
+    for i in range(rounds):
+        t = torch.tensor([float(i)], dtype=torch.float64)
+        dist.broadcast(t, src=0)
+        out.append(t.item() + (1 if rank() == 0 else 0))
+    return out
+
+
+def dist_float32(rounds):
+    out = []
+    for i in range(rounds):
+        t = torch.tensor([float(i)])
+        if rank() == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        else:
+            dist.recv(t, 0)
+            out.append(t.item())
+            t += 1
+            dist.send(t, 0)
+            continue
+        out.append(t.item())
+    return out
+
+
+def dist_no_reply(rounds):
+    t = torch.zeros(1, dtype=torch.float64)
+    if rank() == 0:
+        dist.send(t, 1)
+        dist.recv(t, 1)
+    else:
+        dist.recv(t, 0)
+    return []
+
+
+def dist_fabricated(rounds):
+    return [float(i + 1 - rank()) for i in range(rounds)]
+
+
+@pytest.mark.parametrize("fn", [dist_ping_pong, dist_ping_pong_async])
+def test_dist_ping_pong_accepts_right_implementations(fn):
+    check_dist_ping_pong(fn, rounds=4)
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (dist_no_plus_one, "rank 0 returned [0.0, 1.0, 2.0], expected [1.0, 2.0, 3.0]"),
+        (dist_broadcast, "rank 0 used ['broadcast']"),
+        (dist_float32, "rank 0 sent 12 and received 12 bytes"),
+        (dist_no_reply, "did not finish within 5 s"),
+        (dist_fabricated, "rank 0 sent 0 and received 0 bytes"),
+        (not_implemented, "raised NotImplementedError on rank 0"),
+    ],
+)
+def test_dist_ping_pong_rejects_wrong_implementations(fn, message):
+    with pytest.raises(CheckFailed) as info:
+        check_dist_ping_pong(fn, rounds=3, timeout=5)
+    assert message in str(info.value)
+
+
+# --- round-trip time ----------------------------------------------------------------------
+
+
+def round_trip_time(nbytes, repeats):
+    message = torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        if rank() == 0:
+            dist.send(message, 1)
+            dist.recv(message, 1)
+        else:
+            dist.recv(message, 0)
+            dist.send(message, 0)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def rtt_constant(nbytes, repeats):
+    round_trip_time(nbytes, repeats)
+    return 0.001
+
+
+def rtt_one_byte(nbytes, repeats):
+    return round_trip_time(1, repeats)
+
+
+def rtt_one_way(nbytes, repeats):
+    message = torch.zeros(nbytes, dtype=torch.uint8)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        if rank() == 0:
+            dist.send(message, 1)
+        else:
+            dist.recv(message, 0)
+    return (time.perf_counter() - start) / repeats
+
+
+def test_round_trip_time_accepts_a_right_implementation():
+    check_round_trip_time(round_trip_time)
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (rtt_constant, "the large message should cost far more"),
+        (rtt_one_byte, "rank 0 sent 5 and received 5 bytes"),
+        (rtt_one_way, "rank 0 sent 5000 and received 0 bytes"),
+    ],
+)
+def test_round_trip_time_rejects_wrong_implementations(fn, message):
+    with pytest.raises(CheckFailed) as info:
+        check_round_trip_time(fn)
+    assert message in str(info.value)
