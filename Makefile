@@ -27,7 +27,7 @@ LAB_ARGS ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: install lab test lint format bench clean
+.PHONY: install lab test lint format bench clean release autograde feedback
 
 install: $(STAMP)
 
@@ -61,6 +61,28 @@ format: install
 
 bench: install
 	$(BIN)/python bench/launch.py
+	$(BIN)/python bench/autograde.py
+
+# --- instructors: nbgrader (configured in nbgrader_config.py) ---
+ASSIGNMENT_SOURCES = $(sort $(notdir $(wildcard solutions/*)))
+SUBMITTED = $(sort $(notdir $(wildcard submitted/*/*)))
+
+# Regenerate the student versions in assignments/ from solutions/ (and register them in the
+# gradebook). Reproducible: a second run changes nothing.
+release: install
+	@for a in $(ASSIGNMENT_SOURCES); do \
+	    $(BIN)/nbgrader generate_assignment "$$a" --force || exit 1; done
+
+# Grade every notebook in submitted/<student>/<assignment>/ and write grades.csv.
+autograde: release
+	@test -n "$(SUBMITTED)" || { echo "Nothing to grade: put submissions in submitted/<student>/<assignment>/"; exit 1; }
+	@for a in $(SUBMITTED); do $(BIN)/nbgrader autograde "$$a" --force || exit 1; done
+	$(BIN)/nbgrader export --to grades.csv
+	@echo "Grades written to grades.csv"
+
+# HTML feedback for every autograded submission, in feedback/<student>/<assignment>/.
+feedback: install
+	@for a in $(SUBMITTED); do $(BIN)/nbgrader generate_feedback "$$a" --force || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

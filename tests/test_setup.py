@@ -47,6 +47,7 @@ def test_make_lab_serves_jupyterlab_with_the_course_kernel():
         kernels = json.loads(get("/api/kernelspecs"))["kernelspecs"]
         assert "distcourse" in kernels
         assert kernels["distcourse"]["spec"]["display_name"].startswith("Python 3 (distributed")
+        assert b"formgrader" in get("/formgrader").lower()  # nbgrader, for instructors
     finally:
         os.killpg(lab.pid, signal.SIGTERM)
         lab.wait(timeout=30)
