@@ -1,0 +1,395 @@
+"""All-reduce four ways, built from torch.distributed point-to-point sends and receives.
+
+    from course_lib.collectives import ring_all_reduce
+    ring_all_reduce(t)      # inside a launched function: t becomes the sum over all ranks
+
+Every algorithm sums `tensor` over all ranks in place, like `dist.all_reduce(tensor)`:
+
+- `naive_all_reduce`: everyone sends to a root; the root sums and sends the sum back.
+- `tree_all_reduce`: sums flow up a binary tree to rank 0, the result flows back down.
+- `butterfly_all_reduce`: recursive doubling; in round k each rank swaps its whole vector with
+  the rank whose number differs in bit k (needs a power-of-two number of ranks).
+- `ring_all_reduce`: reduce-scatter then all-gather around a ring, talking to neighbours only,
+  driven by `ring_schedule` -- the same schedule `course_lib.plots.RingWidget` draws.
+
+`bytes_sent` and `messages_sent` give what each rank sends, as formulas in N and P, to hold
+against `course_lib.CommCounter`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from course_lib.runtime import rank as _rank
+from course_lib.runtime import world_size as _world_size
+
+REDUCE_SCATTER = "reduce-scatter"
+ALL_GATHER = "all-gather"
+
+# --- talking to one peer ------------------------------------------------------------------
+# Every algorithm below talks through these two helpers. They look `dist.send` (etc.) up at
+# call time, so CommCounter and record_peers, which wrap those names, see every message.
+
+
+def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+    """Send `send` to `dst` while receiving `recv` from `src` (no deadlock: both are posted
+    before either is waited on). Empty tensors are skipped: both sides know the sizes."""
+    works = []
+    if send.numel():
+        works.append(dist.isend(send, dst))
+    if recv.numel():
+        works.append(dist.irecv(recv, src))
+    for work in works:
+        work.wait()
+
+
+def _flat(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """A 1-D view of `tensor` that shares its storage, so the algorithms work in place."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} needs a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} works in place on a contiguous tensor; pass t.contiguous()")
+    return tensor.view(-1)
+
+
+# --- naive: everyone talks to the root ----------------------------------------------------
+
+
+def naive_all_reduce(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+    """Sum `tensor` over all ranks in place: all send to `root`, which sums and sends back.
+
+    The root receives and sends (P-1)*N bytes: its link is the bottleneck as P grows.
+    """
+    p, me = _world_size(), _rank()
+    flat = _flat(tensor, "naive_all_reduce")
+    if not 0 <= root < p:
+        raise ValueError(f"root must be a rank in 0..{p - 1}, got {root}")
+    if p == 1 or flat.numel() == 0:
+        return tensor
+    if me == root:
+        incoming = torch.empty_like(flat)
+        for other in range(p):  # in rank order, so the sum is the same on every run
+            if other != root:
+                dist.recv(incoming, src=other)
+                flat.add_(incoming)
+        for other in range(p):
+            if other != root:
+                dist.send(flat, dst=other)
+    else:
+        dist.send(flat, dst=root)
+        dist.recv(flat, src=root)
+    return tensor
+
+
+# --- binary tree: reduce up, broadcast down -----------------------------------------------
+
+
+def tree_children(rank: int, world: int) -> list[int]:
+    """Children of `rank` in the binary tree rooted at 0 (heap numbering: 2r+1 and 2r+2)."""
+    return [c for c in (2 * rank + 1, 2 * rank + 2) if c < world]
+
+
+def tree_parent(rank: int) -> int | None:
+    """Parent of `rank` in the binary tree rooted at 0 (None for the root)."""
+    return None if rank == 0 else (rank - 1) // 2
+
+
+def tree_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over all ranks in place: partial sums go up a binary tree to rank 0,
+    the total comes back down. 2*floor(log2 P) levels; no rank sends more than 3N."""
+    p, me = _world_size(), _rank()
+    flat = _flat(tensor, "tree_all_reduce")
+    if p == 1 or flat.numel() == 0:
+        return tensor
+    children, parent = tree_children(me, p), tree_parent(me)
+    # Reduce: wait for each child's subtree sum, add it, pass our subtree's sum up.
+    incoming = torch.empty_like(flat)
+    for child in children:
+        dist.recv(incoming, src=child)
+        flat.add_(incoming)
+    if parent is not None:
+        dist.send(flat, dst=parent)
+        dist.recv(flat, src=parent)  # ...and the total comes back from the parent
+    # Broadcast: hand the total down to our children.
+    for child in children:
+        dist.send(flat, dst=child)
+    return tensor
+
+
+# --- butterfly: recursive doubling --------------------------------------------------------
+
+
+def _log2_world(world: int, name: str) -> int:
+    if world < 1 or world & (world - 1):
+        raise ValueError(
+            f"{name} needs a power-of-two number of ranks (1, 2, 4, 8, ...), got {world}; "
+            "use ring_all_reduce or tree_all_reduce for other world sizes"
+        )
+    return world.bit_length() - 1
+
+
+def butterfly_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over all ranks in place by recursive doubling: in round k, swap the whole
+    vector with rank `me XOR 2**k` and add. log2 P rounds of N bytes each; P a power of two."""
+    p, me = _world_size(), _rank()
+    rounds = _log2_world(p, "butterfly_all_reduce")  # every rank raises: nobody is left waiting
+    flat = _flat(tensor, "butterfly_all_reduce")
+    if flat.numel() == 0:
+        return tensor
+    incoming = torch.empty_like(flat)
+    for k in range(rounds):
+        partner = me ^ (1 << k)
+        _exchange(flat, partner, incoming, partner)
+        # a + b == b + a exactly in floating point, so both partners hold identical sums.
+        flat.add_(incoming)
+    return tensor
+
+
+# --- ring: reduce-scatter then all-gather, neighbours only --------------------------------
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """One step of the ring: every rank r sends chunk `send[r]` to rank r+1 and receives
+    chunk `recv[r]` from rank r-1, then adds it (reduce-scatter) or keeps it (all-gather)."""
+
+    phase: str  # REDUCE_SCATTER or ALL_GATHER
+    step: int  # 0 .. P-2 within the phase
+    send: tuple[int, ...]  # send[r]: the chunk rank r sends to (r + 1) % P
+    recv: tuple[int, ...]  # recv[r]: the chunk rank r receives from (r - 1) % P
+
+
+def ring_step(world: int, step: int) -> RingStep:
+    """Step `step` (0 .. 2(P-1)-1) of the ring all-reduce on `world` ranks.
+
+    Reduce-scatter step s: rank r sends chunk r-s-1 and receives chunk r-s-2 (mod P), so
+    after P-1 steps rank r holds the full sum of chunk r. All-gather step s: rank r sends
+    chunk r-s (its finished chunk first) and receives chunk r-s-1.
+    """
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if not 0 <= step < 2 * (world - 1):
+        raise ValueError(f"step must be in 0..{2 * (world - 1) - 1} for {world} ranks, got {step}")
+    ranks = range(world)
+    if step < world - 1:
+        s = step
+        send = tuple((r - s - 1) % world for r in ranks)
+        recv = tuple((r - s - 2) % world for r in ranks)
+        return RingStep(REDUCE_SCATTER, s, send, recv)
+    s = step - (world - 1)
+    send = tuple((r - s) % world for r in ranks)
+    recv = tuple((r - s - 1) % world for r in ranks)
+    return RingStep(ALL_GATHER, s, send, recv)
+
+
+def ring_schedule(world: int) -> list[RingStep]:
+    """All 2(P-1) steps of the ring all-reduce: P-1 of reduce-scatter, then P-1 of all-gather."""
+    return [ring_step(world, s) for s in range(2 * (world - 1))]
+
+
+def ring_state(world: int, steps_done: int) -> list[list[frozenset[int]]]:
+    """What the schedule says each rank holds after `steps_done` steps, symbolically:
+    state[r][c] is the set of ranks whose chunk c is summed into rank r's copy of chunk c.
+    A chunk is fully reduced on a rank when its set has all P ranks."""
+    if not 0 <= steps_done <= 2 * (world - 1):
+        raise ValueError(f"steps_done must be in 0..{2 * (world - 1)}, got {steps_done}")
+    state = [[frozenset({r}) for _ in range(world)] for r in range(world)]
+    for step in ring_schedule(world)[:steps_done]:
+        before = [row[:] for row in state]  # every rank sends what it had before the step
+        for r in range(world):
+            left = (r - 1) % world
+            chunk = step.recv[r]
+            incoming = before[left][chunk]
+            state[r][chunk] = (
+                before[r][chunk] | incoming if step.phase == REDUCE_SCATTER else incoming
+            )
+    return state
+
+
+def chunk_sizes(numel: int, world: int) -> list[int]:
+    """Sizes of the P chunks the ring cuts N elements into (as `torch.tensor_split`: the
+    first N mod P chunks have one element more; some are empty when N < P)."""
+    return [numel // world + (1 if c < numel % world else 0) for c in range(world)]
+
+
+def ring_all_reduce(tensor: torch.Tensor, steps: int | None = None) -> torch.Tensor:
+    """Sum `tensor` over all ranks in place around a ring, following `ring_schedule`.
+
+    Each rank only talks to its neighbours and sends 2(P-1)/P * N bytes, whatever P.
+    `steps`: stop after this many steps (to look at the half-done state); None runs all.
+    """
+    p, me = _world_size(), _rank()
+    flat = _flat(tensor, "ring_all_reduce")
+    schedule = ring_schedule(p)
+    if steps is not None:
+        if not 0 <= steps <= len(schedule):
+            raise ValueError(f"steps must be in 0..{len(schedule)} for {p} ranks, got {steps}")
+        schedule = schedule[:steps]
+    chunks = flat.tensor_split(p)  # views into `tensor`: updating a chunk updates the tensor
+    right, left = (me + 1) % p, (me - 1) % p
+    for step in schedule:
+        outgoing, target = chunks[step.send[me]], chunks[step.recv[me]]
+        incoming = torch.empty_like(target)
+        _exchange(outgoing, right, incoming, left)
+        if step.phase == REDUCE_SCATTER:
+            target.add_(incoming)  # one more rank's contribution to this chunk
+        else:
+            target.copy_(incoming)  # a finished chunk: keep it as it is
+    return tensor
+
+
+ALGORITHMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "naive": naive_all_reduce,
+    "tree": tree_all_reduce,
+    "butterfly": butterfly_all_reduce,
+    "ring": ring_all_reduce,
+}
+
+# --- what each rank sends: the formulas ---------------------------------------------------
+
+
+def _check(algorithm: str, numel: int, world: int, rank: int) -> None:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    if numel < 0 or world < 1 or not 0 <= rank < world:
+        raise ValueError(
+            f"need numel >= 0, world >= 1 and 0 <= rank < world; got {numel}, {world}, {rank}"
+        )
+    if algorithm == "butterfly":
+        _log2_world(world, "butterfly_all_reduce")
+
+
+def elements_sent(algorithm: str, numel: int, world: int, rank: int, root: int = 0) -> int:
+    """Elements `rank` sends in one all-reduce of `numel` elements over `world` ranks."""
+    _check(algorithm, numel, world, rank)
+    n, p = numel, world
+    if p == 1 or n == 0:
+        return 0
+    if algorithm == "naive":
+        return (p - 1) * n if rank == root else n
+    if algorithm == "tree":
+        to_parent = 0 if tree_parent(rank) is None else n
+        return to_parent + n * len(tree_children(rank, p))
+    if algorithm == "butterfly":
+        return n * int(math.log2(p))
+    # ring: the reduce-scatter sends every chunk but its own (chunk r), the all-gather every
+    # chunk but the one it receives last (chunk r+1). With P | N: 2N - 2N/P = 2(P-1)/P * N.
+    sizes = chunk_sizes(n, p)
+    return 2 * n - sizes[rank] - sizes[(rank + 1) % p]
+
+
+def bytes_sent(
+    algorithm: str, numel: int, world: int, rank: int, element_size: int = 4, root: int = 0
+) -> int:
+    """Bytes `rank` sends in one all-reduce of `numel` elements of `element_size` bytes."""
+    return element_size * elements_sent(algorithm, numel, world, rank, root)
+
+
+def messages_sent(algorithm: str, numel: int, world: int, rank: int, root: int = 0) -> int:
+    """Messages (sends) `rank` makes in one all-reduce: each costs a latency alpha."""
+    _check(algorithm, numel, world, rank)
+    n, p = numel, world
+    if p == 1 or n == 0:
+        return 0
+    if algorithm == "naive":
+        return p - 1 if rank == root else 1
+    if algorithm == "tree":
+        return (tree_parent(rank) is not None) + len(tree_children(rank, p))
+    if algorithm == "butterfly":
+        return int(math.log2(p))
+    # ring: one message per step, except that empty chunks (N < P) are not sent
+    return sum(chunk_sizes(n, p)[step.send[rank]] > 0 for step in ring_schedule(p))
+
+
+def model_seconds(
+    algorithm: str, numel: int, world: int, alpha: float, beta: float, element_size: int = 4
+) -> float:
+    """Time the alpha-beta model predicts: a message of b bytes costs alpha + b * beta, each
+    rank has its own full-duplex link, and a rank handles one message per direction at a time.
+
+    naive 2(P-1)(a + Nb) (the root's link carries everything); tree 2 * sum over levels of
+    (children of the busiest parent)(a + Nb); butterfly log2(P)(a + Nb); ring 2(P-1)(a + Nb/P).
+    """
+    _check(algorithm, numel, world, 0)
+    if world == 1:
+        return 0.0
+    n = numel * element_size
+    if algorithm == "naive":
+        return 2 * (world - 1) * (alpha + n * beta)
+    if algorithm == "tree":
+        messages, level_start = 0, 1  # nodes of level l are numbered 2**l - 1 .. 2**(l+1) - 2
+        while level_start < world:  # level_start: first node of the next level down
+            below = min(level_start + 1, world - level_start)  # nodes on the level below
+            messages += min(2, below)  # the level's first parent has the most children
+            level_start = 2 * level_start + 1
+        return 2 * messages * (alpha + n * beta)
+    if algorithm == "butterfly":
+        return math.log2(world) * (alpha + n * beta)
+    return 2 * (world - 1) * (alpha + n / world * beta)
+
+
+# --- measuring: who talks to whom, and how long it takes ---------------------------------
+
+
+_peer_depth = threading.local()  # dist.send calls dist.isend: count the outer call only
+
+
+@contextmanager
+def record_peers() -> Iterator[Counter]:
+    """Count, by peer rank, the messages this rank sends or receives while the block runs
+    (calls through `dist.send/recv/isend/irecv`): `{peer: messages}`."""
+    peers: Counter = Counter()
+    # Wrap both namespaces, as CommCounter does, so that the two nest in either order.
+    originals = {op: getattr(c10d, op) for op in ("send", "recv", "isend", "irecv")}
+
+    def recorder(op: str, original: Callable) -> Callable:
+        peer_arg = "dst" if "send" in op else "src"
+
+        def recorded(tensor, *args, **kwargs):
+            depth = getattr(_peer_depth, "value", 0)
+            if depth == 0:
+                peers[kwargs.get(peer_arg, args[0] if args else None)] += 1
+            _peer_depth.value = depth + 1
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                _peer_depth.value = depth
+
+        return recorded
+
+    for op, original in originals.items():
+        wrapped = recorder(op, original)
+        setattr(c10d, op, wrapped)
+        setattr(dist, op, wrapped)
+    try:
+        yield peers
+    finally:
+        for op, original in originals.items():
+            setattr(c10d, op, original)
+            setattr(dist, op, original)
+
+
+def time_all_reduce(algorithm: str, numel: int, repeats: int = 5) -> float:
+    """On each rank: median seconds of `repeats` all-reduces of `numel` float32s with
+    `algorithm` (a name in ALGORITHMS, or "torch" for dist.all_reduce), after one warm-up."""
+    run = dist.all_reduce if algorithm == "torch" else ALGORITHMS[algorithm]
+    tensor = torch.ones(numel)
+    run(tensor)  # warm-up: first-touch memory and connection set-up are not the algorithm
+    times = []
+    for _ in range(repeats):
+        dist.barrier()  # start together, so no rank's time includes waiting for a late one
+        start = time.perf_counter()
+        run(tensor)
+        dist.barrier()  # the all-reduce is done when the slowest rank is done
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,237 @@
+"""Figures and widgets the lectures share.
+
+    from course_lib.plots import RingWidget, plot_against_formula, show_ranks
+
+- `RingWidget(4)`: a slider over the steps of the ring all-reduce, drawing a rank x chunk grid
+  (what each rank holds, how much of it is summed) and arrows for what each rank sends next.
+  It draws `course_lib.collectives.ring_state` / `ring_schedule`, the schedule the ring
+  implementation runs, so the picture and the code cannot disagree.
+- `plot_against_formula`: measured points over the curve a formula predicts.
+- `show_ranks`: a small text table of what each rank held before and after a call.
+
+Figures are `matplotlib.figure.Figure` objects (`NotebookFigure`), not pyplot state: a notebook
+displays them, a test inspects them, and nothing leaks from one figure into the next.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ipywidgets as widgets
+import numpy as np
+import torch
+from IPython.display import display
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from course_lib.collectives import ALL_GATHER, REDUCE_SCATTER, ring_schedule, ring_state
+
+
+class NotebookFigure(Figure):
+    """A matplotlib Figure that shows itself as a PNG in a notebook, with no pyplot state."""
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.savefig(buffer, format="png")
+        return buffer.getvalue()
+
+
+PHASE_COLOURS = {REDUCE_SCATTER: "tab:orange", ALL_GATHER: "tab:green"}
+RANK_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+# --- the ring, step by step ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RingFrame:
+    """What the ring picture shows after `steps_done` steps: the data behind the drawing."""
+
+    world: int
+    steps_done: int
+    holdings: list[list[frozenset[int]]]  # holdings[r][c]: ranks summed into r's chunk c
+    arrows: list[tuple[int, int, int]]  # (from rank, to rank, chunk) of the next step
+    phase: str | None  # phase of the next step; None when the all-reduce is done
+
+    @property
+    def fraction(self) -> np.ndarray:
+        """P x P array: the share of all ranks summed into each rank's copy of each chunk."""
+        return np.array([[len(s) / self.world for s in row] for row in self.holdings])
+
+    @property
+    def title(self) -> str:
+        total = 2 * (self.world - 1)
+        if self.phase is None:
+            return f"after {self.steps_done} of {total} steps: every rank holds the full sum"
+        verb = "adds" if self.phase == REDUCE_SCATTER else "keeps"
+        return (
+            f"step {self.steps_done + 1} of {total} ({self.phase}): each rank sends one chunk "
+            f"to its right neighbour, which {verb} it"
+        )
+
+    @property
+    def short_title(self) -> str:
+        done = f"{self.steps_done} step{'' if self.steps_done == 1 else 's'} done"
+        return f"{done}: all-reduced" if self.phase is None else f"{done}; next: {self.phase}"
+
+
+def ring_frame(world: int, steps_done: int) -> RingFrame:
+    """The state after `steps_done` steps and the sends of the next step, from the schedule."""
+    schedule = ring_schedule(world)
+    holdings = ring_state(world, steps_done)
+    if steps_done == len(schedule):
+        return RingFrame(world, steps_done, holdings, [], None)
+    step = schedule[steps_done]
+    arrows = [(r, (r + 1) % world, step.send[r]) for r in range(world)]
+    return RingFrame(world, steps_done, holdings, arrows, step.phase)
+
+
+def _label(ranks: frozenset[int], world: int) -> str:
+    """Text of one cell: which ranks' pieces are summed in it ("a+c"), or "sum" when all."""
+    if len(ranks) == world and world > 1:
+        return "sum"
+    if len(ranks) > 4:
+        return f"{len(ranks)}/{world}"
+    return "+".join(RANK_LETTERS[r % 26] for r in sorted(ranks))
+
+
+def draw_ring_frame(frame: RingFrame, ax: Axes, short_title: bool = False) -> None:
+    """Draw `frame` on `ax`: rows are ranks, columns chunks; darker = more ranks summed in."""
+    p = frame.world
+    ax.imshow(frame.fraction, cmap="Blues", vmin=0, vmax=1.6)  # 1.6: text stays readable
+    for r in range(p):
+        for c in range(p):
+            ranks = frame.holdings[r][c]
+            full = len(ranks) == p and p > 1
+            ax.text(
+                c,
+                r,
+                _label(ranks, p),
+                ha="center",
+                va="center",
+                fontsize=9,
+                fontweight="bold" if full else "normal",
+            )
+    colour = PHASE_COLOURS.get(frame.phase, "black")
+    arrow = dict(arrowstyle="-|>", color=colour, lw=1.8)
+    x = 0.38  # arrows run down the right edge of the chunk's column
+    for src, dst, chunk in frame.arrows:
+        if dst > src:
+            ax.annotate(
+                "", xy=(chunk + x, dst - 0.1), xytext=(chunk + x, src + 0.1), arrowprops=arrow
+            )
+        else:  # the wrap-around, last rank to rank 0: out at the bottom, in at the top
+            ax.annotate(
+                "", xy=(chunk + x, src + 0.75), xytext=(chunk + x, src + 0.1), arrowprops=arrow
+            )
+            ax.annotate(
+                "", xy=(chunk + x, dst - 0.1), xytext=(chunk + x, dst - 0.75), arrowprops=arrow
+            )
+    ax.set_ylim(p - 0.5 + 0.3, -0.5 - 0.3)  # room for the wrap-around stubs
+    ax.set_xticks(range(p), [f"chunk {c}" for c in range(p)])
+    ax.set_yticks(range(p), [f"rank {r} ({RANK_LETTERS[r % 26]})" for r in range(p)])
+    ax.tick_params(length=0)
+    ax.set_title(frame.short_title if short_title else frame.title, fontsize=9)
+
+
+def ring_figure(world: int, steps_done: int) -> Figure:
+    """One frame of the ring as a figure of its own."""
+    fig = NotebookFigure(figsize=(1.3 * world + 2.2, 1.0 * world + 0.9), layout="constrained")
+    draw_ring_frame(ring_frame(world, steps_done), fig.add_subplot())
+    return fig
+
+
+def ring_steps_figure(world: int = 4) -> Figure:
+    """Every frame of the ring side by side, for reading without a live kernel."""
+    frames = [ring_frame(world, s) for s in range(2 * (world - 1) + 1)]
+    cols = min(len(frames), 4)
+    rows = -(-len(frames) // cols)
+    fig = NotebookFigure(figsize=(4.4 * cols, 3.4 * rows), layout="constrained")
+    for i, frame in enumerate(frames):
+        draw_ring_frame(frame, fig.add_subplot(rows, cols, i + 1), short_title=True)
+    return fig
+
+
+class RingWidget(widgets.VBox):
+    """Sliders over the number of ranks and the step of the ring all-reduce, and the picture.
+
+    `frame` and `figure` hold what is shown, so a test can check it without looking at pixels.
+    """
+
+    def __init__(self, world: int = 4, max_world: int = 8) -> None:
+        if not 2 <= world <= max_world:
+            raise ValueError(f"world must be in 2..{max_world}, got {world}")
+        self.ranks = widgets.IntSlider(world, min=2, max=max_world, description="ranks")
+        self.step = widgets.IntSlider(0, min=0, max=2 * (world - 1), description="steps done")
+        self.output = widgets.Output()
+        super().__init__([widgets.HBox([self.ranks, self.step]), self.output])
+        self.frame: RingFrame | None = None
+        self.figure: Figure | None = None
+        self.ranks.observe(self._on_ranks, names="value")
+        self.step.observe(self._redraw, names="value")
+        self._redraw()
+
+    def _on_ranks(self, _change: Any = None) -> None:
+        self.step.value = 0  # a new ring starts from the beginning
+        self.step.max = 2 * (self.ranks.value - 1)
+        self._redraw()
+
+    def _redraw(self, _change: Any = None) -> None:
+        self.frame = ring_frame(self.ranks.value, self.step.value)
+        self.figure = ring_figure(self.ranks.value, self.step.value)
+        with self.output:
+            self.output.clear_output(wait=True)
+            display(self.figure)
+
+
+# --- measurements against formulas -------------------------------------------------------
+
+
+def plot_against_formula(
+    x: Sequence[float],
+    measured: Mapping[str, Sequence[float]],
+    formula: Mapping[str, Sequence[float]],
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+) -> Figure:
+    """Measured values as dots over the formula's values as a line, one colour per label."""
+    fig = NotebookFigure(figsize=(6, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    for i, label in enumerate(measured):
+        colour = f"C{i}"
+        if label in formula:
+            ax.plot(
+                x, formula[label], "-", color=colour, alpha=0.5, lw=3, label=f"{label}: formula"
+            )
+        ax.plot(x, measured[label], "o", color=colour, label=f"{label}: measured")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_xticks(list(x))
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+# --- who holds what ------------------------------------------------------------------------
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    return "-" if value is None else str(value)
+
+
+def show_ranks(per_rank: Sequence[Mapping[str, Any]]) -> None:
+    """Print one row per rank and one column per key: `launch`'s results side by side."""
+    columns = list(per_rank[0])
+    rows = [
+        [f"rank {r}"] + [_cell(result[c]) for c in columns] for r, result in enumerate(per_rank)
+    ]
+    header = [""] + columns
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("   ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())

@@ -1,0 +1,267 @@
+"""course_lib.collectives: four all-reduces against dist.all_reduce, their byte formulas
+against CommCounter, and the ring schedule against the ring's real data."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import CommCounter, RankError, WorkerPool, launch, rank, world_size
+from course_lib.collectives import (
+    ALGORITHMS,
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    bytes_sent,
+    chunk_sizes,
+    messages_sent,
+    model_seconds,
+    record_peers,
+    ring_all_reduce,
+    ring_schedule,
+    ring_state,
+    ring_step,
+    time_all_reduce,
+)
+
+# Tolerances against dist.all_reduce. The algorithms add the same numbers in another order, so
+# float results differ by rounding only: in float64 by ~1e-15 on sums of size ~4, and in float32
+# by a few ulps (torch's own float32 defaults, rtol 1.3e-6 / atol 1e-5, leave 10x headroom).
+TOLERANCE = {
+    torch.float64: dict(rtol=0.0, atol=1e-12),
+    torch.float32: dict(rtol=1.3e-6, atol=1e-5),
+}
+
+
+def shapes(p: int) -> list[tuple[int, ...]]:
+    """Awkward sizes: empty, one element, fewer than P, P +- 1, not divisible by P, 2-D."""
+    return [(0,), (1,), (max(p - 1, 1),), (p,), (p + 1,), (2 * p + 1,), (1000,), (3, 5)]
+
+
+def algorithms_for(p: int) -> list[str]:
+    return [a for a in ALGORITHMS if a != "butterfly" or p & (p - 1) == 0]
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"P={p}")
+def pool(request):
+    with WorkerPool(request.param) as pool:
+        yield pool
+
+
+def seeded_input(shape, dtype, case: int) -> torch.Tensor:
+    """A different tensor on every rank and for every case, the same on every run."""
+    g = torch.Generator().manual_seed(1000 * case + rank())
+    if dtype == torch.int64:
+        return torch.randint(-(10**6), 10**6, shape, generator=g)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def run_cases(cases):
+    """On each rank: every (algorithm, shape, dtype), with the result of dist.all_reduce on
+    the same input, and what CommCounter saw."""
+    out = []
+    for i, (algorithm, shape, dtype) in enumerate(cases):
+        x = seeded_input(shape, dtype, i)
+        expected = x.clone()
+        dist.all_reduce(expected)
+        with CommCounter() as counter:
+            returned = ALGORITHMS[algorithm](x)
+        sends = counter.calls["send"] + counter.calls["isend"]
+        out.append((x, expected, returned is x, counter.bytes_sent, counter.bytes_received, sends))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.float32], ids=str)
+def test_every_algorithm_equals_dist_all_reduce(pool, dtype):
+    p = pool.world_size
+    cases = [(a, s, dtype) for a in algorithms_for(p) for s in shapes(p)]
+    per_rank = pool.launch(run_cases, cases, timeout=60)
+    for i, (algorithm, shape, _) in enumerate(cases):
+        where = f"{algorithm} all-reduce, P={p}, shape {shape}, {dtype}"
+        for r in range(p):
+            got, expected, in_place = per_rank[r][i][:3]
+            assert in_place, f"{where}: must work in place and return its argument"
+            assert got.shape == expected.shape, where
+            if dtype == torch.int64:
+                assert torch.equal(got, expected), f"{where}, rank {r}: not the exact sum"
+            else:
+                torch.testing.assert_close(got, expected, **TOLERANCE[dtype], msg=where)
+            # Replicas must stay identical bit for bit, or data-parallel models drift apart.
+            assert torch.equal(got, per_rank[0][i][0]), f"{where}: rank {r} differs from rank 0"
+
+
+def test_bytes_and_messages_per_rank_follow_the_formulas(pool):
+    p = pool.world_size
+    cases = [(a, s, torch.float32) for a in algorithms_for(p) for s in shapes(p)]
+    cases += [(a, (12,), torch.float64) for a in algorithms_for(p)]  # 8-byte elements
+    per_rank = pool.launch(run_cases, cases, timeout=60)
+    for i, (algorithm, shape, dtype) in enumerate(cases):
+        numel, size = math.prod(shape), torch.tensor([], dtype=dtype).element_size()
+        for r in range(p):
+            sent, received, sends = per_rank[r][i][3:]
+            where = f"{algorithm}, P={p}, rank {r}, {numel} elements"
+            assert sent == bytes_sent(algorithm, numel, p, r, size), where
+            assert sends == messages_sent(algorithm, numel, p, r), where
+        # What is sent is received: totals over the ranks match.
+        assert sum(x[i][3] for x in per_rank) == sum(x[i][4] for x in per_rank)
+
+
+def test_formulas_match_the_textbook_when_p_divides_n():
+    n = 8 * 3 * 5 * 7  # elements, divisible by every P below
+    for p in (2, 3, 4, 5, 7, 8):
+        nbytes = 4 * n
+        assert bytes_sent("ring", n, p, 0) == 2 * (p - 1) * nbytes // p
+        assert bytes_sent("naive", n, p, 0) == (p - 1) * nbytes  # the root
+        assert bytes_sent("naive", n, p, p - 1) == nbytes
+        assert max(bytes_sent("tree", n, p, r) for r in range(p)) <= 3 * nbytes
+        assert messages_sent("ring", n, p, 1) == 2 * (p - 1)
+        if p in (2, 4, 8):
+            assert bytes_sent("butterfly", n, p, 1) == int(math.log2(p)) * nbytes
+    # the ring's per-rank volume stays under 2N while the naive root's grows with P
+    assert bytes_sent("ring", n, 8, 0) < 2 * 4 * n < bytes_sent("naive", n, 8, 0)
+
+
+def test_formulas_reject_bad_arguments():
+    with pytest.raises(ValueError, match="power-of-two"):
+        bytes_sent("butterfly", 10, 3, 0)
+    with pytest.raises(ValueError, match="one of"):
+        bytes_sent("star", 10, 4, 0)
+    with pytest.raises(ValueError, match="rank"):
+        messages_sent("ring", 10, 4, 4)
+
+
+def butterfly_on_three():
+    from course_lib.collectives import butterfly_all_reduce
+
+    butterfly_all_reduce(torch.ones(4))
+
+
+def test_butterfly_refuses_a_world_size_that_is_not_a_power_of_two():
+    with pytest.raises(RankError) as error:
+        launch(butterfly_on_three, world_size=3, timeout=30)
+    assert error.value.exc_type == "ValueError"
+    assert "power-of-two" in str(error.value) and "got 3" in str(error.value)
+
+
+def test_a_non_contiguous_tensor_is_refused_clearly():
+    for algorithm in ALGORITHMS.values():
+        with pytest.raises(ValueError, match="contiguous"):
+            algorithm(torch.ones(4, 3).t())
+
+
+# --- the ring's schedule ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_schedule_has_two_phases_of_p_minus_1_steps_between_neighbours(p):
+    schedule = ring_schedule(p)
+    assert [s.phase for s in schedule] == [REDUCE_SCATTER] * (p - 1) + [ALL_GATHER] * (p - 1)
+    for step in schedule:
+        for r in range(p):
+            # what rank r sends is what its right neighbour expects to receive
+            assert step.recv[(r + 1) % p] == step.send[r]
+    for phase in (REDUCE_SCATTER, ALL_GATHER):
+        sent = [[s.send[r] for s in schedule if s.phase == phase] for r in range(p)]
+        assert all(len(set(chunks)) == len(chunks) for chunks in sent), "a chunk sent twice"
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_schedule_reduces_each_chunk_once_then_spreads_it(p):
+    for k, step in enumerate(ring_schedule(p)[: p - 1]):
+        before = ring_state(p, k)
+        for r in range(p):  # never add a contribution already there (that would double it)
+            chunk = step.recv[r]
+            assert not before[r][chunk] & before[(r - 1) % p][chunk], (p, k, r)
+    everyone = frozenset(range(p))
+    half = ring_state(p, p - 1)
+    for c in range(p):
+        owners = [r for r in range(p) if half[r][c] == everyone]
+        assert owners == [c], f"P={p}: chunk {c} fully reduced on ranks {owners}, expected [{c}]"
+    done = ring_state(p, 2 * (p - 1))
+    assert all(chunk == everyone for row in done for chunk in row)
+
+
+def test_schedule_rejects_steps_out_of_range():
+    with pytest.raises(ValueError, match="step"):
+        ring_step(4, 6)
+    with pytest.raises(ValueError, match="steps_done"):
+        ring_state(4, 7)
+
+
+def ring_digits(steps):
+    """Rank r contributes 10**r to every element: the digits of a partial sum say whose
+    contributions it holds, and a digit above 1 would mean one was added twice."""
+    t = torch.full((2 * world_size(),), 10 ** rank(), dtype=torch.int64)
+    ring_all_reduce(t, steps=steps)
+    return [int(chunk[0]) for chunk in t.tensor_split(world_size())]
+
+
+def test_the_ring_holds_what_the_schedule_says_after_every_step(pool):
+    p = pool.world_size
+    for k in range(2 * (p - 1) + 1):
+        per_rank = pool.launch(ring_digits, k, timeout=30)
+        for r, values in enumerate(per_rank):
+            for c, value in enumerate(values):
+                digits = [int(d) for d in str(value)[::-1]]
+                assert set(digits) <= {0, 1}, f"step {k}: rank {r} chunk {c} = {value}"
+                held = frozenset(i for i, d in enumerate(digits) if d == 1)
+                assert held == ring_state(p, k)[r][c], f"P={p}, {k} steps, rank {r}, chunk {c}"
+
+
+def test_chunk_sizes_cover_n_like_tensor_split():
+    for n in range(0, 12):
+        for p in range(1, 6):
+            expected = [len(c) for c in torch.arange(n).tensor_split(p)]
+            assert chunk_sizes(n, p) == expected
+
+
+# --- who talks to whom, time ------------------------------------------------------------
+
+
+def peers_of(algorithm, counter_outside):
+    t = torch.ones(10)
+    if counter_outside:
+        with CommCounter() as counter, record_peers() as peers:
+            ALGORITHMS[algorithm](t)
+    else:
+        with record_peers() as peers, CommCounter() as counter:
+            ALGORITHMS[algorithm](t)
+    restored = not hasattr(dist.isend, "__wrapped_by_course_lib__")
+    return dict(peers), sum(peers.values()), sum(counter.calls.values()), restored
+
+
+@pytest.mark.parametrize("counter_outside", [True, False])
+def test_the_ring_talks_to_neighbours_only_and_the_naive_root_to_everyone(counter_outside):
+    p = 4
+    ring = launch(peers_of, "ring", counter_outside, world_size=p, timeout=30)
+    naive = launch(peers_of, "naive", counter_outside, world_size=p, timeout=30)
+    for r, (peers, messages, counted, restored) in enumerate(ring):
+        assert set(peers) == {(r - 1) % p, (r + 1) % p}
+        assert messages == counted == 4 * (p - 1), "2(P-1) sends and 2(P-1) receives"
+        assert restored
+    assert set(naive[0][0]) == {1, 2, 3}
+    assert all(set(peers) == {0} for peers, *_ in naive[1:])
+
+
+def test_time_all_reduce_times_each_algorithm(pool):
+    p = pool.world_size
+    for algorithm in ["torch", *algorithms_for(p)]:
+        seconds = pool.launch(time_all_reduce, algorithm, 100, 1, timeout=30)
+        assert all(0 < s < 10 for s in seconds), (algorithm, seconds)
+
+
+def test_alpha_beta_model():
+    n, alpha, beta = 10**6, 1e-5, 1e-9
+    one_message = alpha + 4 * n * beta
+    assert model_seconds("naive", n, 4, alpha, beta) == pytest.approx(6 * one_message)
+    assert model_seconds("tree", n, 4, alpha, beta) == pytest.approx(6 * one_message)
+    assert model_seconds("butterfly", n, 4, alpha, beta) == pytest.approx(2 * one_message)
+    assert model_seconds("ring", n, 4, alpha, beta) == pytest.approx(6 * (alpha + n * beta))
+    assert all(model_seconds(a, n, 1, alpha, beta) == 0 for a in ALGORITHMS)
+    # bandwidth-bound (alpha = 0): the ring's time tends to 2N*beta whatever P; naive grows
+    ring = [model_seconds("ring", n, p, 0, beta) for p in (2, 4, 8, 16)]
+    assert all(4 * n * beta <= t < 2 * 4 * n * beta for t in ring)
+    naive = [model_seconds("naive", n, p, 0, beta) for p in (2, 4, 8, 16)]
+    assert naive == sorted(naive) and naive[-1] > 7 * ring[-1]
