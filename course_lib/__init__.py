@@ -5,7 +5,10 @@
 One module per topic: `launch` (workers from a notebook cell), `runtime` (who am I),
 `comm` (counting bytes), `models` and `data` (seeded toy models and data), `compare`
 (single-process references and parameter-by-parameter comparison), `magic` (the
-`%%distributed` cell magic), `torchrun` (the same functions on a cluster).
+`%%distributed` cell magic), `torchrun` (the same functions on a cluster), and the lectures'
+plumbing: `pipes` (message costs, lecture 1), `collectives` (all-reduce algorithms and the
+ring's schedule, lecture 2), `data_parallel` (host scheme, all-reduce DP, DDP timelines,
+lecture 3), `plots` (figures and widgets). `grading` holds the assignments' checks.
 """
 
 import sys
