@@ -7,6 +7,7 @@ One module per assignment topic.
 """
 
 from course_lib.grading._harness import CheckFailed
+from course_lib.grading.data_parallel import check_ddp, check_sync_gradients
 from course_lib.grading.processes import (
     check_chain,
     check_dist_ping_pong,
@@ -17,7 +18,9 @@ from course_lib.grading.processes import (
 __all__ = [
     "CheckFailed",
     "check_chain",
+    "check_ddp",
     "check_dist_ping_pong",
     "check_ping_pong",
     "check_round_trip_time",
+    "check_sync_gradients",
 ]
