@@ -1,0 +1,219 @@
+"""course_lib.memory: byte counts of weights, gradients and optimizer state, the mixed-precision
+AdamW recipe and its 16 bytes/parameter, saved-tensor accounting of activations, and activation
+checkpointing's peak against n/k + k.
+
+Every expected byte count is computed here from numel() * element_size() of the tensors
+involved (or from the model's sizes), never read back from course_lib.memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from course_lib import data, models
+from course_lib.memory import (
+    BYTES_PER_PARAMETER,
+    MixedPrecisionAdamW,
+    SavedTensors,
+    budget,
+    budget_table,
+    chain,
+    checkpoint_units,
+    divisors,
+    measure_chain,
+    saved_by_forward,
+    segments,
+    square_bytes,
+    storage_bytes,
+    training_memory,
+)
+
+CONFIG = models.GPTConfig(vocab_size=36, seq_len=64, d_model=40, n_heads=4, n_layers=2, d_ff=160)
+# AdamW keeps its step count as one fp32 scalar tensor per parameter tensor.
+STEP_BYTES = torch.tensor(0.0).element_size()
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def one_step(model, optimizer_step, inputs, targets):
+    models.lm_loss(model(inputs).float(), targets).backward()
+    optimizer_step()
+
+
+# --- counting bytes -------------------------------------------------------------------------
+
+
+def test_storage_bytes_counts_a_storage_once_however_many_views():
+    a = torch.zeros(10, 6)
+    b = torch.zeros(7, dtype=torch.float64)
+    views = [a, a[2:5], a.t(), a.view(60), b, b[1:]]
+    assert storage_bytes(views) == nbytes([a, b]) == 10 * 6 * 4 + 7 * 8
+
+
+def test_fp32_adamw_keeps_weights_gradients_and_two_fp32_moments():
+    model = models.TinyGPT(CONFIG)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    x, y = data.tokens(4, seq_len=16, vocab_size=CONFIG.vocab_size)
+
+    before = training_memory(model, optimizer)
+    assert [r.category for r in before.rows] == ["weights"]  # no gradients or state yet
+    one_step(model, optimizer.step, x, y)
+    after = training_memory(model, optimizer)
+
+    weight_bytes = nbytes(params)
+    assert after.n_params == sum(p.numel() for p in params)
+    assert after.bytes_of("weights") == weight_bytes
+    assert after.bytes_of("gradients") == nbytes(p.grad for p in params) == weight_bytes
+    # Adam's state after a step: m and v, each the size of the parameters in fp32.
+    assert after.bytes_of("optimizer: exp_avg") + after.bytes_of("optimizer: exp_avg_sq") == (
+        2 * after.n_params * 4
+    )
+    assert after.bytes_of("optimizer: step") == STEP_BYTES * len(params)
+    assert after.bytes_of("master weights") == 0  # AdamW steps the model's own tensors
+    assert after.total == 16 * after.n_params + STEP_BYTES * len(params)
+
+
+def test_mixed_precision_adamw_measures_16_bytes_per_parameter():
+    model = models.TinyGPT(CONFIG)
+    n_params, n_tensors = models.count_parameters(model), len(list(model.parameters()))
+    trainer = MixedPrecisionAdamW(model, lr=1e-3)
+    x, y = data.tokens(4, seq_len=16, vocab_size=CONFIG.vocab_size)
+    one_step(trainer.model, trainer.step, x, y)
+
+    breakdown = training_memory(trainer.model, trainer.optimizer)
+    rows = {r.category: r for r in breakdown.rows}
+    # bf16 weights and gradients (2 + 2), fp32 master weights, m and v (4 + 4 + 4) ...
+    expected = {
+        "weights": (n_params * 2, "bfloat16"),
+        "gradients": (n_params * 2, "bfloat16"),
+        "master weights": (n_params * 4, "float32"),
+        "optimizer: exp_avg": (n_params * 4, "float32"),
+        "optimizer: exp_avg_sq": (n_params * 4, "float32"),
+        "optimizer: step": (n_tensors * STEP_BYTES, "float32"),
+    }
+    assert {c: (r.bytes, r.dtype) for c, r in rows.items()} == expected
+    # ... and no fp32 gradients left behind by the step: 16 bytes per parameter in all.
+    assert "master gradients" not in rows
+    assert breakdown.total == 16 * n_params + n_tensors * STEP_BYTES
+    assert sum(BYTES_PER_PARAMETER.values()) == 16
+
+
+def test_mixed_precision_step_is_adamw_on_the_fp32_master_copy():
+    model = models.TinyGPT(CONFIG)
+    reference = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    trainer = MixedPrecisionAdamW(model, lr=1e-2, weight_decay=0.1)
+    x, y = data.tokens(4, seq_len=16, vocab_size=CONFIG.vocab_size)
+    models.lm_loss(trainer.model(x).float(), y).backward()
+    # The reference: torch's AdamW on fp32 tensors, given the bf16 gradients upcast.
+    for ref, p in zip(reference, trainer.model.parameters(), strict=True):
+        ref.grad = p.grad.float()
+    torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1).step()
+    trainer.step()
+    for ref, master, p in zip(reference, trainer.master, trainer.model.parameters(), strict=True):
+        torch.testing.assert_close(master, ref, rtol=0, atol=0)
+        assert p.dtype == torch.bfloat16
+        torch.testing.assert_close(p, ref.detach().bfloat16(), rtol=0, atol=0)
+
+
+def test_budget_formula_for_7b_and_70b():
+    assert sum(budget(7e9).values()) == pytest.approx(16 * 7e9)
+    table = budget_table({"7B": 7e9, "70B": 70e9}, gpu_bytes=80e9)
+    assert "112 GB" in table and "1,120 GB" in table
+    gpus = table.splitlines()[-1].split()[-2:]
+    assert gpus == [str(math.ceil(16 * 7e9 / 80e9)), str(math.ceil(16 * 70e9 / 80e9))]
+
+
+# --- saved tensors ----------------------------------------------------------------------------
+
+
+def test_saved_tensors_counts_shared_storage_once_excludes_and_sees_frees():
+    w = torch.randn(100, requires_grad=True)  # plays a parameter: excluded
+    x = torch.randn(100, requires_grad=True)
+    with SavedTensors(exclude=[w]) as saved:
+        y = x.exp()  # exp saves its result y
+        z = y.sin()  # sin saves its input: y again, counted once
+        assert saved.live_bytes == nbytes([y])
+        loss = (z * w).sum()  # mul saves z and w; w is excluded
+        assert saved.live_bytes == nbytes([y, z])
+        loss.backward()
+        assert saved.live_bytes == 0  # backward freed every saved tensor
+    assert saved.peak_bytes == nbytes([y, z])
+    assert [r.shape for r in saved.records] == [(100,), (100,)]
+
+
+def test_activation_bytes_grow_linearly_with_batch():
+    model = models.TinyGPT(CONFIG)
+    seq = 16
+    live = []
+    for batch in (1, 2, 3, 4):
+        x, y = data.tokens(batch, seq_len=seq, vocab_size=CONFIG.vocab_size)
+        live.append(saved_by_forward(model, x, y, models.lm_loss).live_bytes)
+    steps = [b - a for a, b in zip(live[:-1], live[1:], strict=True)]
+    assert steps[0] > 0 and steps == [steps[0]] * 3, live
+
+
+def test_activation_bytes_grow_with_sequence_linearly_plus_attention_squares():
+    model = models.TinyGPT(CONFIG)
+    batch, rest = 3, []
+    for seq in (16, 32, 48, 64):
+        x, y = data.tokens(batch, seq_len=seq, vocab_size=CONFIG.vocab_size)
+        saved = saved_by_forward(model, x, y, models.lm_loss)
+        # Per block, softmax saves batch x heads x seq x seq fp32 values; the mask is bool.
+        square = CONFIG.n_layers * (batch * CONFIG.n_heads * seq * seq * 4 + seq * seq)
+        assert square_bytes(saved, seq) == square
+        rest.append(saved.live_bytes - square)
+    # Everything else grows by the same amount per 16 more tokens: linear in seq.
+    steps = [b - a for a, b in zip(rest[:-1], rest[1:], strict=True)]
+    assert steps[0] > 0 and steps == [steps[0]] * 3, rest
+
+
+# --- activation checkpointing -----------------------------------------------------------------
+
+N_LAYERS, WIDTH, BATCH = 16, 8, 4
+UNIT = BATCH * WIDTH * 4  # one layer's activation: batch x width fp32 values
+
+
+@pytest.fixture(scope="module")
+def chain_runs():
+    layers = chain(N_LAYERS, WIDTH)
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(0))
+    return {k: measure_chain(layers, x, k) for k in [None, *divisors(N_LAYERS)]}
+
+
+@pytest.mark.parametrize("k", divisors(N_LAYERS))
+def test_checkpointing_does_not_change_gradients(chain_runs, k):
+    plain = chain_runs[None].grads
+    for got, expected in zip(chain_runs[k].grads, plain, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_checkpointing_forward_keeps_only_segment_inputs(chain_runs):
+    # Plain: every layer's output plus the input; k segments: the k inputs plus the output
+    # the loss saves.
+    assert chain_runs[None].forward_bytes == (N_LAYERS + 1) * UNIT
+    for k in divisors(N_LAYERS):
+        assert chain_runs[k].forward_bytes == (k + 1) * UNIT
+
+
+def test_checkpointing_peak_follows_n_over_k_plus_k(chain_runs):
+    ks = divisors(N_LAYERS)
+    offsets = {chain_runs[k].peak_bytes / UNIT - checkpoint_units(N_LAYERS, k) for k in ks}
+    assert len(offsets) == 1, offsets  # the same shape, up to a constant
+    best = min(ks, key=lambda k: chain_runs[k].peak_bytes)
+    assert best == math.isqrt(N_LAYERS)
+    # Recomputed activations are freed segment by segment: the peak stays far below the
+    # sum of everything saved during forward and backward (k + n units).
+    assert chain_runs[best].peak_bytes < chain_runs[None].peak_bytes / 2
+
+
+def test_segments_rejects_impossible_cuts():
+    layers = chain(4, 2)
+    assert [len(s) for s in segments(layers, 3)] == [1, 2, 1]
+    with pytest.raises(ValueError, match="cannot cut 4 layers into 5 segments"):
+        segments(layers, 5)
