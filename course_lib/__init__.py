@@ -8,7 +8,8 @@ One module per topic: `launch` (workers from a notebook cell), `runtime` (who am
 `%%distributed` cell magic), `torchrun` (the same functions on a cluster), and the lectures'
 plumbing: `pipes` (message costs, lecture 1), `collectives` (all-reduce algorithms and the
 ring's schedule, lecture 2), `data_parallel` (host scheme, all-reduce DP, DDP timelines,
-lecture 3), `plots` (figures and widgets). `grading` holds the assignments' checks.
+lecture 3), `memory` (bytes of weights, gradients, optimizer state and activations;
+checkpointing, lecture 6), `plots` (figures and widgets). `grading` holds the assignments' checks.
 """
 
 import sys
