@@ -7,6 +7,13 @@ One module per assignment topic.
 """
 
 from course_lib.grading._harness import CheckFailed
+from course_lib.grading.collectives import (
+    check_all_gather,
+    check_all_reduce,
+    check_broadcast,
+    check_reduce,
+    check_reduce_scatter,
+)
 from course_lib.grading.data_parallel import check_ddp, check_sync_gradients
 from course_lib.grading.processes import (
     check_chain,
@@ -17,10 +24,15 @@ from course_lib.grading.processes import (
 
 __all__ = [
     "CheckFailed",
+    "check_all_gather",
+    "check_all_reduce",
+    "check_broadcast",
     "check_chain",
     "check_ddp",
     "check_dist_ping_pong",
     "check_ping_pong",
+    "check_reduce",
+    "check_reduce_scatter",
     "check_round_trip_time",
     "check_sync_gradients",
 ]

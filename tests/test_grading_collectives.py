@@ -1,0 +1,451 @@
+"""Assignment 1's checks accept right implementations and reject wrong ones, saying why."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import cloudpickle
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import broadcast as broadcast_unseen_by_counters
+
+from course_lib import rank, world_size
+from course_lib.grading import (
+    CheckFailed,
+    check_all_gather,
+    check_all_reduce,
+    check_broadcast,
+    check_reduce,
+    check_reduce_scatter,
+)
+from tests.conftest import ROOT
+
+SOLUTION = ROOT / "solutions" / "a1_collectives" / "a1_collectives.ipynb"
+SOLUTION_CELLS = ("setup", "broadcast", "reduce", "all_gather", "reduce_scatter")
+SOLUTION_CELLS += ("all_reduce_naive", "ring_all_reduce")
+UNEVEN = [(1,), (2,), (7,), (3, 5), ()]  # fewer elements than ranks, not divisible, 0-d
+
+
+def load_solution() -> dict:
+    """The reference solutions, run from the notebook's own cells (not a copy of them)."""
+    cells = {cell.id: cell.source for cell in nbformat.read(SOLUTION, as_version=4).cells}
+    namespace = {"__name__": "a1_solution"}  # not importable: the ranks get it by value
+    for cell_id in SOLUTION_CELLS:
+        exec(compile(cells[cell_id], f"<{SOLUTION.name}:{cell_id}>", "exec"), namespace)
+    return namespace
+
+
+SOLVED = load_solution()
+# Ship this module's functions to the ranks by value: a fresh rank then need not import it
+# (with pytest and nbformat), which costs seconds each time a check changes the world size.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def expect_failure(check, fn, message: str, **options) -> str:
+    """Run a check that must fail with `message`; return the whole message."""
+    with pytest.raises(CheckFailed) as info:
+        check(fn, **options)
+    text = str(info.value)
+    assert message in text, text
+    return text
+
+
+# --- right implementations ----------------------------------------------------------------
+
+
+def broadcast_tree(tensor, src):
+    """Right, another way: a binomial tree, log2(P) rounds, relative to src."""
+    p, me = world_size(), (rank() - src) % world_size()
+    step = 1
+    while step < p:
+        if me < step and me + step < p:
+            dist.send(tensor, dst=(me + step + src) % p)
+        elif step <= me < 2 * step:
+            dist.recv(tensor, src=(me - step + src) % p)
+        step *= 2
+
+
+def broadcast_torch(tensor, src):
+    dist.broadcast(tensor, src)
+
+
+def reduce_chain(tensor, dst):
+    """Right, another way: partial sums passed along a chain that ends at dst."""
+    p, me = world_size(), (rank() - dst) % world_size()  # dst is 0 in this numbering
+    if me < p - 1:
+        partial = torch.empty_like(tensor)
+        dist.recv(partial, src=(me + 1 + dst) % p)
+        tensor += partial
+    if me > 0:
+        dist.send(tensor, dst=(me - 1 + dst) % p)
+
+
+def reduce_torch(tensor, dst):
+    dist.reduce(tensor, dst)
+
+
+def all_gather_ring(tensor_list, tensor):
+    """Right, another way: pass the pieces around a ring with batch_isend_irecv."""
+    p, me = world_size(), rank()
+    tensor_list[me].copy_(tensor)
+    for step in range(p - 1):
+        ops = [
+            dist.P2POp(dist.isend, tensor_list[(me - step) % p], (me + 1) % p),
+            dist.P2POp(dist.irecv, tensor_list[(me - step - 1) % p], (me - 1) % p),
+        ]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
+
+def all_gather_torch(tensor_list, tensor):
+    dist.all_gather(tensor_list, tensor)
+
+
+def reduce_scatter_blocking(output, input_list):
+    """Right, another way: blocking send/recv in an order that cannot deadlock."""
+    p, me = world_size(), rank()
+    output.copy_(input_list[me])
+    buffer = torch.empty_like(output)
+    for shift in range(1, p):
+        to, frm = (me + shift) % p, (me - shift) % p
+        if me < to:  # the lower rank of each pair sends first
+            dist.send(input_list[to], dst=to)
+            dist.recv(buffer, src=frm)
+        else:
+            dist.recv(buffer, src=frm)
+            dist.send(input_list[to], dst=to)
+        output += buffer
+
+
+def reduce_scatter_torch(output, input_list):
+    dist.reduce_scatter(output, input_list)
+
+
+def all_reduce_torch(tensor):
+    dist.all_reduce(tensor)
+
+
+def ring_all_reduce_batched(tensor):
+    """Right, another way: the ring with P2POp / batch_isend_irecv and uneven split points."""
+    p, me = world_size(), rank()
+    flat = tensor.reshape(-1)
+    bounds = [len(flat) * i // p for i in range(p + 1)]
+    chunks = [flat[bounds[i] : bounds[i + 1]] for i in range(p)]
+    right, left = (me + 1) % p, (me - 1) % p
+    for step in range(2 * (p - 1)):
+        reducing = step < p - 1
+        outgoing = chunks[(me - step) % p]
+        incoming = chunks[(me - step - 1) % p]
+        buffer = torch.empty_like(incoming) if reducing else incoming
+        ops = [dist.P2POp(dist.isend, outgoing, right), dist.P2POp(dist.irecv, buffer, left)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        if reducing:
+            incoming += buffer
+
+
+@pytest.mark.parametrize(
+    "check, fn",
+    [
+        (check_broadcast, SOLVED["broadcast"]),
+        (check_broadcast, broadcast_tree),
+        (check_reduce, SOLVED["reduce"]),
+        (check_reduce, reduce_chain),
+        (check_all_gather, SOLVED["all_gather"]),
+        (check_all_gather, all_gather_ring),
+        (check_reduce_scatter, SOLVED["reduce_scatter"]),
+        (check_reduce_scatter, reduce_scatter_blocking),
+        (check_all_reduce, SOLVED["all_reduce_naive"]),
+        (check_all_reduce, SOLVED["ring_all_reduce"]),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_checks_accept_right_implementations(check, fn):
+    check(fn, shapes=UNEVEN)
+
+
+@pytest.mark.parametrize("fn", [SOLVED["ring_all_reduce"], ring_all_reduce_batched])
+def test_ring_check_accepts_right_rings(fn):
+    check_all_reduce(fn, bandwidth_optimal=True, shapes=UNEVEN, seeds=[0, 1])
+
+
+def test_ring_check_accepts_the_solution_on_8_ranks():
+    check_all_reduce(
+        SOLVED["ring_all_reduce"], bandwidth_optimal=True, world_sizes=[8], shapes=[(5,), (13,)]
+    )
+
+
+TORCH_VERSIONS = [
+    (check_broadcast, broadcast_torch, "dist.broadcast"),
+    (check_reduce, reduce_torch, "dist.reduce"),
+    (check_all_gather, all_gather_torch, "dist.all_gather"),
+    (check_reduce_scatter, reduce_scatter_torch, "dist.reduce_scatter"),
+    (check_all_reduce, all_reduce_torch, "dist.all_reduce"),
+]
+
+
+@pytest.mark.parametrize("check, fn, called", TORCH_VERSIONS)
+def test_torch_own_collectives_match_the_reference_when_allowed(check, fn, called):
+    # The comparison itself accepts torch's results (tolerances, every rank, every dtype)...
+    check(fn, shapes=UNEVEN, point_to_point_only=False)
+    # ...but the assignment forbids them.
+    text = expect_failure(check, fn, "use send/recv only", world_sizes=[2])
+    assert f"rank 0 called {called}" in text
+
+
+# --- wrong implementations ----------------------------------------------------------------
+
+
+def ring_drops_tail(tensor):
+    """Chunks of N // P elements: the last N % P elements are never reduced."""
+    p, me = world_size(), rank()
+    flat = tensor.view(-1)
+    size = len(flat) // p
+    chunks = [flat[i * size : (i + 1) * size] for i in range(p)]
+    for step in range(p - 1):
+        incoming = chunks[(me - step - 1) % p]
+        buffer = torch.empty_like(incoming)
+        request = dist.isend(chunks[(me - step) % p], (me + 1) % p)
+        dist.recv(buffer, (me - 1) % p)
+        request.wait()
+        incoming += buffer
+    for step in range(p - 1):
+        request = dist.isend(chunks[(me + 1 - step) % p], (me + 1) % p)
+        dist.recv(chunks[(me - step) % p], (me - 1) % p)
+        request.wait()
+
+
+def ring_wrong_neighbour(tensor):
+    """Sends two ranks to the right: on 4 ranks, two separate rings of two."""
+    p, me = world_size(), rank()
+    chunks = torch.tensor_split(tensor.view(-1), p)
+    for step in range(p - 1):
+        incoming = chunks[(me - step - 1) % p]
+        buffer = torch.empty_like(incoming)
+        request = dist.isend(chunks[(me - step) % p], (me + 2) % p)
+        dist.recv(buffer, (me - 2) % p)
+        request.wait()
+        incoming += buffer
+
+
+def ring_whole_tensor(tensor):
+    """Right sum, wrong cost: each step passes a whole tensor to the right."""
+    p, me = world_size(), rank()
+    passing, total = tensor.clone(), tensor.clone()
+    for _ in range(p - 1):
+        buffer = torch.empty_like(tensor)
+        request = dist.isend(passing, (me + 1) % p)
+        dist.recv(buffer, (me - 1) % p)
+        request.wait()
+        total += buffer
+        passing = buffer
+    tensor.copy_(total)
+
+
+def reduce_without_own(tensor, dst):
+    """dst sums what it receives into a fresh zero tensor and forgets its own."""
+    if rank() == dst:
+        total, buffer = torch.zeros_like(tensor), torch.empty_like(tensor)
+        for peer in range(world_size()):
+            if peer != dst:
+                dist.recv(buffer, peer)
+                total += buffer
+        tensor.copy_(total)
+    else:
+        dist.send(tensor, dst)
+
+
+def naive_only_on_rank_0(tensor):
+    SOLVED["reduce"](tensor, 0)
+
+
+def all_reduce_returns_new_tensor(tensor):
+    """Computes the right sum, but in a new tensor: the caller's tensor is unchanged."""
+    total = tensor.clone()
+    SOLVED["reduce"](total, 0)
+    SOLVED["broadcast"](total, 0)
+    return total
+
+
+def all_reduce_via_mean(tensor):
+    """Averages (as for gradients), then scales back: int64 loses the remainder."""
+    SOLVED["reduce"](tensor, 0)
+    if rank() == 0:
+        tensor.copy_(tensor / world_size())
+    SOLVED["broadcast"](tensor, 0)
+    tensor.mul_(world_size())
+
+
+def broadcast_from_zero(tensor, src):
+    SOLVED["broadcast"](tensor, 0)
+
+
+def broadcast_never_sent(tensor, src):
+    """src forgets to send: every other rank waits in recv forever."""
+    if rank() != src:
+        dist.recv(tensor, src)
+
+
+def broadcast_unseen(tensor, src):
+    """torch's broadcast through a name bound at import: no counter sees it."""
+    broadcast_unseen_by_counters(tensor, src)
+
+
+def broadcast_not_implemented(tensor, src):
+    raise NotImplementedError()
+
+
+def all_gather_no_wait(tensor_list, tensor):
+    """Reads nothing wrong by luck at best: the irecv requests are never waited for."""
+    me = rank()
+    sends = [dist.isend(tensor, peer) for peer in range(world_size()) if peer != me]
+    for peer in range(world_size()):
+        if peer != me:
+            dist.irecv(tensor_list[peer], peer)
+    tensor_list[me].copy_(tensor)
+    for request in sends:
+        request.wait()
+
+
+def all_gather_rebinds(tensor_list, tensor):
+    """Puts the input tensor itself into the list instead of copying it."""
+    SOLVED["all_gather"](tensor_list, tensor)
+    tensor_list[rank()] = tensor
+
+
+def all_gather_forgets_own(tensor_list, tensor):
+    me = rank()
+    sends = [dist.isend(tensor, peer) for peer in range(world_size()) if peer != me]
+    for peer in range(world_size()):
+        if peer != me:
+            dist.recv(tensor_list[peer], peer)
+    for request in sends:
+        request.wait()
+
+
+def reduce_scatter_into_input(output, input_list):
+    """Accumulates into its own input_list entry, which torch leaves unchanged."""
+    me = rank()
+    sends = [dist.isend(input_list[peer], peer) for peer in range(world_size()) if peer != me]
+    buffer = torch.empty_like(output)
+    for peer in range(world_size()):
+        if peer != me:
+            dist.recv(buffer, peer)
+            input_list[me] += buffer
+    output.copy_(input_list[me])
+    for request in sends:
+        request.wait()
+
+
+def reduce_scatter_rebinds_output(output, input_list):
+    total = input_list[rank()].clone()
+    SOLVED["reduce_scatter"](total, input_list)
+    output = total  # noqa: F841 (the mistake under test: only the local name changes)
+
+
+def ring_in_float64(tensor):
+    """Sums a float64 copy "for precision": int64 values above 2**53 get rounded."""
+    work = tensor.double()
+    SOLVED["ring_all_reduce"](work)
+    tensor.copy_(work)
+
+
+WRONG = [
+    (
+        check_all_reduce,
+        ring_drops_tail,
+        {"shapes": [(7,)]},
+        "Only the last 1 element(s) are wrong: with N = 7 not divisible by P = 2",
+    ),
+    (check_reduce, reduce_without_own, {}, "did rank 0 also add its own?"),
+    (check_all_reduce, naive_only_on_rank_0, {}, "did only rank 0 get it?"),
+    (check_all_reduce, all_reduce_returns_new_tensor, {}, "it returned a new tensor instead"),
+    (check_all_reduce, all_reduce_via_mean, {}, "int64 sums must be exact"),
+    (check_broadcast, broadcast_from_zero, {}, "but src was 1: use the src argument"),
+    (check_broadcast, broadcast_unseen, {}, "no send or recv was seen on any rank"),
+    (check_broadcast, broadcast_not_implemented, {}, "raised NotImplementedError on rank 0"),
+    (check_all_gather, all_gather_no_wait, {}, "never called wait() on the request"),
+    (check_all_gather, all_gather_rebinds, {}, "tensor_list[0] was replaced by another"),
+    (check_all_gather, all_gather_forgets_own, {}, "copy its own tensor into tensor_list[0]"),
+    (check_reduce_scatter, reduce_scatter_into_input, {}, "changed its input input_list[0]"),
+    (check_reduce_scatter, reduce_scatter_rebinds_output, {}, "did not change output on rank"),
+]
+
+
+@pytest.mark.parametrize(
+    "check, fn, options, message", WRONG, ids=[fn.__name__ for _, fn, _, _ in WRONG]
+)
+def test_checks_reject_wrong_implementations(check, fn, options, message):
+    text = expect_failure(check, fn, message, **options)
+    assert text.startswith(check.__name__ + ": "), text
+    assert "world size" in text, "the message should say which case failed"
+
+
+def test_failure_names_the_rank_and_the_elements():
+    text = expect_failure(check_all_reduce, ring_drops_tail, "rank 0", shapes=[(7,)])
+    assert "world size 2, float32, shape (7,)" in text
+    assert "flat indices 6" in text and "max abs error" in text
+
+
+def test_int64_mistake_is_found_only_in_int64():
+    check_all_reduce(all_reduce_via_mean, dtypes=[torch.float32, torch.float64])
+    text = expect_failure(check_all_reduce, all_reduce_via_mean, "int64", dtypes=[torch.int64])
+    assert "it must match exactly" in text
+
+
+def test_float_buffer_breaks_large_int64_sums():
+    expect_failure(
+        check_all_reduce, ring_in_float64, "int64 sums must be exact", dtypes=[torch.int64]
+    )
+
+
+def test_ring_check_rejects_a_wrong_neighbour():
+    text = expect_failure(
+        check_all_reduce,
+        ring_wrong_neighbour,
+        "talks only to its neighbours, here ranks [1, 3]",
+        bandwidth_optimal=True,
+        world_sizes=[4],
+        shapes=[(8,)],  # equal chunks, so the wrong pairs still exchange matching sizes
+    )
+    assert text.startswith("check_all_reduce(bandwidth_optimal=True): ")
+
+
+def test_ring_check_rejects_a_ring_over_the_byte_budget():
+    check_all_reduce(ring_whole_tensor)  # the sum is right: only the ring check rejects it
+    text = expect_failure(
+        check_all_reduce, ring_whole_tensor, "rank 0 sent 56 bytes", bandwidth_optimal=True
+    )
+    # The first case over the budget: 3 ranks, 7 float32 (28 bytes), passed on twice.
+    assert "world size 3, float32, shape (7,)" in text
+    assert "2(P-1)/P * N = 37.3333 bytes per rank (allowed 40 with rounding)" in text
+
+
+def test_ring_check_rejects_the_naive_all_reduce():
+    # Right sums, but rank 0 talks to every rank and sends (P-1) N.
+    expect_failure(
+        check_all_reduce, SOLVED["all_reduce_naive"], "talks only to its neighbours",
+        bandwidth_optimal=True, world_sizes=[4],
+    )  # fmt: skip
+
+
+def test_deadlock_fails_within_the_timeout_with_stacks():
+    start = time.monotonic()
+    text = expect_failure(
+        check_broadcast, broadcast_never_sent, "did not finish within 3 s", world_sizes=[3],
+        timeout=3,
+    )  # fmt: skip
+    assert time.monotonic() - start < 15
+    assert "--- rank 1 ---" in text and "broadcast_never_sent" in text
+
+
+def test_failing_case_is_named_in_a_raising_rank_traceback():
+    text = expect_failure(check_broadcast, broadcast_not_implemented, "while checking: world size")
+    assert "NotImplementedError" in text
+
+
+def test_bad_argument_is_a_clear_error():
+    expect_failure(check_broadcast, "broadcast", "expected your function, got str")
