@@ -1,0 +1,251 @@
+"""course_lib.sharding: the bytes a rank holds under DDP, ZeroRedundancyOptimizer and FSDP2,
+their training against single-process AdamW, the traffic per step, and sharded checkpoints.
+
+Tolerances (../shared/NOTES.md): distributed AdamW differs from single-process AdamW by
+rounding only; in fp64 that is ~1e-14, so atol 1e-10. (In fp32 TinyGPT's key biases, whose
+true gradient is exactly zero, get Adam-amplified rounding noise of ~1e-4: fp64 avoids it.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from course_lib import RankError, WorkerPool, compare, data, models, rank, world_size
+from course_lib.sharding import (
+    STAGES,
+    build,
+    checkpoint_files,
+    comm_formula,
+    consolidate,
+    formula_bytes,
+    full_parameters,
+    load_sharded,
+    save_sharded,
+    shard_units,
+    train_stage,
+    train_step,
+)
+
+P = 4
+BATCH, STEPS, LR = 16, 3, 1e-2
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    with WorkerPool(P) as pool:
+        yield pool
+
+
+def make_batches(steps=STEPS):
+    x, y = data.tokens(BATCH * steps, seed=1)
+    return data.batches(x, y, BATCH, steps)
+
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def chunk_numel(shape, r, p):
+    """Elements of rank r's piece of a tensor cut along dim 0 like torch.chunk (FSDP2)."""
+    size = math.ceil(shape[0] / p)
+    rows = max(0, min(size, shape[0] - r * size))
+    return rows * math.prod(shape[1:])
+
+
+# --- formulas (no ranks needed) -------------------------------------------------------------
+
+
+def test_mixed_precision_formulas_are_the_zero_papers():
+    n, p = 7e9, 64
+    mixed = {"params": 2, "grads": 2, "optimizer_state": 12}
+    totals = {s: sum(formula_bytes(s, n, p, mixed).values()) for s in STAGES}
+    assert totals["ddp"] == pytest.approx(16 * n)
+    assert totals["zero1"] == pytest.approx(4 * n + 12 * n / p)
+    assert totals["zero2"] == pytest.approx(2 * n + 14 * n / p)
+    assert totals["zero3"] == pytest.approx(16 * n / p)
+
+
+def test_fp32_formulas_and_comm_formula():
+    n, p = 1000, 4
+    totals = {s: sum(formula_bytes(s, n, p).values()) for s in STAGES}
+    assert totals == pytest.approx(
+        {
+            "ddp": 16 * n,
+            "zero1": 8 * n + 8 * n / p,
+            "zero2": 4 * n + 12 * n / p,
+            "zero3": 16 * n / p,
+        }
+    )
+    assert comm_formula("ddp", 100, 4) == pytest.approx(150)
+    assert comm_formula("zero3", 100, 4) == pytest.approx(225)
+    with pytest.raises(ValueError, match="unknown stage 'zero4'"):
+        formula_bytes("zero4", n, p)
+
+
+# --- bytes held, and traffic, on 4 ranks -----------------------------------------------------
+
+
+def measure_all_stages(batches):
+    """Each stage's measurement, and the bytes expected from plain numel * element_size."""
+    reference = models.TinyGPT(seed=0)
+    full = nbytes(reference.parameters())
+    r, p = rank(), world_size()
+    shard = 4 * sum(chunk_numel(t.shape, r, p) for t in reference.parameters())
+    largest_unit = max(nbytes(u.parameters()) for u in shard_units(reference))
+    out = {}
+    for stage in STAGES:
+        run = train_stage(stage, batches, lr=LR)
+        expected = {"params_in_step": full, "grads": full, "optimizer_state": 2 * full}
+        if stage == "zero1":
+            _, optimizer = build(stage, models.TinyGPT(seed=0), lr=LR)
+            owned = optimizer.optim.param_groups  # the parameters this rank's AdamW steps
+            expected["optimizer_state"] = 2 * nbytes(t for g in owned for t in g["params"])
+        if stage in ("zero2", "zero3"):
+            expected.update(grads=shard, optimizer_state=2 * shard, params_at_rest=shard)
+        if stage == "zero3":
+            expected["params_in_step"] = shard
+        out[stage] = (run, expected, shard, largest_unit)
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured(pool4):
+    return pool4.launch(measure_all_stages, make_batches(), timeout=120)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_bytes_held_per_rank_equal_numel_times_element_size(measured, stage):
+    for r, per_stage in enumerate(measured):
+        run, expected, _, _ = per_stage[stage]
+        for kind, value in expected.items():
+            got = getattr(run.memory, kind)
+            assert got == value, f"rank {r}, {stage}: {kind} is {got} bytes, expected {value}"
+
+
+def test_sharded_bytes_add_up_to_the_model(measured):
+    n_bytes = 4 * models.count_parameters(models.TinyGPT())
+    for stage, kind, total in [
+        ("zero1", "optimizer_state", 2 * n_bytes),
+        ("zero2", "grads", n_bytes),
+        ("zero3", "params_at_rest", n_bytes),
+        ("zero3", "optimizer_state", 2 * n_bytes),
+    ]:
+        got = sum(getattr(per_stage[stage][0].memory, kind) for per_stage in measured)
+        assert got == total, f"{stage}: {kind} summed over ranks is {got}, expected {total}"
+
+
+def test_zero3_gathers_one_unit_at_a_time(measured):
+    for r, per_stage in enumerate(measured):
+        run, _, shard, largest_unit = per_stage["zero3"]
+        peak = run.memory.params_peak
+        assert shard < peak <= shard + largest_unit, f"rank {r}: peak {peak}, shard {shard}"
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero2", "zero3"])
+def test_traffic_per_step_matches_the_ring_formula(measured, stage):
+    for r, per_stage in enumerate(measured):
+        run = per_stage[stage][0]
+        expected = comm_formula(stage, 4 * run.n_params, P)
+        assert run.comm_received == pytest.approx(expected, rel=1e-9), f"rank {r}"
+
+
+def test_fsdp_collective_counts(measured):
+    units = len(models.TinyGPT().layers())
+    calls2, calls3 = measured[0]["zero2"][0].comm_calls, measured[0]["zero3"][0].comm_calls
+    assert calls2 == {"all_gather_single": units, "reduce_scatter_single": units}
+    assert calls3 == {"all_gather_single": 2 * units, "reduce_scatter_single": units}
+
+
+def test_zero_redundancy_optimizer_adds_broadcasts_to_ddps_all_reduce(measured):
+    model_bytes = 4 * measured[0]["zero1"][0].n_params
+    for per_stage in measured:
+        run, expected, _, _ = per_stage["zero1"]
+        own = expected["optimizer_state"] // 2  # bytes of the parameters this rank owns
+        assert run.comm_received == comm_formula("ddp", model_bytes, P) + model_bytes - own
+
+
+# --- training matches single-process AdamW ---------------------------------------------------
+
+
+def train_fp64(batches):
+    return {s: train_stage(s, batches, lr=LR, dtype=torch.float64) for s in STAGES}
+
+
+def test_every_stage_matches_single_process_adamw(pool4):
+    batches = make_batches()
+    runs = pool4.launch(train_fp64, batches, timeout=120)
+    reference = models.TinyGPT(seed=0, dtype=torch.float64)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
+    losses = compare.train(reference, batches, models.lm_loss, optimizer)
+    for r, per_stage in enumerate(runs):
+        for stage, run in per_stage.items():
+            compare.assert_same_parameters(
+                run.params, reference, rtol=0, atol=1e-10, context=f"rank {r}, {stage}"
+            )
+            mean_losses = [sum(v) / P for v in zip(*(rs[stage].losses for rs in runs), strict=True)]
+            assert mean_losses == pytest.approx(losses, abs=1e-10)
+
+
+# --- sharded checkpoints -------------------------------------------------------------------
+
+
+def train_zero3(model, optimizer, batches):
+    for x, y in batches:
+        train_step(model, optimizer, x, y)
+
+
+def checkpoint_round_trip(path, batches):
+    first, rest = batches[:3], batches[3:]
+    model, optimizer = build("zero3", models.TinyGPT(seed=0), lr=LR)
+    train_zero3(model, optimizer, first)
+    save_sharded(model, optimizer, path)
+    saved = full_parameters(model)
+    train_zero3(model, optimizer, rest)  # the uninterrupted run
+    uninterrupted = full_parameters(model)
+
+    model, optimizer = build("zero3", models.TinyGPT(seed=0), lr=LR)
+    load_sharded(model, optimizer, path)
+    train_zero3(model, optimizer, rest)
+    resumed = full_parameters(model)
+
+    # Control: the same steps without the checkpoint's optimizer state (fresh AdamW moments).
+    model, optimizer = build("zero3", models.TinyGPT(seed=0), lr=LR)
+    load_sharded(model, optimizer, path)
+    optimizer.state.clear()
+    train_zero3(model, optimizer, rest)
+    return saved, uninterrupted, resumed, full_parameters(model)
+
+
+def test_sharded_checkpoint_resumes_identically(pool4, tmp_path):
+    path = str(tmp_path / "ckpt")
+    results = pool4.launch(checkpoint_round_trip, path, make_batches(6), timeout=120)
+    files = checkpoint_files(path)
+    assert sorted(f for f in files if f.endswith(".distcp")) == [
+        f"__{r}_0.distcp" for r in range(P)
+    ], "each rank writes its own shard file"
+    saved, uninterrupted, resumed, fresh_moments = results[0]
+    compare.assert_same_parameters(resumed, uninterrupted, rtol=0, atol=0, context="resumed")
+    assert compare.find_mismatch(fresh_moments, uninterrupted, rtol=0, atol=1e-6), (
+        "training without the saved optimizer state should not match: the check is blind"
+    )
+    rebuilt = consolidate(path)
+    compare.assert_same_parameters(rebuilt["model"], saved, rtol=0, atol=0, context="rebuilt")
+    n = models.count_parameters(models.TinyGPT())
+    moments = sum(t.numel() for s in rebuilt["optimizer"]["state"].values() for t in s.values())
+    assert moments - len(rebuilt["optimizer"]["state"]) == 2 * n  # m and v, plus step counters
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+def uneven_batch():
+    x, y = data.tokens(6)
+    return train_stage("zero3", [(x, y)])
+
+
+def test_uneven_batch_is_a_clear_error(pool4):
+    with pytest.raises(RankError, match="does not split into 4 equal shards"):
+        pool4.launch(uneven_batch, timeout=60)
