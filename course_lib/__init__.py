@@ -9,7 +9,8 @@ One module per topic: `launch` (workers from a notebook cell), `runtime` (who am
 plumbing: `pipes` (message costs, lecture 1), `collectives` (all-reduce algorithms and the
 ring's schedule, lecture 2), `data_parallel` (host scheme, all-reduce DP, DDP timelines,
 lecture 3), `memory` (bytes of weights, gradients, optimizer state and activations;
-checkpointing, lecture 6), `plots` (figures and widgets). `grading` holds the assignments' checks.
+checkpointing, lecture 6), `sharding` (torch's DDP, ZeroRedundancyOptimizer and FSDP2 measured
+against the ZeRO formulas; sharded checkpoints, lecture 7), `plots` (figures and widgets). `grading` holds the assignments' checks.
 """
 
 import sys
