@@ -10,7 +10,8 @@ plumbing: `pipes` (message costs, lecture 1), `collectives` (all-reduce algorith
 ring's schedule, lecture 2), `data_parallel` (host scheme, all-reduce DP, DDP timelines,
 lecture 3), `memory` (bytes of weights, gradients, optimizer state and activations;
 checkpointing, lecture 6), `sharding` (torch's DDP, ZeroRedundancyOptimizer and FSDP2 measured
-against the ZeRO formulas; sharded checkpoints, lecture 7), `plots` (figures and widgets). `grading` holds the assignments' checks.
+against the ZeRO formulas; sharded checkpoints, lecture 7), `plots` (figures and widgets).
+`grading` holds the assignments' checks.
 """
 
 import sys

@@ -53,6 +53,8 @@ DEADLOCK = {  # rank 1 never replies, so rank 0 waits in recv forever
         {"test_dist_ping_pong"},
     ),
 }
+# (d) and (e) need one assignment only: they test nbgrader and the launcher, not the checks.
+TAMPERED = {"a0_processes"}  # the planted bug, plus the failing test cell emptied
 MARKERS = (
     "### BEGIN SOLUTION",
     "### END SOLUTION",
@@ -147,10 +149,11 @@ def graded(tmp_path_factory) -> tuple[Path, float]:
                 nb = solved(release, solution)
                 edit(nb, *BUG[assignment][:3])
                 submit(course, "buggy", assignment, nb, release.name)
-                # The same bug, plus the student "fixing" the failing test by emptying it.
-                failing = sorted(BUG[assignment][3])[0]
-                next(c for c in nb.cells if c.id == failing).source = "pass"
-                submit(course, "tamperer", assignment, nb, release.name)
+                if assignment in TAMPERED:
+                    # The same bug, plus the student "fixing" the failing test by emptying it.
+                    failing = sorted(BUG[assignment][3])[0]
+                    next(c for c in nb.cells if c.id == failing).source = "pass"
+                    submit(course, "tamperer", assignment, nb, release.name)
             if assignment in DEADLOCK:
                 nb = solved(release, solution)
                 edit(nb, *DEADLOCK[assignment][:3])
@@ -218,7 +221,7 @@ def test_deadlocked_code_scores_zero_there_and_grading_finishes(graded, assignme
     assert seconds < 600
 
 
-@pytest.mark.parametrize("assignment", sorted(BUG))
+@pytest.mark.parametrize("assignment", sorted(TAMPERED))
 def test_editing_a_test_cell_does_not_help(course, assignment):
     grades = scores(course, assignment, "tamperer")
     failing = sorted(BUG[assignment][3])[0]
