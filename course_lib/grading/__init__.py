@@ -21,6 +21,7 @@ from course_lib.grading.processes import (
     check_ping_pong,
     check_round_trip_time,
 )
+from course_lib.grading.zero import check_zero1, check_zero2, check_zero3
 
 __all__ = [
     "CheckFailed",
@@ -35,4 +36,7 @@ __all__ = [
     "check_reduce_scatter",
     "check_round_trip_time",
     "check_sync_gradients",
+    "check_zero1",
+    "check_zero2",
+    "check_zero3",
 ]

@@ -1,0 +1,526 @@
+"""Assignment 4's checks accept right ZeRO implementations and reject wrong ones."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import rank, world_size
+from course_lib.grading import CheckFailed, check_zero1, check_zero2, check_zero3
+from course_lib.grading.zero import (
+    ADAMW,
+    SMALL,
+    AdamW,
+    chunk_of,
+    held_bytes,
+    measure_memory,
+    optimizer_state_bytes,
+    shard_bytes,
+    shard_range,
+)
+from course_lib.models import TinyGPT, count_parameters, lm_loss
+
+# --- right implementations (the notebook's reference, in short) ---------------------------
+
+
+def shard_numel(numel):
+    return math.ceil(numel / world_size())
+
+
+def padded(tensor):
+    flat = tensor.detach().reshape(-1)
+    return F.pad(flat, (0, shard_numel(flat.numel()) * world_size() - flat.numel()))
+
+
+def take_shard(tensor):
+    c = shard_numel(tensor.numel())
+    return padded(tensor)[rank() * c : (rank() + 1) * c].clone()
+
+
+def gather_full(shard, shape):
+    out = torch.empty(shard.numel() * world_size(), dtype=shard.dtype)
+    dist.all_gather_single(out, shard.detach().contiguous())
+    return out[: math.prod(shape)].view(shape)
+
+
+def reduce_scatter_mean(grad):
+    flat = padded(grad)
+    out = torch.empty(flat.numel() // world_size(), dtype=flat.dtype)
+    dist.reduce_scatter_single(out, flat)
+    return out / world_size()
+
+
+class ShardedOptimizer:
+    """ZeRO-1: reduce-scatter gradients, step this rank's shards, all-gather parameters."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        self.params = list(params)
+        self.shards = [nn.Parameter(take_shard(p)) for p in self.params]
+        self.optimizer = optimizer_cls(self.shards, **kwargs)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+        self.optimizer.zero_grad()
+
+    def reduce_gradients(self):
+        for p, shard in zip(self.params, self.shards, strict=True):
+            shard.grad = None if p.grad is None else reduce_scatter_mean(p.grad)
+
+    def gather_parameters(self):
+        for p, shard in zip(self.params, self.shards, strict=True):
+            p.copy_(gather_full(shard, p.shape))
+
+    @torch.no_grad()
+    def step(self):
+        self.reduce_gradients()
+        self.optimizer.step()
+        self.gather_parameters()
+
+
+class ShardedGradOptimizer(ShardedOptimizer):
+    """ZeRO-2: each gradient is reduce-scattered by a hook as soon as it is ready."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        super().__init__(params, optimizer_cls, **kwargs)
+        for p, shard in zip(self.params, self.shards, strict=True):
+            p.register_post_accumulate_grad_hook(partial(self.grad_ready, shard))
+
+    def grad_ready(self, shard, param):
+        grad = reduce_scatter_mean(param.grad)
+        shard.grad = grad if shard.grad is None else shard.grad + grad
+        param.grad = None
+
+    def reduce_gradients(self):
+        pass  # done during backward
+
+
+class GatherParameter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, shape):
+        return gather_full(shard, shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_mean(grad), None
+
+
+def pack(module, tensor):
+    for name, full in module.gathered.items():
+        if tensor.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+            return module, name, tensor.size(), tensor.stride(), tensor.storage_offset()
+    return tensor
+
+
+def unpack(saved):
+    if isinstance(saved, torch.Tensor):
+        return saved
+    module, name, size, stride, offset = saved
+    return gather_full(module._parameters[name], module.full_shapes[name]).as_strided(
+        size, stride, offset
+    )
+
+
+def gather_parameters(module, args, save_shards=True):
+    module.gathered = {}
+    for name, shape in module.full_shapes.items():
+        full = GatherParameter.apply(module._parameters[name], shape)
+        module.__dict__[name] = module.gathered[name] = full
+    if save_shards:
+        module.saving = torch.autograd.graph.saved_tensors_hooks(partial(pack, module), unpack)
+        module.saving.__enter__()
+
+
+def free_parameters(module, args, output, save_shards=True, keep=False):
+    if save_shards:
+        module.saving.__exit__(None, None, None)
+    if not keep:
+        for name in module.full_shapes:
+            del module.__dict__[name]
+        module.gathered = {}
+
+
+def shard_module(model, take=take_shard, pre=gather_parameters, post=free_parameters):
+    """ZeRO-3: every parameter becomes its shard; layers gather just in time."""
+    for module in model.modules():
+        own = list(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        module.full_shapes = {name: p.shape for name, p in own}
+        for name, p in own:
+            module._parameters[name] = nn.Parameter(take(p))
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+    return model
+
+
+# --- right, in other styles ---------------------------------------------------------------
+
+
+class FlatShardedOptimizer:
+    """ZeRO-1 with one flat buffer for the whole model (global flat sharding, all-reduce
+    then slice, all_gather into a list), subclassing nothing."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        self.params = list(params)
+        total = sum(p.numel() for p in self.params)
+        self.chunk = math.ceil(total / world_size())
+        flat = torch.zeros(self.chunk * world_size(), dtype=self.params[0].dtype)
+        flat[:total] = torch.cat([p.detach().reshape(-1) for p in self.params])
+        lo = rank() * self.chunk
+        self.shard = nn.Parameter(flat[lo : lo + self.chunk].clone())
+        self.inner = optimizer_cls([self.shard], **kwargs)
+        self.param_groups = self.inner.param_groups
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        total = sum(p.numel() for p in self.params)
+        flat = torch.zeros(self.chunk * world_size(), dtype=self.shard.dtype)
+        flat[:total] = torch.cat([p.grad.reshape(-1) for p in self.params])
+        dist.all_reduce(flat)
+        lo = rank() * self.chunk
+        self.shard.grad = flat[lo : lo + self.chunk] / world_size()
+        self.inner.step()
+        pieces = [torch.empty_like(self.shard) for _ in range(world_size())]
+        dist.all_gather(pieces, self.shard.detach())
+        full = torch.cat(pieces)[:total]
+        offset = 0
+        for p in self.params:
+            p.copy_(full[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+class AllReduceGradOptimizer(ShardedGradOptimizer):
+    """ZeRO-2 where the hook all-reduces and keeps its slice (more traffic, same memory)."""
+
+    def grad_ready(self, shard, param):
+        flat = padded(param.grad)
+        dist.all_reduce(flat)
+        c = shard.numel()
+        shard.grad = flat[rank() * c : (rank() + 1) * c].clone() / world_size()
+        param.grad = None
+
+
+# --- wrong implementations ----------------------------------------------------------------
+
+
+class FullStateOptimizer(ShardedOptimizer):
+    """Every rank keeps optimizer state for the whole model (plain DP with averaging)."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        self.params = list(params)
+        self.optimizer = optimizer_cls(self.params, **kwargs)
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size()
+        self.optimizer.step()
+
+
+class NoGatherOptimizer(ShardedOptimizer):
+    """Steps its shard and copies back only its own elements: the ranks drift apart."""
+
+    def gather_parameters(self):
+        for p, shard in zip(self.params, self.shards, strict=True):
+            c, numel = shard.numel(), p.numel()
+            lo, hi = min(rank() * c, numel), min((rank() + 1) * c, numel)
+            p.view(-1)[lo:hi] = shard.detach()[: hi - lo]
+
+
+class SummedOptimizer(ShardedOptimizer):
+    def reduce_gradients(self):
+        for p, shard in zip(self.params, self.shards, strict=True):
+            flat = padded(p.grad)
+            shard.grad = torch.empty(shard.numel(), dtype=flat.dtype)
+            dist.reduce_scatter_single(shard.grad, flat)
+
+
+class FloorShardOptimizer(ShardedOptimizer):
+    """Shards of numel // P elements: the last numel % P elements belong to no rank."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        self.params = list(params)
+        chunks = [max(1, p.numel() // world_size()) for p in self.params]
+        self.shards = [
+            nn.Parameter(p.detach().reshape(-1)[rank() * c : (rank() + 1) * c].clone())
+            for p, c in zip(self.params, chunks, strict=True)
+        ]
+        self.optimizer = optimizer_cls(self.shards, **kwargs)
+
+    def reduce_gradients(self):
+        for p, shard in zip(self.params, self.shards, strict=True):
+            c = shard.numel()
+            flat = p.grad.reshape(-1)[: c * world_size()].contiguous()
+            shard.grad = torch.empty(c, dtype=flat.dtype)
+            dist.reduce_scatter_single(shard.grad, flat)
+            shard.grad /= world_size()
+
+    def gather_parameters(self):
+        for p, shard in zip(self.params, self.shards, strict=True):
+            out = torch.empty(shard.numel() * world_size(), dtype=shard.dtype)
+            dist.all_gather_single(out, shard.detach())
+            p.view(-1)[: out.numel()] = out
+
+
+class OverlappingShardOptimizer(ShardedOptimizer):
+    """Shards of numel // P + 1 elements: one too many whenever P divides numel."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        self.params = list(params)
+        self.shards = [nn.Parameter(self.take(p)) for p in self.params]
+        self.optimizer = optimizer_cls(self.shards, **kwargs)
+
+    @staticmethod
+    def pad(t):
+        flat = t.detach().reshape(-1)
+        c = flat.numel() // world_size() + 1
+        return F.pad(flat, (0, c * world_size() - flat.numel())), c
+
+    def take(self, p):
+        flat, c = self.pad(p)
+        return flat[rank() * c : (rank() + 1) * c].clone()
+
+    def reduce_gradients(self):
+        for p, shard in zip(self.params, self.shards, strict=True):
+            flat, c = self.pad(p.grad)
+            shard.grad = torch.empty(c, dtype=flat.dtype)
+            dist.reduce_scatter_single(shard.grad, flat)
+            shard.grad /= world_size()
+
+
+class NoParamGroups(ShardedOptimizer):
+    param_groups = None
+
+
+class KeepsFullGradOptimizer(ShardedGradOptimizer):
+    """ZeRO-2 that reduce-scatters in the hook but forgets to free the full gradient."""
+
+    def grad_ready(self, shard, param):
+        grad = reduce_scatter_mean(param.grad)
+        shard.grad = grad if shard.grad is None else shard.grad + grad
+
+
+def keep_gathered(model):
+    """ZeRO-3 that keeps each layer's gathered parameters after its forward."""
+    return shard_module(model, post=partial(free_parameters, keep=True))
+
+
+def no_regather(model):
+    """ZeRO-3 whose full parameters stay in autograd's saved tensors until backward."""
+    return shard_module(
+        model,
+        pre=partial(gather_parameters, save_shards=False),
+        post=partial(free_parameters, save_shards=False),
+    )
+
+
+def view_shards(model):
+    """ZeRO-3 whose shards are views of the padded full parameter (which stays alive)."""
+
+    def take_view(tensor):
+        c = shard_numel(tensor.numel())
+        return padded(tensor)[rank() * c : (rank() + 1) * c]
+
+    return shard_module(model, take=take_view)
+
+
+class SummedGather(GatherParameter):
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_mean(grad) * world_size(), None
+
+
+def summed_zero3(model):
+    def pre(module, args):
+        module.gathered = {}
+        for name, shape in module.full_shapes.items():
+            full = SummedGather.apply(module._parameters[name], shape)
+            module.__dict__[name] = module.gathered[name] = full
+        module.saving = torch.autograd.graph.saved_tensors_hooks(partial(pack, module), unpack)
+        module.saving.__enter__()
+
+    return shard_module(model, pre=pre)
+
+
+def unsharded(model):
+    return model
+
+
+def not_implemented(*args, **kwargs):
+    raise NotImplementedError()
+
+
+# --- the checks accept right code ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [4, 3, 2, 1])
+def test_checks_accept_the_reference_solution(world):
+    steps = 3 if world == 4 else 2
+    check_zero1(ShardedOptimizer, world_size=world, steps=steps)
+    check_zero2(ShardedGradOptimizer, world_size=world, seed=1, steps=steps)
+    check_zero3(shard_module, world_size=world, seed=2, steps=steps)
+
+
+def test_checks_accept_other_right_styles():
+    check_zero1(FlatShardedOptimizer, steps=4)
+    check_zero2(AllReduceGradOptimizer)
+
+
+# --- ... and reject wrong code --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "impl, message",
+    [
+        (FullStateOptimizer, "bytes of optimizer state; at most"),
+        (NoGatherOptimizer, "the ranks hold different parameters"),
+        (SummedOptimizer, "gradients 4 (the world size) times too large"),
+        (FloorShardOptimizer, "was never updated: no rank stepped it"),
+        (OverlappingShardOptimizer, "bytes of optimizer state; at most"),
+        (NoParamGroups, "optimizer.param_groups[0]['lr'] is None"),
+        (not_implemented, "your ShardedOptimizer raised NotImplementedError on rank 0"),
+    ],
+)
+def test_check_zero1_rejects(impl, message):
+    with pytest.raises(CheckFailed) as info:
+        check_zero1(impl, steps=2)
+    assert str(info.value).startswith("check_zero1: ")
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "impl, message",
+    [
+        (ShardedOptimizer, "bytes of gradients (measured after backward); at most"),
+        (KeepsFullGradOptimizer, "bytes of gradients (measured after backward); at most"),
+        (FullStateOptimizer, "bytes of gradients (measured after backward); at most"),
+        (NoGatherOptimizer, "the ranks hold different parameters"),
+        (not_implemented, "your ShardedGradOptimizer raised NotImplementedError"),
+    ],
+)
+def test_check_zero2_rejects(impl, message):
+    with pytest.raises(CheckFailed) as info:
+        check_zero2(impl, steps=2)
+    assert str(info.value).startswith("check_zero2: ")
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "impl, message",
+    [
+        (keep_gathered, "parameters (held by the model after forward); at most"),
+        (view_shards, "parameters (held by the model after forward); at most"),
+        (no_regather, "during backward it all-gathered 0 bytes"),
+        (summed_zero3, "it is 4 (the world size) times the average"),
+        (unsharded, "expected a 1-D shard of ceil(638 / 4) = 160 elements"),
+        (not_implemented, "your shard_module raised NotImplementedError"),
+    ],
+)
+def test_check_zero3_rejects(impl, message):
+    with pytest.raises(CheckFailed) as info:
+        check_zero3(impl, steps=2)
+    assert str(info.value).startswith("check_zero3: ")
+    assert message in str(info.value)
+
+
+def test_failures_name_rank_step_parameter_and_tolerance():
+    with pytest.raises(CheckFailed) as info:
+        check_zero1(SummedOptimizer, world_size=2, steps=2)
+    text = str(info.value)
+    assert "rank 0, after step 0 (TinyGPT(SMALL), AdamW, float64, seed 0" in text
+    assert "'embed.tokens.weight' differs: max abs error" in text
+    assert "(allowed atol=1e-10 + rtol=1e-10 * |expected|)" in text
+    with pytest.raises(CheckFailed) as info:
+        check_zero1(FullStateOptimizer, world_size=2, steps=1)
+    model = TinyGPT(SMALL, dtype=torch.float64)
+    full, allowed = 16 * count_parameters(model), shard_bytes(model, 2, values_per_element=2)
+    assert "rank 0 (after step 0, TinyGPT(SMALL)" in str(info.value)
+    assert f"holds {full:,} bytes of optimizer state; at most {allowed:,}" in str(info.value)
+
+
+def test_a_bad_world_size_or_batch_is_refused_before_running():
+    with pytest.raises(ValueError, match="multiple of world_size=4"):
+        check_zero1(ShardedOptimizer, batch_size=10)
+    with pytest.raises(ValueError, match="world_size must be 1..8"):
+        check_zero3(shard_module, world_size=0)
+
+
+# --- the pieces the checks rely on --------------------------------------------------------
+
+
+def test_checks_adamw_matches_torch_optim_bit_for_bit():
+    ours, theirs = TinyGPT(SMALL, seed=3), TinyGPT(SMALL, seed=3)
+    a = AdamW(ours.parameters(), **ADAMW)
+    b = torch.optim.AdamW(theirs.parameters(), **ADAMW, foreach=False)
+    x = torch.randint(SMALL.vocab_size, (4, SMALL.seq_len), generator=torch.Generator())
+    for _ in range(4):
+        for model, opt in ((ours, a), (theirs, b)):
+            opt.zero_grad()
+            lm_loss(model(x), x).backward()
+            opt.step()
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(p, q), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(a.state[p][key], b.state[q][key]), (name, key)
+    assert not torch.equal(ours.head.out.weight, TinyGPT(SMALL, seed=3).head.out.weight)
+
+
+@pytest.mark.parametrize("numel", [1, 3, 22, 37, 638])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 7])
+def test_shard_ranges_cover_every_element_once_within_one_of_numel_over_p(numel, p):
+    ranges = [shard_range(numel, r, p) for r in range(p)]
+    covered = [i for lo, hi in ranges for i in range(lo, hi)]
+    assert covered == list(range(numel))
+    assert all(hi - lo <= numel / p + 1 for lo, hi in ranges)
+    full = torch.arange(float(numel))
+    chunks = torch.cat([chunk_of(full, r, p) for r in range(p)])
+    assert torch.equal(chunks[:numel], full) and not chunks[numel:].any()
+
+
+def test_memory_is_counted_per_storage():
+    model = nn.Linear(10, 10, bias=False)  # 400 bytes
+    assert held_bytes(model) == 400
+    model.weight = nn.Parameter(torch.zeros(100)[:25])  # a view keeps all 100 floats
+    assert held_bytes(model) == 400
+    model.extra = [torch.zeros(10, dtype=torch.float64)]
+    assert held_bytes(model) == 480
+    opt = torch.optim.AdamW([nn.Parameter(torch.ones(6))], foreach=False)
+    opt.param_groups[0]["params"][0].grad = torch.ones(6)
+    opt.step()
+    assert optimizer_state_bytes({"inner": [opt]}) == 2 * 6 * 4  # the step counter excluded
+
+
+def test_measured_memory_follows_the_zero_formulas():
+    model = TinyGPT(SMALL, dtype=torch.float64)
+    n_bytes = 8 * count_parameters(model)
+    p = 2
+    shard = shard_bytes(model, p)
+    plain = measure_memory(None, 0, world_size=p)
+    assert (
+        plain == [{"parameters": n_bytes, "gradients": n_bytes, "optimizer state": 2 * n_bytes}] * p
+    )
+    expected = {
+        1: {"parameters": n_bytes, "gradients": n_bytes, "optimizer state": 2 * shard},
+        2: {"parameters": n_bytes, "gradients": shard, "optimizer state": 2 * shard},
+        3: {"parameters": shard, "gradients": shard, "optimizer state": 2 * shard},
+    }
+    impls = {1: ShardedOptimizer, 2: ShardedGradOptimizer, 3: shard_module}
+    for stage, impl in impls.items():
+        measured = measure_memory(impl, stage, world_size=p)
+        assert measured == [expected[stage]] * p, stage
