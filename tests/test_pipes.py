@@ -122,11 +122,22 @@ def test_plot_overlap_draws_the_three_times_and_their_sum():
 # --- multiprocessing ----------------------------------------------------------------------
 
 
+def grows(measure, factor: float, attempts: int = 3) -> list[float]:
+    """Timings from `measure()` until the large size costs over `factor` x the small one.
+    A shared machine can stall any single timing; a size that really costs nothing more
+    fails every attempt."""
+    for _ in range(attempts):
+        times = measure()
+        if times[1] > factor * times[0]:
+            break
+    return times
+
+
 @pytest.mark.parametrize("channel", ["pipe", "queue"])
 def test_pipe_message_times_grow_with_the_size(pool1, channel):
-    (times,) = pool1.launch(pipe_message_times, SIZES, 2, channel, timeout=60)
+    times = grows(lambda: pool1.launch(pipe_message_times, SIZES, 2, channel, timeout=60)[0], 10)
     assert len(times) == len(SIZES) and all(t > 0 for t in times)
-    # 4 MB is 4096x the bytes of 1 KB: even on a busy machine it takes far longer
+    # 4 MB is 4096x the bytes of 1 KB: it takes far longer
     assert times[1] > 10 * times[0], times
 
 
@@ -177,11 +188,15 @@ def test_p2p_message_times_sends_each_size_and_agree_on_both_ranks(pool2):
         counted_p2p_times, SIZES, repeats, timeout=60
     )
     assert t0 == t1 and len(t0) == len(SIZES) and all(t > 0 for t in t0)
-    assert t0[1] > t0[0]  # 4 MB against 1 KB
     messages = repeats + 1  # one warm-up per size
     assert ops0["send"] == [messages * sum(SIZES), 0] and calls0["send"] == messages * len(SIZES)
     assert ops1["recv"] == [0, messages * sum(SIZES)] and calls1["recv"] == messages * len(SIZES)
     assert "recv" not in ops0 and "send" not in ops1
+
+
+def test_p2p_message_times_grow_with_the_size(pool2):
+    times = grows(lambda: pool2.launch(p2p_message_times, SIZES, 3, timeout=60)[0], 1)
+    assert times[1] > times[0], times  # 4 MB against 1 KB
 
 
 def counted_overlap(nbytes, compute):
