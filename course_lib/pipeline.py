@@ -1,0 +1,690 @@
+"""Pipeline parallelism: schedules, their bubble, a real multi-process pipeline, and the
+optimal cut of a model into stages (lecture 8).
+
+    order = schedule_order("1f1b", P=4, m=8)           # what each stage runs, in order
+    timeline = simulate(4, 8, "1f1b")                   # when: per-stage forward/backward/idle
+    timeline.bubble, bubble_formula(4, 8)               # idle share against (P-1)/(m+P-1)
+    log = pipeline_step(stage, x, y, lm_loss, m=8, schedule="1f1b")   # on rank = stage index
+    timeline = Timeline.from_logs(launch(...))          # the measured timeline, same type
+    plot_schedule(timeline); PipelineWidget()           # Gantt chart; sliders for P and m
+    optimal_partition(layer_times, activation_sizes, n_machines)      # the A(j, m) recurrence
+
+The simulator and the runtime read the same per-stage orders (`schedule_order`), so what is
+drawn and what runs cannot disagree. This is the lecture's reference: Assignment 5 asks you to
+write your own pipeline trainer, `simulate_schedule` and `optimal_partition`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ipywidgets as widgets
+import torch
+import torch.distributed as dist
+from IPython.display import display
+from matplotlib.figure import Figure
+from torch import nn
+
+from course_lib.memory import SavedTensors
+from course_lib.plots import NotebookFigure
+from course_lib.runtime import device, rank, world_size
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+FORWARD, BACKWARD = "F", "B"
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# --- 1. schedules: what each stage runs, in which order -------------------------------------
+
+
+@dataclass(frozen=True)
+class Op:
+    """One unit of a stage's work: the forward or backward of micro-batch `micro` through
+    model chunk `chunk` of the stage (chunks > 0 only in the interleaved schedule)."""
+
+    kind: str  # FORWARD or BACKWARD
+    micro: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def _check(n_stages: int, m: int, chunks: int) -> None:
+    for name, value in (("P (stages)", n_stages), ("m (micro-batches)", m), ("chunks", chunks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def _one_f_one_b(forwards: list[Op], backwards: list[Op], warmup: int) -> list[Op]:
+    """`warmup` forwards, then alternate one forward and one backward, then the backwards
+    left over: the order of 1F1B and of its interleaved variant."""
+    warmup = min(warmup, len(forwards))
+    order = forwards[:warmup]
+    for f, b in zip(forwards[warmup:], backwards, strict=False):
+        order += [f, b]
+    return order + backwards[len(forwards) - warmup :]
+
+
+def schedule_order(schedule: str, n_stages: int, m: int, chunks: int = 2) -> list[list[Op]]:
+    """For each stage, the ops it runs in order under `schedule`.
+
+    naive: one micro-batch at a time through the whole model (forward then backward);
+    gpipe: every forward, then every backward; 1f1b: P - s - 1 warm-up forwards on stage s,
+    then one forward / one backward; interleaved: 1F1B over `chunks` model chunks per stage
+    (Megatron-LM's order; needs m divisible by P).
+    """
+    _check(n_stages, m, chunks)
+    P = n_stages
+    if schedule == "naive":
+        return [[Op(k, i) for i in range(m) for k in (FORWARD, BACKWARD)] for _ in range(P)]
+    if schedule == "gpipe":
+        return [
+            [Op(FORWARD, i) for i in range(m)] + [Op(BACKWARD, i) for i in range(m)]
+            for _ in range(P)
+        ]
+    if schedule == "1f1b":
+        return [
+            _one_f_one_b(
+                [Op(FORWARD, i) for i in range(m)], [Op(BACKWARD, i) for i in range(m)], P - s - 1
+            )
+            for s in range(P)
+        ]
+    if schedule == "interleaved":
+        if m % P:
+            raise ValueError(f"the interleaved schedule needs m divisible by P: m={m}, P={P}")
+
+        # Groups of P micro-batches go through chunk 0, then the same group through chunk 1...
+        def op(kind: str, k: int) -> Op:
+            group, chunk = divmod(k // P, chunks)
+            chunk = chunk if kind == FORWARD else chunks - 1 - chunk
+            return Op(kind, group * P + k % P, chunk)
+
+        total = m * chunks
+        orders = []
+        for s in range(P):
+            warmup = (P - s - 1) * 2 + (chunks - 1) * P
+            forwards = [op(FORWARD, k) for k in range(total)]
+            backwards = [op(BACKWARD, k) for k in range(total)]
+            orders.append(_one_f_one_b(forwards, backwards, warmup))
+        return orders
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
+# --- 2. timelines: when each op ran, simulated or measured ----------------------------------
+
+
+@dataclass(frozen=True)
+class Task:
+    """An op that ran on `stage` from `start` to `end` (seconds)."""
+
+    stage: int
+    kind: str
+    micro: int
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    """Every stage's tasks; the bubble is the idle share of P stages x the makespan."""
+
+    n_stages: int
+    tasks: list[Task]
+    schedule: str = ""
+    measured: bool = False  # True: times are seconds on a real clock; else simulated units
+
+    @property
+    def makespan(self) -> float:
+        return max(t.end for t in self.tasks) - min(t.start for t in self.tasks)
+
+    def busy(self, stage: int) -> float:
+        return sum(t.end - t.start for t in self.tasks if t.stage == stage)
+
+    @property
+    def bubble(self) -> float:
+        """Share of the P x makespan stage-seconds in which stages were idle."""
+        return bubble_fraction(self)
+
+    def peak_in_flight(self, stage: int) -> int:
+        """Most micro-batches whose forward ran on `stage` and whose backward had not yet
+        (each holds its activations); an interleaved stage counts each chunk's separately."""
+        live = peak = 0
+        for t in sorted((t for t in self.tasks if t.stage == stage), key=lambda t: t.start):
+            live += 1 if t.kind == FORWARD else -1
+            peak = max(peak, live)
+        return peak
+
+    @classmethod
+    def from_logs(cls, logs: Sequence[StageLog], schedule: str = "") -> Timeline:
+        """The measured timeline of one step, from every rank's `StageLog`."""
+        tasks = [t for log in logs for t in log.tasks]
+        origin = min(t.start for t in tasks)
+        shifted = [
+            Task(t.stage, t.kind, t.micro, t.chunk, t.start - origin, t.end - origin) for t in tasks
+        ]
+        return cls(len(logs), shifted, schedule or logs[0].schedule, measured=True)
+
+
+def bubble_formula(n_stages: int, m: int, chunks: int = 1) -> float:
+    """Idle share of GPipe and 1F1B, (P-1)/(m+P-1); with `chunks` interleaved model chunks
+    per stage, (P-1)/(chunks*m + P-1)."""
+    return (n_stages - 1) / (chunks * m + n_stages - 1)
+
+
+def bubble_fraction(timeline: Timeline) -> float:
+    """1 - (time stages were busy) / (P x makespan), from the tasks' start and end times."""
+    busy = sum(timeline.busy(s) for s in range(timeline.n_stages))
+    return 1.0 - busy / (timeline.n_stages * timeline.makespan)
+
+
+def _per_stage(value: float | Sequence[float], n_stages: int, name: str) -> list[float]:
+    values = [float(value)] * n_stages if isinstance(value, int | float) else list(value)
+    if len(values) != n_stages or any(v < 0 for v in values):
+        raise ValueError(f"{name} must be one time >= 0 or one per stage ({n_stages}): {value}")
+    return values
+
+
+def simulate(
+    n_stages: int,
+    m: int,
+    schedule: str = "1f1b",
+    forward_s: float | Sequence[float] = 1.0,
+    backward_s: float | Sequence[float] = 2.0,
+    chunks: int = 2,
+    comm_s: float = 0.0,
+) -> Timeline:
+    """Run `schedule_order` on an idealised machine: each stage starts its next op as soon as
+    the op it depends on has finished on the neighbouring stage (plus `comm_s`).
+
+    A forward of micro-batch i through virtual stage v needs its forward through v - 1; a
+    backward needs the backward through v + 1 (the last virtual stage: its own forward).
+    `forward_s` / `backward_s`: one time or one per stage; with interleaving each chunk takes
+    1/chunks of it, so a stage does the same work under every schedule.
+    """
+    orders = schedule_order(schedule, n_stages, m, chunks)
+    n_chunks = chunks if schedule == "interleaved" else 1
+    fwd = [t / n_chunks for t in _per_stage(forward_s, n_stages, "forward_s")]
+    bwd = [t / n_chunks for t in _per_stage(backward_s, n_stages, "backward_s")]
+    last_virtual = n_chunks * n_stages - 1
+    done: dict[tuple[str, int, int], float] = {}  # (kind, micro, virtual stage) -> end time
+    free = [0.0] * n_stages
+    position = [0] * n_stages
+    tasks: list[Task] = []
+    progress = True
+    while progress:
+        progress = False
+        for s in range(n_stages):
+            while position[s] < len(orders[s]):
+                op = orders[s][position[s]]
+                v = op.chunk * n_stages + s  # chunk c of stage s is virtual stage c*P + s
+                if op.kind == FORWARD:
+                    needs = (FORWARD, op.micro, v - 1) if v > 0 else None
+                elif v < last_virtual:
+                    needs = (BACKWARD, op.micro, v + 1)
+                else:
+                    needs = (FORWARD, op.micro, v)
+                if needs is not None and needs not in done:
+                    break  # waits for a neighbour; another stage moves first
+                ready = 0.0 if needs is None else done[needs] + (comm_s if needs[2] != v else 0)
+                start = max(free[s], ready)
+                end = start + (fwd[s] if op.kind == FORWARD else bwd[s])
+                done[(op.kind, op.micro, v)] = free[s] = end
+                tasks.append(Task(s, op.kind, op.micro, op.chunk, start, end))
+                position[s] += 1
+                progress = True
+    if any(position[s] < len(orders[s]) for s in range(n_stages)):
+        stuck = {
+            s: str(orders[s][position[s]]) for s in range(n_stages) if position[s] < len(orders[s])
+        }
+        raise RuntimeError(f"schedule {schedule!r} deadlocks: stages wait forever at {stuck}")
+    return Timeline(n_stages, tasks, schedule)
+
+
+# --- 3. a real pipeline: one stage per rank, activations and gradients by send/recv ---------
+
+# A tensor travels as a small header (the sender's clock when it was ready, dtype code, number
+# of dimensions, the dimensions) and then its data, so a stage need not know its neighbour's
+# output shape in advance. Ranks on one machine share `time.perf_counter` (a system-wide
+# monotonic clock on Linux and macOS), so the timestamps of all ranks are comparable.
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64]
+_MAX_DIMS = 6
+
+
+def _send(tensor: torch.Tensor, dst: int, ready: float) -> list[Any]:
+    """Start sending `tensor` (ready at time `ready`) to rank `dst`; returns the handles to
+    wait on, with the buffers they must keep alive until the message has left."""
+    if tensor.dim() > _MAX_DIMS:
+        raise ValueError(f"can send tensors of at most {_MAX_DIMS} dimensions, got {tensor.dim()}")
+    header = torch.zeros(_MAX_DIMS + 3, dtype=torch.float64)
+    header[0], header[1], header[2] = ready, _DTYPES.index(tensor.dtype), tensor.dim()
+    header[3 : 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.float64)
+    data = tensor.detach().contiguous()
+    return [dist.isend(header, dst), dist.isend(data, dst), header, data]
+
+
+def _recv(src: int) -> tuple[torch.Tensor, float]:
+    """Receive the next tensor rank `src` sends us (blocks until it arrives), and the time
+    at which the sender had it ready."""
+    header = torch.empty(_MAX_DIMS + 3, dtype=torch.float64)
+    dist.recv(header, src)
+    shape = [int(d) for d in header[3 : 3 + int(header[2])].tolist()]
+    tensor = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=device())
+    dist.recv(tensor, src)
+    return tensor, float(header[0])
+
+
+class EmulatedDevice:
+    """A rank's stand-in for an accelerator: each op takes a fixed time, real compute included.
+
+    An op starts when its input is ready (the sender's clock, carried by the message) and the
+    device is free, and ends `op_s` later: the rank sleeps until then, leaving the cores to
+    the other ranks, so 4 ranks on 2 cores act like 4 devices. A rank that wakes up late (the
+    OS ran something else) catches up if it is less than one op late; `lateness` records it.
+    """
+
+    def __init__(self) -> None:
+        self.free_at: float | None = None  # when the last op ended (None: nothing ran yet)
+        self.lateness: list[float] = []  # how late the host noticed each op's input
+
+    def start(self, ready: float | None) -> float:
+        """When an op whose input was ready at `ready` (None: local, ready now) starts."""
+        now = time.perf_counter()
+        known = [t for t in (ready, self.free_at) if t is not None]
+        start = max(known) if known else now
+        self.lateness.append(max(0.0, now - start))
+        return start
+
+    def finish(self, start: float, op_s: float) -> float:
+        """End the op `op_s` after `start`, or when its compute ended if that was later."""
+        end = max(start + op_s, time.perf_counter())
+        time.sleep(max(0.0, end - time.perf_counter()))
+        self.free_at = end
+        return end
+
+
+@dataclass
+class StageLog:
+    """What one rank measured during one `pipeline_step`."""
+
+    stage: int
+    schedule: str
+    tasks: list[Task] = field(default_factory=list)  # perf_counter times of the device's ops
+    lateness: list[float] = field(default_factory=list)  # host wake-up delays (seconds)
+    peak_in_flight: int = 0  # most micro-batches holding activations at once
+    peak_activation_bytes: int = 0  # most bytes autograd held for backward at once
+    activation_bytes: list[int] = field(default_factory=list)  # saved per micro-batch forward
+    loss: float | None = None  # mean loss over micro-batches (last stage only)
+    grads: list[torch.Tensor] = field(default_factory=list)  # this stage's, in parameter order
+
+
+def pipeline_step(
+    stage: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: LossFn,
+    m: int,
+    schedule: str = "1f1b",
+    forward_s: float = 0.0,
+    backward_s: float = 0.0,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> StageLog:
+    """One training step of a P-stage pipeline; rank r runs `stage`, the r-th stage.
+
+    The batch `x, y` is cut into `m` equal micro-batches (rank 0 reads x, the last rank y);
+    the loss is the mean of the micro-batches' mean losses, so the gradients are those of
+    the whole batch. Each forward / backward lasts `forward_s` / `backward_s` seconds on the
+    rank's `EmulatedDevice` (0: just the real compute).
+    """
+    P, r = world_size(), rank()
+    if schedule not in ("naive", "gpipe", "1f1b"):
+        raise ValueError(f"pipeline_step runs 'naive', 'gpipe' or '1f1b', not {schedule!r}")
+    if x.shape[0] % m:
+        raise ValueError(f"a batch of {x.shape[0]} samples does not split into m={m} equal parts")
+    # each micro-batch in storage of its own, as a data loader would hand it over
+    xs, ys = ([c.to(device(), copy=True) for c in t.chunk(m)] for t in (x, y))
+    log, clock = StageLog(r, schedule), EmulatedDevice()
+    inputs: dict[int, torch.Tensor] = {}  # micro-batch -> the input we return a gradient for
+    outputs: dict[int, torch.Tensor] = {}  # micro-batch -> output (last stage: its loss)
+    pending: list[Any] = []  # sends in flight, waited for at the end
+    total_loss = 0.0
+    stage.zero_grad(set_to_none=True)
+    with SavedTensors(exclude=stage.parameters()) as saved:
+        for op in schedule_order(schedule, P, m)[r]:
+            i = op.micro
+            if op.kind == FORWARD:
+                inp, ready = (xs[i], None) if r == 0 else _recv(r - 1)
+                start, before = clock.start(ready), saved.live_bytes
+                out = stage(inp.requires_grad_() if r > 0 else inp)
+                if r == P - 1:
+                    out = loss_fn(out, ys[i]) / m  # mean over micro-batches
+                    total_loss += out.item()
+                end = clock.finish(start, forward_s)
+                if r < P - 1:
+                    pending += _send(out, r + 1, ready=end)  # the output exists only now
+                log.tasks.append(Task(r, FORWARD, i, 0, start, end))
+                log.activation_bytes.append(saved.live_bytes - before)
+                inputs[i], outputs[i] = inp, out
+                log.peak_in_flight = max(log.peak_in_flight, len(outputs))
+            else:
+                grad, ready = (None, None) if r == P - 1 else _recv(r + 1)
+                start = clock.start(ready)
+                torch.autograd.backward(outputs.pop(i), grad)  # frees this micro-batch's graph
+                end = clock.finish(start, backward_s)
+                inp = inputs.pop(i)
+                if r > 0:
+                    pending += _send(inp.grad, r - 1, ready=end)
+                log.tasks.append(Task(r, BACKWARD, i, 0, start, end))
+        log.peak_activation_bytes = saved.peak_bytes
+    for work in pending:
+        if isinstance(work, dist.Work):
+            work.wait()
+    if optimizer is not None:
+        optimizer.step()
+    log.loss = total_loss if r == P - 1 else None
+    log.lateness = clock.lateness
+    log.grads = [
+        p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        for p in stage.parameters()
+    ]
+    return log
+
+
+def measure_bubbles(
+    make_stage: Callable[[], nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: LossFn,
+    schedules: Sequence[str],
+    ms: Sequence[int],
+    forward_s: float,
+    backward_s: float,
+) -> dict[tuple[str, int], StageLog]:
+    """Run on every rank: one `pipeline_step` per (schedule, m), after a warm-up step that
+    opens the connections between neighbours (the first message on a link is slow)."""
+    pipeline_step(make_stage(), x, y, loss_fn, m=1, schedule="gpipe")
+    return {
+        (schedule, m): pipeline_step(
+            make_stage(), x, y, loss_fn, m, schedule, forward_s=forward_s, backward_s=backward_s
+        )
+        for schedule in schedules
+        for m in ms
+    }
+
+
+def torch_pipeline_step(
+    stage: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, m: int, schedule: str
+) -> list[torch.Tensor]:
+    """The same step with torch.distributed.pipelining (ScheduleGPipe / Schedule1F1B); returns
+    this stage's gradients. `scale_grads` (default True) divides by m: the loss must be a mean."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    P, r = world_size(), rank()
+    kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    if schedule not in kinds:
+        raise ValueError(f"torch_pipeline_step runs {tuple(kinds)}, not {schedule!r}")
+    runner = kinds[schedule](PipelineStage(stage, r, P, device()), m, loss_fn=loss_fn)
+    stage.zero_grad(set_to_none=True)
+    if r == 0:
+        runner.step(x.to(device()))
+    elif r == P - 1:
+        runner.step(target=y.to(device()))
+    else:
+        runner.step()
+    return [p.grad.detach().clone() for p in stage.parameters()]
+
+
+# --- 4. pictures: the Gantt chart and the widget --------------------------------------------
+
+_FORWARD_COLOURS = ["#9ecae1", "#c6dbef"]  # per chunk, light: forward
+_BACKWARD_COLOURS = ["#3182bd", "#6baed6"]  # per chunk, dark: backward
+
+
+def draw_schedule(timeline: Timeline, ax: Any, title: str | None = None) -> None:
+    """Draw one lane per stage: forward (light) and backward (dark) boxes numbered by
+    micro-batch, idle time left grey."""
+    span = timeline.makespan
+    origin = min(t.start for t in timeline.tasks)
+    unit = 1000.0 if timeline.measured else 1.0  # measured seconds are drawn in ms
+    for s in range(timeline.n_stages):
+        ax.barh(s, span * unit, left=0, height=0.8, color="#eeeeee")  # idle unless covered
+    for t in timeline.tasks:
+        colours = _FORWARD_COLOURS if t.kind == FORWARD else _BACKWARD_COLOURS
+        left, width = (t.start - origin) * unit, (t.end - t.start) * unit
+        ax.barh(t.stage, width, left=left, height=0.8, color=colours[t.chunk % 2], ec="white")
+        if width > 0.015 * span * unit:  # label boxes wide enough to read
+            colour = "black" if t.kind == FORWARD else "white"
+            ax.text(
+                left + width / 2,
+                t.stage,
+                str(t.micro),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color=colour,
+            )
+    ax.set_yticks(range(timeline.n_stages), [f"stage {s}" for s in range(timeline.n_stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)" if unit == 1000.0 else "time (simulated units)")
+    if title is None:
+        title = f"{timeline.schedule}: P={timeline.n_stages}, bubble {timeline.bubble:.1%}"
+    ax.set_title(title, fontsize=10)
+
+
+def plot_schedule(*timelines: Timeline, titles: Sequence[str] | None = None) -> Figure:
+    """One Gantt chart per timeline, stacked, on a shared time axis."""
+    fig = NotebookFigure(
+        figsize=(10, 0.9 + 1.0 * sum(t.n_stages * 0.32 + 0.5 for t in timelines)),
+        layout="constrained",
+    )
+    axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False)[:, 0]
+    for i, (timeline, ax) in enumerate(zip(timelines, axes, strict=True)):
+        draw_schedule(timeline, ax, titles[i] if titles else None)
+    return fig
+
+
+class PipelineWidget(widgets.VBox):
+    """Sliders for P and m and a schedule menu, drawing the simulated schedule and its bubble
+    against the formula. `timeline` and `figure` hold what is shown (for tests)."""
+
+    def __init__(self, n_stages: int = 4, m: int = 4, schedule: str = "1f1b") -> None:
+        self.stages = widgets.IntSlider(n_stages, min=1, max=8, description="P (stages)")
+        self.micro = widgets.IntSlider(m, min=1, max=32, description="m (micro)")
+        self.schedule = widgets.Dropdown(options=SCHEDULES, value=schedule, description="schedule")
+        self.output = widgets.Output()
+        super().__init__([widgets.HBox([self.stages, self.micro, self.schedule]), self.output])
+        self.timeline: Timeline | None = None
+        self.figure: Figure | None = None
+        for control in (self.stages, self.micro, self.schedule):
+            control.observe(self._redraw, names="value")
+        self._redraw()
+
+    def _redraw(self, _change: Any = None) -> None:
+        P, m, schedule = self.stages.value, self.micro.value, self.schedule.value
+        with self.output:
+            self.output.clear_output(wait=True)
+            if schedule == "interleaved" and m % P:
+                print(f"interleaved needs m divisible by P: try m = {P * max(1, m // P)}")
+                return
+            self.timeline = simulate(P, m, schedule)
+            chunks = 2 if schedule == "interleaved" else 1
+            formula = (P - 1) / P if schedule == "naive" else bubble_formula(P, m, chunks)
+            self.figure = plot_schedule(
+                self.timeline,
+                titles=[
+                    f"{schedule}, P={P}, m={m}: bubble {self.timeline.bubble:.1%} "
+                    f"(formula {formula:.1%}); peak in-flight on stage 0: "
+                    f"{self.timeline.peak_in_flight(0)}"
+                ],
+            )
+            display(self.figure)
+
+
+# --- 5. cutting a model into stages: dynamic programming over layers and machines ----------
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Layers first..last (inclusive, 0-based) replicated on `machines` machines."""
+
+    first: int
+    last: int
+    machines: int
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A cut of the layers into consecutive stages, and the time of its slowest part."""
+
+    time: float
+    stages: tuple[Stage, ...]
+
+    @property
+    def noam(self) -> int:
+        """NUM_OPT_ACTIVE_MINIBATCHES: micro-batches to admit at once to keep every machine
+        busy in the steady state, ceil(machines / machines of the input stage)."""
+        return math.ceil(sum(s.machines for s in self.stages) / self.stages[0].machines)
+
+
+def stage_time(
+    layer_times: Sequence[float], sync_times: Sequence[float], first: int, last: int, machines: int
+) -> float:
+    """T(first -> last, m): the stage's compute split over m replicas, or its weight
+    synchronisation if that is slower (the two overlap): max(sum T_l, sum W_l) / m."""
+    compute = sum(layer_times[first : last + 1])
+    sync = sum(sync_times[first : last + 1]) if machines > 1 else 0.0
+    return max(compute, sync) / machines
+
+
+def _sync_times(weight_sizes: Sequence[float] | None, n: int, bandwidth: float) -> list[float]:
+    # Ring all-reduce of a layer's weights among replicas: about 2 * size / bandwidth.
+    sizes = weight_sizes if weight_sizes is not None else [0.0] * n
+    if len(sizes) != n:
+        raise ValueError(f"weight_sizes has {len(sizes)} entries for {n} layers")
+    return [2.0 * w / bandwidth for w in sizes]
+
+
+def _check_partition_input(layer_times, activation_sizes, n_machines, bandwidth) -> None:
+    if not layer_times or len(layer_times) != len(activation_sizes):
+        raise ValueError(
+            f"need one time and one activation size per layer: got {len(layer_times)} "
+            f"times and {len(activation_sizes)} sizes"
+        )
+    if isinstance(n_machines, bool) or not isinstance(n_machines, int) or n_machines < 1:
+        raise ValueError(f"n_machines must be a whole number >= 1, got {n_machines!r}")
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be > 0, got {bandwidth}")
+
+
+def optimal_partition(
+    layer_times: Sequence[float],
+    activation_sizes: Sequence[float],
+    n_machines: int,
+    bandwidth: float = 1.0,
+    weight_sizes: Sequence[float] | None = None,
+    replicate: bool = True,
+) -> Partition:
+    """The cut of layers into stages on exactly `n_machines` that minimises the slowest part
+    of the pipeline: a stage, or the link after layer i (2 a_i / bandwidth: activations
+    forward, gradients back). PipeDream's recurrence, O(N^2 M^2):
+
+        A(j, m) = min( T(0 -> j, m),
+                       min over i < j, 1 <= m' < m of max(A(i, m - m'), 2 C_i, T(i+1 -> j, m')) )
+
+    `replicate=False`: one machine per stage (m' = 1), so at most `n_machines` stages.
+    """
+    _check_partition_input(layer_times, activation_sizes, n_machines, bandwidth)
+    n = len(layer_times)
+    sync = _sync_times(weight_sizes, n, bandwidth)
+    comm = [2.0 * a / bandwidth for a in activation_sizes]
+    # best[j][k]: (A(j, k), the stages achieving it) for layers 0..j on k machines
+    best: list[list[tuple[float, tuple[Stage, ...]]]] = [
+        [None] * (n_machines + 1) for _ in range(n)
+    ]
+    for j in range(n):
+        for k in range(1, n_machines + 1):
+            k_first = k if replicate else 1
+            choice = (stage_time(layer_times, sync, 0, j, k_first), (Stage(0, j, k_first),))
+            for i in range(j):
+                for k_last in range(1, k if replicate else min(k, 2)):
+                    before, stages = best[i][k - k_last]
+                    last = stage_time(layer_times, sync, i + 1, j, k_last)
+                    slowest = max(before, comm[i], last)
+                    if slowest < choice[0]:
+                        choice = (slowest, (*stages, Stage(i + 1, j, k_last)))
+            best[j][k] = choice
+    time_, stages = best[n - 1][n_machines]
+    return Partition(time_, stages)
+
+
+def brute_force_partition(
+    layer_times: Sequence[float],
+    activation_sizes: Sequence[float],
+    n_machines: int,
+    bandwidth: float = 1.0,
+    weight_sizes: Sequence[float] | None = None,
+    replicate: bool = True,
+) -> Partition:
+    """Every cut into consecutive stages and every split of the machines among them: the
+    reference `optimal_partition` must match (exponential; small cases only)."""
+    _check_partition_input(layer_times, activation_sizes, n_machines, bandwidth)
+    n = len(layer_times)
+    sync = _sync_times(weight_sizes, n, bandwidth)
+    best: Partition | None = None
+    for n_stages in range(1, min(n, n_machines) + 1):
+        for cuts in itertools.combinations(range(n - 1), n_stages - 1):
+            bounds = [-1, *cuts, n - 1]
+            links = max((2.0 * activation_sizes[c] / bandwidth for c in cuts), default=0.0)
+            if replicate:  # every way to give each stage at least one of the machines
+                splits = [
+                    [b - a for a, b in zip((0, *cut), (*cut, n_machines), strict=True)]
+                    for cut in itertools.combinations(range(1, n_machines), n_stages - 1)
+                ]
+            else:
+                splits = [[1] * n_stages]
+            for machines in splits:
+                stages = tuple(
+                    Stage(bounds[s] + 1, bounds[s + 1], machines[s]) for s in range(n_stages)
+                )
+                slowest = max(
+                    links,
+                    *(stage_time(layer_times, sync, s.first, s.last, s.machines) for s in stages),
+                )
+                if best is None or slowest < best.time:
+                    best = Partition(slowest, stages)
+    return best
+
+
+def partition_stages(layers: Sequence[nn.Module], partition: Partition) -> list[nn.Sequential]:
+    """The modules of each stage of `partition`, to run with `pipeline_step`."""
+    return [nn.Sequential(*layers[s.first : s.last + 1]) for s in partition.stages]
+
+
+def profile_layers(
+    layers: Sequence[nn.Module], x: torch.Tensor, repeats: int = 5
+) -> tuple[list[float], list[int]]:
+    """Measure each layer's forward + backward seconds and the bytes of its output (what a
+    stage boundary after it sends): the DP's T_l and a_l. Rounds go through all layers in
+    turn, after one warm-up round, and each layer keeps its fastest time: on a shared
+    machine, other processes only ever add time."""
+    times = [math.inf] * len(layers)
+    sizes = [0] * len(layers)
+    for round_ in range(repeats + 1):
+        inp = x
+        for i, layer in enumerate(layers):
+            inp = inp.detach().requires_grad_(inp.is_floating_point())
+            start = time.perf_counter()
+            out = layer(inp)
+            out.backward(torch.ones_like(out))
+            if round_ > 0:  # round 0 warms up (first calls allocate and dispatch slowly)
+                times[i] = min(times[i], time.perf_counter() - start)
+            sizes[i] = out.numel() * out.element_size()
+            inp = out
+    return times, sizes

@@ -1,0 +1,300 @@
+"""course_lib.pipeline: schedules keep their dependencies and the bubble formula, the real
+multi-process pipeline trains exactly like one process and shows the formula's bubble, and the
+stage partition by dynamic programming matches brute force.
+
+Tolerances: a pipeline computes the same sums as single-process training, micro-batch by
+micro-batch, so fp32 gradients differ by rounding only (../shared/NOTES.md): atol 1e-6. The
+measured bubble must be within 5 percentage points of (P-1)/(m+P-1) (issue 7).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import RankError, WorkerPool, data, models, rank, world_size
+from course_lib.pipeline import (
+    BACKWARD,
+    FORWARD,
+    SCHEDULES,
+    Partition,
+    PipelineWidget,
+    Stage,
+    Timeline,
+    brute_force_partition,
+    bubble_formula,
+    measure_bubbles,
+    optimal_partition,
+    partition_stages,
+    pipeline_step,
+    plot_schedule,
+    profile_layers,
+    schedule_order,
+    simulate,
+    torch_pipeline_step,
+)
+
+P = 4
+ATOL = 1e-6
+TIMEOUT = 60
+
+
+# --- the simulator ----------------------------------------------------------------------------
+
+CASES = [(p, m) for p in (1, 2, 3, 4, 5) for m in (1, 2, 3, 4, 8, 16)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("times", [(1.0, 2.0), (1.0, 1.0), (0.5, 3.0)])
+def test_gpipe_and_1f1b_bubble_is_the_formula(schedule, times):
+    for p, m in CASES:
+        timeline = simulate(p, m, schedule, *times)
+        assert math.isclose(timeline.bubble, bubble_formula(p, m), abs_tol=1e-12), (p, m)
+        # the makespan behind it: m micro-batches plus P - 1 of fill and drain
+        assert math.isclose(timeline.makespan, (m + p - 1) * sum(times)), (p, m)
+
+
+def test_naive_keeps_one_stage_busy_and_interleaving_divides_the_bubble():
+    for p, m in CASES:
+        assert math.isclose(simulate(p, m, "naive").bubble, (p - 1) / p, abs_tol=1e-12)
+        for chunks in (2, 3):
+            if m % p == 0:
+                timeline = simulate(p, m, "interleaved", chunks=chunks)
+                expected = (p - 1) / (chunks * m + p - 1)
+                assert math.isclose(timeline.bubble, expected, abs_tol=1e-12), (p, m, chunks)
+
+
+def _check_dependencies(timeline: Timeline, chunks: int) -> None:
+    tasks = {(t.kind, t.micro, t.chunk * timeline.n_stages + t.stage): t for t in timeline.tasks}
+    assert len(tasks) == len(timeline.tasks), "an op ran twice"
+    last = chunks * timeline.n_stages - 1
+    for (kind, micro, v), task in tasks.items():
+        if kind == FORWARD and v > 0:
+            assert task.start >= tasks[(FORWARD, micro, v - 1)].end - 1e-12
+        if kind == BACKWARD:
+            assert task.start >= tasks[(FORWARD, micro, v)].end - 1e-12  # own F before B
+            if v < last:
+                assert task.start >= tasks[(BACKWARD, micro, v + 1)].end - 1e-12
+    for s in range(timeline.n_stages):  # a stage runs one op at a time
+        lane = sorted((t for t in timeline.tasks if t.stage == s), key=lambda t: t.start)
+        assert all(a.end <= b.start + 1e-12 for a, b in itertools.pairwise(lane))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_op_runs_once_after_what_it_depends_on(schedule):
+    for p, m in CASES:
+        if schedule == "interleaved" and m % p:
+            continue
+        chunks = 2 if schedule == "interleaved" else 1
+        timeline = simulate(p, m, schedule, forward_s=1.0, backward_s=2.5)
+        assert len(timeline.tasks) == 2 * p * m * chunks
+        _check_dependencies(timeline, chunks)
+
+
+def test_in_flight_micro_batches():
+    for p, m in CASES:
+        gpipe, one_f = simulate(p, m, "gpipe"), simulate(p, m, "1f1b")
+        for s in range(p):
+            assert gpipe.peak_in_flight(s) == m
+            assert one_f.peak_in_flight(s) == min(p - s, m) <= p - s
+
+
+def test_per_stage_times_make_the_slowest_stage_the_pace():
+    times = [1.0, 3.0, 1.0, 1.0]
+    timeline = simulate(4, 32, "1f1b", forward_s=times, backward_s=[2 * t for t in times])
+    # in steady state one micro-batch leaves every 3 + 6 time units
+    assert 32 * 9 <= timeline.makespan <= 32 * 9 + 3 * 9
+
+
+def test_bad_schedule_arguments_say_what_is_wrong():
+    with pytest.raises(ValueError, match="divisible by P"):
+        schedule_order("interleaved", 4, 6)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        simulate(4, 4, "zigzag")
+    with pytest.raises(ValueError, match="m \\(micro-batches\\)"):
+        simulate(4, 0)
+    with pytest.raises(ValueError, match="one per stage"):
+        simulate(4, 4, forward_s=[1.0, 2.0])
+
+
+def test_widget_and_chart_draw_the_simulated_schedule():
+    widget = PipelineWidget(4, 4, "gpipe")
+    assert math.isclose(widget.timeline.bubble, bubble_formula(4, 4))
+    widget.micro.value = 16
+    assert math.isclose(widget.timeline.bubble, bubble_formula(4, 16))
+    widget.schedule.value = "1f1b"
+    assert widget.timeline.schedule == "1f1b" and widget.timeline.peak_in_flight(0) == 4
+    fig = plot_schedule(simulate(2, 3, "gpipe"), simulate(2, 3, "1f1b"))
+    assert len(fig.axes) == 2
+
+
+# --- the real pipeline on 4 ranks --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    with WorkerPool(P) as pool:
+        yield pool
+
+
+def tiny_gpt_stage():
+    return models.TinyGPT(seed=0).pipeline_stages(world_size())[rank()]
+
+
+def gpt_batch():
+    return data.tokens(8, seed=3)
+
+
+def gpt_reference_grads(x, y):
+    model = models.TinyGPT(seed=0)
+    loss = models.lm_loss(model(x), y)
+    loss.backward()
+    return [[p.grad for p in stage.parameters()] for stage in model.pipeline_stages(P)], loss
+
+
+def run_step(x, y, m, schedule):
+    return pipeline_step(tiny_gpt_stage(), x, y, models.lm_loss, m, schedule)
+
+
+def assert_grads_match(per_rank_grads, reference):
+    for stage, (got, want) in enumerate(zip(per_rank_grads, reference, strict=True)):
+        assert len(got) == len(want)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            err = (g - w).abs().max().item()
+            assert err <= ATOL, f"stage {stage}, parameter {i}: max abs error {err:.3g}"
+
+
+@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+def test_pipeline_gradients_match_single_process(pool4, schedule):
+    x, y = gpt_batch()
+    reference, loss = gpt_reference_grads(x, y)
+    for m in (1, 4):
+        logs = pool4.launch(run_step, x, y, m, schedule, timeout=TIMEOUT)
+        assert_grads_match([log.grads for log in logs], reference)
+        assert math.isclose(logs[-1].loss, loss.item(), rel_tol=1e-5)  # mean of micro-batches
+        assert all(log.loss is None for log in logs[:-1])
+
+
+def mlp_steps(x, y, m, schedule):
+    """An MLP chain cut into one Linear(+ReLU) per rank, trained 2 steps with SGD."""
+    layers = list(models.MLP((8, 16, 16, 16, 4), seed=1).layers)
+    stage = torch.nn.Sequential(*layers[2 * rank() : 2 * rank() + 2])
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+    for _ in range(2):
+        pipeline_step(stage, x, y, F.mse_loss, m, schedule, optimizer=optimizer)
+    return [p.detach().clone() for p in stage.parameters()]
+
+
+def test_pipeline_training_matches_single_process_sgd(pool4):
+    x, y = data.regression(16, in_dim=8, out_dim=4, seed=2)
+    model = models.MLP((8, 16, 16, 16, 4), seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    want = list(model.parameters())
+    got = [p for stage in pool4.launch(mlp_steps, x, y, 4, "1f1b", timeout=TIMEOUT) for p in stage]
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).abs().max().item() <= ATOL
+
+
+def torch_step(x, y, m, schedule):
+    return torch_pipeline_step(tiny_gpt_stage(), x, y, models.lm_loss, m, schedule)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_torch_pipelining_reference_matches_single_process(pool4, schedule):
+    x, y = gpt_batch()
+    reference, _ = gpt_reference_grads(x, y)
+    assert_grads_match(pool4.launch(torch_step, x, y, 4, schedule, timeout=TIMEOUT), reference)
+
+
+def test_in_flight_and_activation_memory_measured(pool4):
+    x, y = gpt_batch()
+    for schedule in ("gpipe", "1f1b"):
+        logs = pool4.launch(run_step, x, y, 8, schedule, timeout=TIMEOUT)
+        for s, log in enumerate(logs):
+            expected = 8 if schedule == "gpipe" else min(P - s, 8)
+            assert log.peak_in_flight == expected, (schedule, s)
+            # equal micro-batches save equal bytes; the peak is in-flight x one micro-batch's
+            assert len(set(log.activation_bytes)) == 1 and log.activation_bytes[0] > 0
+            assert log.peak_activation_bytes == expected * log.activation_bytes[0], (schedule, s)
+
+
+def test_measured_bubble_matches_the_formula(pool4):
+    x, y = data.tokens(16, seed=4)
+    logs = pool4.launch(
+        measure_bubbles,
+        tiny_gpt_stage,
+        x,
+        y,
+        models.lm_loss,
+        ("gpipe", "1f1b"),
+        (1, 4, 16),
+        0.04,
+        0.08,
+        timeout=120,
+    )
+    for key in logs[0]:
+        measured = Timeline.from_logs([log[key] for log in logs]).bubble
+        formula = bubble_formula(P, key[1])
+        assert abs(measured - formula) <= 0.05, f"{key}: measured {measured:.3f}, {formula:.3f}"
+
+
+def test_bad_micro_batch_count_is_a_clear_error(pool4):
+    x, y = gpt_batch()
+    with pytest.raises(RankError, match="does not split into m=3"):
+        pool4.launch(run_step, x, y, 3, "1f1b", timeout=TIMEOUT)
+
+
+# --- the optimal partition -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replicate", [True, False])
+def test_optimal_partition_matches_brute_force(replicate):
+    rng = random.Random(0)
+    for trial in range(150):
+        n, machines = rng.randint(1, 6), rng.randint(1, 5)
+        times = [rng.uniform(0.1, 3.0) for _ in range(n)]
+        acts = [rng.uniform(0.0, 2.0) for _ in range(n)]
+        weights = [rng.uniform(0.0, 2.0) for _ in range(n)] if trial % 2 else None
+        bandwidth = rng.choice([0.5, 1.0, 4.0])
+        args = (times, acts, machines, bandwidth, weights, replicate)
+        dp, brute = optimal_partition(*args), brute_force_partition(*args)
+        assert math.isclose(dp.time, brute.time, rel_tol=1e-12), (args, dp, brute)
+        # the DP's stages cover every layer once, in order, and really take dp.time
+        assert [s.first for s in dp.stages] == [0] + [s.last + 1 for s in dp.stages[:-1]]
+        assert dp.stages[-1].last == n - 1
+        used = sum(s.machines for s in dp.stages)
+        assert used == machines if replicate else all(s.machines == 1 for s in dp.stages)
+
+
+def test_partition_examples_and_noam():
+    # a slow link after layer 1 and a heavy layer 3: cut elsewhere, give layer 3 its own stage
+    best = optimal_partition([1, 1, 1, 4], [0.1, 5.0, 0.1, 0.1], 2, replicate=False)
+    assert [(s.first, s.last) for s in best.stages] == [(0, 2), (3, 3)] and best.time == 4
+    # no weights to synchronise: replicating the whole model on 4 machines is best (DP)
+    dp_only = optimal_partition([1.0, 1.0, 1.0], [1.0] * 3, 4)
+    assert dp_only.stages == (dp_only.stages[0],) and dp_only.time == 0.75 and dp_only.noam == 1
+    # NOAM: an input stage on 1 of 4 machines needs 4 micro-batches in flight to fill them
+    assert Partition(1.0, (Stage(0, 0, 1), Stage(1, 2, 3))).noam == 4
+    stages = partition_stages(list(models.TinyGPT().layers()), best)
+    assert [len(s) for s in stages] == [3, 1]
+    with pytest.raises(ValueError, match="one time and one activation size per layer"):
+        optimal_partition([1.0, 2.0], [1.0], 2)
+
+
+def test_profile_layers_measures_output_bytes_and_positive_times():
+    layers = list(models.TinyGPT().layers())
+    x, _ = data.tokens(2, seed=0)
+    times, sizes = profile_layers(layers, x, repeats=2)
+    assert all(t > 0 for t in times)
+    d, vocab = models.GPTConfig().d_model, models.GPTConfig().vocab_size
+    assert sizes == [2 * 16 * d * 4] * 3 + [2 * 16 * vocab * 4]  # fp32 outputs of each layer
