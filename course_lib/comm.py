@@ -13,6 +13,9 @@ broadcast, reduce, gather and scatter), the volume the lectures' formulas descri
 
 Calls made through a name bound before the counter started (`from torch.distributed import
 send`) and calls made from C++ (DistributedDataParallel's reducer) are not seen.
+
+Other modules hook the same wrapped calls with `add_around_hook` (the emulated network in
+`course_lib.network` does), so the two never wrap each other.
 """
 
 from __future__ import annotations
@@ -61,8 +64,7 @@ class CommCounter:
 
     def __enter__(self) -> CommCounter:
         with _lock:
-            if not _active:
-                _install()
+            _install()
             _active.append(self)
         return self
 
@@ -70,8 +72,7 @@ class CommCounter:
         with _lock:
             if self in _active:
                 _active.remove(self)
-            if not _active:
-                _uninstall()
+            _uninstall_if_unused()
 
     def add(self, op: str, sent: int, received: int) -> None:
         self.bytes_sent += sent
@@ -94,6 +95,9 @@ class CommCounter:
 
 
 _active: list[CommCounter] = []
+# hook(op, args, sent, received, call) -> what the call returns; `call()` makes the real call
+AroundHook = Callable[[str, dict, int, int, Callable[[], object]], object]
+_around: list[AroundHook] = []
 _lock = threading.Lock()
 _originals: dict[str, Callable] = {}
 _depth = threading.local()  # a wrapped call made inside another is counted once, outermost
@@ -157,21 +161,44 @@ def _volume(op: str, args: dict) -> tuple[int, int]:
     raise KeyError(op)
 
 
+def add_around_hook(hook: AroundHook) -> None:
+    """Wrap `hook` around every outermost torch.distributed call above until it is removed."""
+    with _lock:
+        _install()
+        if hook not in _around:
+            _around.append(hook)
+
+
+def remove_around_hook(hook: AroundHook) -> None:
+    with _lock:
+        if hook in _around:
+            _around.remove(hook)
+        _uninstall_if_unused()
+
+
+def unwrapped(op: str) -> Callable:
+    """torch.distributed's own `op`, unwrapped: for messages a hook sends on the side."""
+    return _originals.get(op) or getattr(c10d, op)
+
+
 def _wrap(op: str, original: Callable) -> Callable:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def counted(*args, **kwargs):
         depth = getattr(_depth, "value", 0)
-        if depth == 0 and _active:
+        call = functools.partial(original, *args, **kwargs)
+        if depth == 0 and (_active or _around):
             bound = signature.bind(*args, **kwargs).arguments
             if not c10d._rank_not_in_group(bound.get("group")):
                 sent, received = _volume(op, bound)
                 for counter in list(_active):
                     counter.add(op, sent, received)
+                for hook in reversed(list(_around)):
+                    call = functools.partial(hook, op, bound, sent, received, call)
         _depth.value = depth + 1
         try:
-            return original(*args, **kwargs)
+            return call()
         finally:
             _depth.value = depth
 
@@ -180,6 +207,8 @@ def _wrap(op: str, original: Callable) -> Callable:
 
 
 def _install() -> None:
+    if _originals:  # already wrapped (by a counter or a hook)
+        return
     for op in (*POINT_TO_POINT, *COLLECTIVE_MODEL):
         original = getattr(c10d, op)
         _originals[op] = original
@@ -196,10 +225,16 @@ def _uninstall() -> None:
     _originals.clear()
 
 
+def _uninstall_if_unused() -> None:
+    if not _active and not _around:
+        _uninstall()
+
+
 def _reset() -> None:
-    """After a launched call: drop counters left active, put torch.distributed back."""
+    """After a launched call: drop counters and hooks left active, put torch.distributed back."""
     with _lock:
         _active.clear()
+        _around.clear()
         _uninstall()
 
 

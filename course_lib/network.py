@@ -1,0 +1,313 @@
+"""An emulated slow network and slow ranks, so loopback behaves like a real cluster.
+
+    with SlowNetwork(bandwidth=125e6, latency=5e-3):   # 1 Gbit/s links, 5 ms latency
+        dist.all_reduce(grad)        # takes 2(P-1) * (5 ms + N / (P * 125e6 B/s))
+    slow = Straggler(delays={2: 0.05})
+    slow.step()                      # rank 2 sleeps 50 ms: call once per training step
+
+On one machine a message crosses loopback in microseconds, so compressing it or sending it to
+fewer ranks never pays off. Inside a `SlowNetwork` block every torch.distributed call this
+rank makes still moves the real data, and then waits until the time the modelled network
+would have needed:
+
+- a message of n bytes sent at t0 is delivered at t0 + latency + n / bandwidth (messages to
+  the same rank queue behind each other on that link); `send` returns then, and `recv`
+  returns no earlier. The sender passes the delivery time to the receiver in a small side
+  message, so a receiver that was waiting early still waits for a late sender.
+- a collective ends `collective_time` after the last rank of the group entered it: its
+  textbook algorithm's steps (one latency each) plus the busiest rank's bytes (as counted by
+  `course_lib.comm.COLLECTIVE_MODEL`) over the bandwidth. The ranks exchange their start
+  times in a small side all-reduce.
+- async calls (isend, irecv, `async_op=True`) return at once; `wait()` (and the future of
+  `get_future()`) completes no earlier than the emulated finish.
+
+The real transfer happens within the emulated time, not on top of it, so the emulation holds
+while the modelled time exceeds the real one (true on loopback for tens of milliseconds).
+Every rank of a group must be inside a `SlowNetwork` when it communicates (the side messages
+must match). Like `CommCounter`, calls from C++ (DistributedDataParallel's own all-reduce)
+are not seen; DDP communication hooks written in Python (`powerSGD_hook`) are.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from course_lib import comm, runtime
+
+# Side messages carrying delivery times use the user's tag plus this, so they never match data.
+STAMP_TAG = 1 << 30
+
+
+def collective_steps(op: str, world_size: int) -> int:
+    """Messages one after another in the textbook algorithm: each costs one latency."""
+    p = world_size
+    if op == "all_reduce":
+        return 2 * (p - 1)  # ring: reduce-scatter then all-gather
+    if op == "barrier":
+        return math.ceil(math.log2(p)) if p > 1 else 0  # dissemination barrier
+    return p - 1  # ring all-gather / reduce-scatter; flat tree: the root's P-1 messages
+
+
+def busiest_bytes(op: str, nbytes: int, world_size: int) -> int:
+    """Bytes the busiest rank sends or receives, N = `nbytes` as `COLLECTIVE_MODEL` says."""
+    p = world_size
+    if op == "all_reduce":
+        return 2 * (p - 1) * nbytes // p
+    if op == "barrier":
+        return 0
+    if op in ("all_to_all", "all_to_all_single"):
+        return (p - 1) * nbytes // p
+    return (p - 1) * nbytes
+
+
+class SlowNetwork:
+    """Every torch.distributed call in the block takes its time on the modelled network."""
+
+    def __init__(self, bandwidth: float = 125e6, latency: float = 5e-3) -> None:
+        if not (isinstance(bandwidth, (int, float)) and bandwidth > 0):
+            raise ValueError(
+                f"bandwidth is in bytes per second and must be > 0 (math.inf for no limit), "
+                f"got {bandwidth!r}; 1 Gbit/s is 125e6"
+            )
+        if not (isinstance(latency, (int, float)) and 0 <= latency < math.inf):
+            raise ValueError(f"latency is in seconds and must be >= 0, got {latency!r}")
+        self.bandwidth = float(bandwidth)
+        self.latency = float(latency)
+        self.waited = 0.0  # seconds calls spent waiting for the emulated network
+
+    def message_time(self, nbytes: int) -> float:
+        """Seconds for one message of `nbytes` bytes: latency + bytes / bandwidth."""
+        return self.latency + nbytes / self.bandwidth
+
+    def collective_time(self, op: str, nbytes: int, world_size: int) -> float:
+        """Seconds for collective `op` on N = `nbytes` (see `COLLECTIVE_MODEL`) and P ranks."""
+        if op not in comm.COLLECTIVE_MODEL:
+            raise ValueError(
+                f"unknown collective {op!r}; known: {', '.join(comm.COLLECTIVE_MODEL)}"
+            )
+        steps = collective_steps(op, world_size)
+        return steps * self.latency + busiest_bytes(op, nbytes, world_size) / self.bandwidth
+
+    def __enter__(self) -> SlowNetwork:
+        with _lock:
+            if not _stack:
+                comm.add_around_hook(_emulate)
+            _stack.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        with _lock:
+            if self in _stack:
+                _stack.remove(self)
+            if not _stack:
+                comm.remove_around_hook(_emulate)
+                _link_free.clear()
+
+    def __repr__(self) -> str:
+        return f"SlowNetwork(bandwidth={self.bandwidth:g}, latency={self.latency:g})"
+
+    def _sleep_until(self, deadline: float) -> None:
+        pause = deadline - time.time()
+        if pause > 0:
+            time.sleep(pause)
+            self.waited += pause
+
+
+class Straggler:
+    """Per-rank compute slow-downs: `step()` sleeps this rank's delay (+ seeded jitter)."""
+
+    def __init__(
+        self, delays: dict[int, float] | None = None, jitter: float = 0.0, seed: int = 0
+    ) -> None:
+        delays = dict(delays or {})
+        for rank, delay in delays.items():
+            if not (isinstance(rank, int) and rank >= 0 and delay >= 0):
+                raise ValueError(
+                    f"delays maps a rank (int >= 0) to extra seconds per step (>= 0), got "
+                    f"{rank!r}: {delay!r}"
+                )
+        if not jitter >= 0:
+            raise ValueError(f"jitter is in seconds and must be >= 0, got {jitter!r}")
+        self.delays = delays
+        self.jitter = float(jitter)
+        self.seed = seed
+        self._rngs: dict[int, random.Random] = {}
+
+    def delay(self) -> float:
+        """This rank's delay for the next step (draws the jitter: call once per step)."""
+        rank = runtime.rank()
+        extra = 0.0
+        if self.jitter > 0:
+            # One generator per rank, made on first use in the rank's own process.
+            rng = self._rngs.setdefault(rank, random.Random(self.seed * 1_000_003 + rank))
+            extra = rng.uniform(0.0, self.jitter)
+        return self.delays.get(rank, 0.0) + extra
+
+    def step(self) -> float:
+        """Sleep this rank's delay for one training step; return the seconds slept."""
+        seconds = self.delay()
+        if seconds > 0:
+            time.sleep(seconds)
+        return seconds
+
+
+_stack: list[SlowNetwork] = []  # nested blocks: the innermost one sets the network
+_link_free: dict[int, float] = {}  # destination rank -> time its link finishes what is queued
+_lock = threading.Lock()
+
+
+def _emulate(op: str, args: dict, sent: int, received: int, call: Callable[[], Any]) -> Any:
+    """The around-call hook (see `comm.add_around_hook`): real call, then the emulated wait."""
+    if not _stack:
+        return call()
+    net = _stack[-1]
+    if op in ("send", "isend"):
+        return _send(net, op, args, call)
+    if op in ("recv", "irecv"):
+        return _recv(net, op, args, call)
+    return _collective(net, op, args, max(sent, received), call)
+
+
+def _stamp_kwargs(args: dict, stamp: torch.Tensor) -> dict:
+    """The call's own arguments with the stamp as tensor and the side tag."""
+    return {**args, "tensor": stamp, "tag": args.get("tag", 0) + STAMP_TAG}
+
+
+def _send(net: SlowNetwork, op: str, args: dict, call: Callable[[], Any]) -> Any:
+    tensor = args["tensor"]
+    group = args.get("group")
+    dst = args.get("dst")
+    if dst is None:
+        dst = c10d.get_global_rank(c10d._group_or_default_group(group), args["group_dst"])
+    nbytes = tensor.numel() * tensor.element_size()
+    now = time.time()
+    # The link to dst carries one message at a time: this one starts when it is free.
+    start = max(now, _link_free.get(dst, 0.0))
+    _link_free[dst] = start + nbytes / net.bandwidth
+    deliver = start + net.message_time(nbytes)
+    result = call()
+    stamp = torch.tensor([deliver], dtype=torch.float64, device=tensor.device)
+    if op == "send":
+        comm.unwrapped("send")(**_stamp_kwargs(args, stamp))
+        net._sleep_until(deliver)
+        return result
+    stamp_work = comm.unwrapped("isend")(**_stamp_kwargs(args, stamp))
+    return EmulatedWork(net, result, lambda: _wait(stamp_work, deliver), keep=(stamp,))
+
+
+def _recv(net: SlowNetwork, op: str, args: dict, call: Callable[[], Any]) -> Any:
+    stamp = torch.empty(1, dtype=torch.float64, device=args["tensor"].device)
+    if op == "recv":
+        source = call()  # the sender's global rank
+        comm.unwrapped("recv")(**{**_stamp_kwargs(args, stamp), "src": source, "group_src": None})
+        net._sleep_until(stamp.item())
+        return source
+    work = call()
+    if args.get("src") is None and args.get("group_src") is None:
+        # From any source: the stamp can only be asked for once the data says who sent it.
+        def deliver() -> float:
+            work.wait()
+            side = {**_stamp_kwargs(args, stamp), "src": None, "group_src": work._source_rank()}
+            comm.unwrapped("recv")(**side)
+            return stamp.item()
+
+        return EmulatedWork(net, work, deliver, keep=(stamp,))
+    stamp_work = comm.unwrapped("irecv")(**_stamp_kwargs(args, stamp))
+    return EmulatedWork(net, work, lambda: _wait(stamp_work, stamp), keep=(stamp,))
+
+
+def _collective(net: SlowNetwork, op: str, args: dict, nbytes: int, call: Callable[[], Any]) -> Any:
+    group = args.get("group")
+    steps = collective_steps(op, dist.get_world_size(group))
+    # [when this rank entered, its bytes]; their maxima over the group set the finish.
+    stamp = torch.tensor([time.time(), float(nbytes)], dtype=torch.float64, device=runtime.device())
+    result = call()
+    async_op = bool(args.get("async_op", False))
+    exchange = comm.unwrapped("all_reduce")(
+        stamp, op=dist.ReduceOp.MAX, group=group, async_op=async_op
+    )
+
+    def finish() -> float:
+        if async_op:
+            exchange.wait()
+        last_start, busiest = stamp.tolist()
+        return last_start + steps * net.latency + busiest / net.bandwidth
+
+    if not async_op:
+        net._sleep_until(finish())
+        return result
+    return EmulatedWork(net, result, finish, keep=(stamp,))
+
+
+def _wait(work: Any, value: float | torch.Tensor) -> float:
+    work.wait()
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+class EmulatedWork:
+    """A torch.distributed work handle whose `wait()` returns at the emulated finish."""
+
+    def __init__(
+        self, net: SlowNetwork, work: Any, finish: Callable[[], float], keep: tuple = ()
+    ) -> None:
+        self._net = net
+        self._work = work
+        self._finish = finish  # waits for the side message if needed; returns the finish time
+        self._finish_at: float | None = None
+        self._keep = keep  # side-message tensors must outlive their transfer
+        self._lock = threading.Lock()
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        done = self._work.wait(*args, **kwargs)
+        with self._lock:
+            if self._finish_at is None:
+                self._finish_at = self._finish()
+        self._net._sleep_until(self._finish_at)
+        return done
+
+    def is_completed(self) -> bool:
+        """True once the real transfer is done and the emulated finish has passed."""
+        if not self._work.is_completed():
+            return False
+        with self._lock:
+            if self._finish_at is None:  # the side message follows the data right away
+                self._finish_at = self._finish()
+        return time.time() >= self._finish_at
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed at the emulated finish (DDP communication hooks use this)."""
+        real = self._work.get_future()
+        future: torch.futures.Future = torch.futures.Future()
+
+        def complete() -> None:
+            try:
+                self.wait()
+                future.set_result(real.value())
+            except Exception as exc:  # noqa: BLE001 (handed to whoever waits on the future)
+                future.set_exception(exc)
+
+        threading.Thread(target=complete, daemon=True).start()
+        return future
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _reset() -> None:
+    """After a launched call: no emulation left on for the next call on a warm worker."""
+    with _lock:
+        _stack.clear()
+        _link_free.clear()
+        comm.remove_around_hook(_emulate)
+
+
+runtime.at_call_end(_reset)
