@@ -1,0 +1,682 @@
+"""Decentralized training: gossip averaging, Stochastic Gradient Push, group all-reduce, and
+asynchronous SGD with stale gradients (lecture 4).
+
+    ring, expo = Ring(4), ExponentialGraph(4)         # who talks to whom at each step
+    x = gossip_round(x, ring, step)                   # D-PSGD: average with neighbours
+    x, w = push_sum_step(x, w, out_nbrs, in_nbrs)     # one SGP round (Algorithm 1, lines 5-7)
+    errors = simulate_consensus(expo, x0, rounds=10)  # the same mixing in one process
+    log = train_decentralized("sgp", model, batches, F.mse_loss, lr=0.1, topology=expo)
+    losses = stale_sgd(model, batches, F.mse_loss, lr=0.1, staleness=4)
+
+Every rank keeps its own copy of the model. Instead of one all-reduce per step, a rank mixes
+its parameters with a few peers: after t rounds all copies approach their average, at a rate
+set by the topology. Mixing is written "push" style, as in SGP: rank i keeps the share
+1 / (1 + d_i) of what it has and sends the same share to each of its d_i out-neighbours.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.comm import CommCounter
+from course_lib.data import shard
+from course_lib.data_parallel import allreduce_gradients, flat_gradients, flat_parameters
+from course_lib.runtime import rank, world_size
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+GOSSIP_TAG = 404  # messages of the asynchronous gossip, kept apart from anything else
+
+# --- 1. topologies ---------------------------------------------------------------------------
+
+
+class Topology:
+    """Who sends to whom at each step. Subclasses define `out_neighbors`; the rest follows."""
+
+    name = "topology"
+
+    def __init__(self, world: int) -> None:
+        if world < 1:
+            raise ValueError(f"a topology needs at least one rank, got world={world}")
+        self.world = world
+
+    def out_neighbors(self, node: int, step: int = 0) -> list[int]:
+        """The ranks `node` sends to at `step` (never itself), sorted."""
+        raise NotImplementedError
+
+    def in_neighbors(self, node: int, step: int = 0) -> list[int]:
+        """The ranks `node` receives from at `step`: those that have it as an out-neighbour."""
+        self._check(node)
+        return [j for j in range(self.world) if node in self.out_neighbors(j, step)]
+
+    def period(self) -> int:
+        """After this many steps the pattern repeats (1 for a fixed graph)."""
+        return 1
+
+    def all_out_neighbors(self, node: int) -> list[int]:
+        """Every rank `node` ever sends to, over one period."""
+        return sorted({j for s in range(self.period()) for j in self.out_neighbors(node, s)})
+
+    def all_in_neighbors(self, node: int) -> list[int]:
+        """Every rank `node` ever receives from, over one period."""
+        return sorted({j for s in range(self.period()) for j in self.in_neighbors(node, s)})
+
+    def mixing_matrix(self, step: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """W with W[i, j] = the share of rank j's values that rank i holds after one round.
+
+        Rank j keeps 1 / (1 + d_j) and sends as much to each of its d_j out-neighbours, so every
+        column sums to 1 (column-stochastic: the total is conserved). Rows sum to 1 too (doubly
+        stochastic: plain averaging converges to the mean) only on regular graphs.
+        """
+        w = torch.zeros(self.world, self.world, dtype=dtype)
+        for j in range(self.world):
+            targets = [j, *self.out_neighbors(j, step)]
+            w[targets, j] = 1.0 / len(targets)
+        return w
+
+    def _check(self, node: int) -> None:
+        if not 0 <= node < self.world:
+            raise ValueError(f"rank {node} is not in 0..{self.world - 1} ({self.name})")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.world})"
+
+
+class Ring(Topology):
+    """Undirected ring: every rank exchanges with its left and right neighbours each step."""
+
+    name = "ring"
+
+    def out_neighbors(self, node: int, step: int = 0) -> list[int]:
+        self._check(node)
+        return sorted({(node - 1) % self.world, (node + 1) % self.world} - {node})
+
+
+class ExponentialGraph(Topology):
+    """SGP's directed exponential graph: rank i sends to i + 2^k (mod P), one peer per step,
+    cycling k = 0, 1, ..., floor(log2(P - 1)). For P a power of two, log2(P) rounds of it
+    average exactly (each round halves the number of distinct values)."""
+
+    name = "exponential graph"
+
+    def hops(self) -> list[int]:
+        """The distances 1, 2, 4, ... below P that rank i sends over, in cycling order."""
+        return [2**k for k in range(max(1, math.ceil(math.log2(self.world))))][: self.world - 1]
+
+    def period(self) -> int:
+        return max(1, len(self.hops()))
+
+    def out_neighbors(self, node: int, step: int = 0) -> list[int]:
+        self._check(node)
+        if self.world == 1:
+            return []
+        hop = self.hops()[step % self.period()]
+        return [(node + hop) % self.world]
+
+
+class RandomPeer(Topology):
+    """Each step every rank pushes to one peer drawn at random (the same draw on every rank,
+    from `seed` and the step). In-degrees differ from rank to rank, so plain averaging is
+    biased here and push-sum's weights are what correct it."""
+
+    name = "random peer"
+
+    def __init__(self, world: int, seed: int = 0, period: int = 64) -> None:
+        super().__init__(world)
+        self.seed, self._period = seed, period
+
+    def period(self) -> int:
+        return self._period
+
+    def out_neighbors(self, node: int, step: int = 0) -> list[int]:
+        self._check(node)
+        if self.world == 1:
+            return []
+        draw = random.Random(self.seed * 1_000_003 + step % self._period)
+        peers = [draw.randrange(self.world - 1) for _ in range(self.world)]
+        # Skip over oneself: peer k >= node means rank k + 1.
+        return [peers[node] + (peers[node] >= node)]
+
+
+class RandomGroups(Topology):
+    """Gossip with group all-reduce: each step the ranks are split into groups of
+    `group_size` at random (the same split on every rank) and each group averages. As a
+    mixing matrix: a rank's out-neighbours are its groupmates, and it keeps 1 / group_size."""
+
+    name = "random groups"
+
+    def __init__(self, world: int, group_size: int = 2, seed: int = 0, period: int = 64) -> None:
+        super().__init__(world)
+        if group_size < 1 or world % group_size:
+            raise ValueError(
+                f"group_size={group_size} must divide the world size {world} into equal groups"
+            )
+        self.group_size, self.seed, self._period = group_size, seed, period
+
+    def period(self) -> int:
+        return self._period
+
+    def groups(self, step: int = 0) -> list[tuple[int, ...]]:
+        """The split of all ranks into groups at `step`, each group sorted."""
+        order = list(range(self.world))
+        random.Random(self.seed * 1_000_003 + step % self._period).shuffle(order)
+        g = self.group_size
+        return sorted(tuple(sorted(order[i : i + g])) for i in range(0, self.world, g))
+
+    def group_of(self, node: int, step: int = 0) -> tuple[int, ...]:
+        self._check(node)
+        return next(group for group in self.groups(step) if node in group)
+
+    def out_neighbors(self, node: int, step: int = 0) -> list[int]:
+        return [j for j in self.group_of(node, step) if j != node]
+
+
+TOPOLOGIES = {"ring": Ring, "exponential": ExponentialGraph, "random_peer": RandomPeer}
+
+
+# --- 2. one round over point-to-point messages -------------------------------------------------
+
+
+def _exchange(
+    payload: torch.Tensor, out_neighbors: Sequence[int], in_neighbors: Sequence[int]
+) -> list[torch.Tensor]:
+    """Send `payload` to every out-neighbour and receive one tensor of the same shape from
+    every in-neighbour. All sends and receives are posted before any wait: no rank can block
+    another (a blocking send to a rank that is itself sending would deadlock)."""
+    received = [torch.empty_like(payload) for _ in in_neighbors]
+    works = [dist.isend(payload, dst=j) for j in out_neighbors]
+    works += [dist.irecv(buf, src=j) for j, buf in zip(in_neighbors, received, strict=True)]
+    for work in works:
+        work.wait()
+    return received
+
+
+def gossip_round(x: torch.Tensor, topology: Topology, step: int = 0) -> torch.Tensor:
+    """One round of gossip averaging (D-PSGD's mixing): x_i <- sum_j W[i, j] x_j.
+
+    The global mean is conserved only when W is doubly stochastic (ring, exponential graph);
+    on other graphs use push-sum (`push_sum_step`)."""
+    me = rank()
+    out_nbrs, in_nbrs = topology.out_neighbors(me, step), topology.in_neighbors(me, step)
+    share = x / (1 + len(out_nbrs))  # kept, and sent to each out-neighbour
+    return share + sum(_exchange(share.contiguous(), out_nbrs, in_nbrs), torch.zeros_like(x))
+
+
+def push_sum_step(
+    x: torch.Tensor, w: torch.Tensor, out_neighbors: Sequence[int], in_neighbors: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One push-sum round (SGP, Algorithm 1 lines 5-7) on numerators x and weight w.
+
+    Keep the share p = 1 / (1 + d_out) of (x, w), send (p x, p w) to every out-neighbour, and
+    add what the in-neighbours sent. Totals of x and of w over all ranks are conserved, and
+    z = x / w tends to the average on any strongly connected sequence of graphs."""
+    share = 1.0 / (1 + len(out_neighbors))
+    # x and w travel in one message: half the latency of two, and they stay together.
+    payload = torch.cat([x.reshape(-1), w.reshape(1).to(x.dtype)]) * share
+    received = _exchange(payload, out_neighbors, in_neighbors)
+    total = payload + sum(received, torch.zeros_like(payload))
+    return total[:-1].view_as(x), total[-1].to(w.dtype).reshape(w.shape)
+
+
+class GroupAllReduce:
+    """Averaging within groups re-drawn every step (gossip + group all-reduce).
+
+    `dist.new_group` is slow (it connects the group's ranks) and collective (every rank calls
+    it, in the same order), so every possible group is created once here; each step only
+    picks among them, with the seeded draw of `RandomGroups` that all ranks share."""
+
+    MAX_GROUPS = 70  # C(8, 4): beyond that, creating every group costs more than it saves
+
+    def __init__(self, topology: RandomGroups) -> None:
+        if topology.world != world_size():
+            raise ValueError(f"{topology!r} is for {topology.world} ranks, not {world_size()}")
+        self.topology = topology
+        subsets = list(itertools.combinations(range(topology.world), topology.group_size))
+        if len(subsets) > self.MAX_GROUPS:
+            raise ValueError(
+                f"{len(subsets)} possible groups of {topology.group_size} among "
+                f"{topology.world} ranks is too many to create; use smaller groups"
+            )
+        self.handles = {members: dist.new_group(list(members)) for members in subsets}
+
+    def average(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        """x averaged over this rank's group at `step` (in place; also returned)."""
+        members = self.topology.group_of(rank(), step)
+        if len(members) > 1:
+            dist.all_reduce(x, group=self.handles[members])
+        return x.div_(len(members))
+
+
+# --- 3. consensus --------------------------------------------------------------------------
+
+
+def consensus_error(z: torch.Tensor) -> float:
+    """Root-mean-square distance of the ranks' z from their average (collective: every rank
+    calls it and gets the same number)."""
+    mean = z.detach().clone()
+    dist.all_reduce(mean)
+    mean /= world_size()
+    squared = ((z.detach() - mean) ** 2).sum().reshape(1)
+    dist.all_reduce(squared)
+    return math.sqrt(squared.item() / world_size())
+
+
+def rms_from_mean(z: torch.Tensor) -> float:
+    """`consensus_error` in one process: z holds one row per rank."""
+    return math.sqrt(((z - z.mean(dim=0)) ** 2).sum().item() / z.shape[0])
+
+
+def simulate_consensus(
+    topology: Topology, x0: torch.Tensor, rounds: int, push_sum: bool = True
+) -> list[float]:
+    """Consensus error after 0..rounds rounds of mixing x0 (one row per rank) in one process,
+    with the same mixing matrices the ranks use. Without push-sum the rows of x are the
+    estimates; with it, z = x / w."""
+    x, w = x0.double().clone(), torch.ones(x0.shape[0], 1, dtype=torch.float64)
+    errors = [rms_from_mean(x)]
+    for step in range(rounds):
+        mixing = topology.mixing_matrix(step)
+        x, w = mixing @ x, mixing @ w
+        errors.append(rms_from_mean(x / w if push_sum else x))
+    return errors
+
+
+def contraction_rate(topology: Topology, rounds: int | None = None) -> float:
+    """Per-round factor by which the distance from the average shrinks at least, for a
+    doubly-stochastic mixing: the spectral norm of (W_T ... W_1 - J)^(1/T), J = 11^T/P, over
+    one period T (for a fixed graph: its second-largest eigenvalue modulus)."""
+    rounds = rounds or topology.period()
+    p = topology.world
+    product = torch.eye(p, dtype=torch.float64)
+    for step in range(rounds):
+        product = topology.mixing_matrix(step) @ product
+    norm = torch.linalg.matrix_norm(product - torch.full((p, p), 1.0 / p), ord=2).item()
+    return norm ** (1.0 / rounds)
+
+
+# --- 4. asynchronous SGD with stale gradients (simulated in one process) ---------------------
+
+
+def _vector_to_model(vector: torch.Tensor, model: nn.Module) -> None:
+    with torch.no_grad():
+        nn.utils.vector_to_parameters(vector, model.parameters())
+
+
+def _gradient_at(
+    model: nn.Module, params: torch.Tensor, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """(gradient, loss) of `loss_fn` at the parameter vector `params`."""
+    _vector_to_model(params, model)
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return flat_gradients(model).clone(), loss.item()
+
+
+def stale_sgd(
+    model: nn.Module,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+    lr: float,
+    staleness: int,
+) -> list[float]:
+    """SGD where the gradient applied at step t was computed on the parameters of step
+    t - staleness (what a parameter server sees when workers lag behind): returns the loss
+    of the current parameters on each step's batch. staleness=0 is plain SGD."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    params = flat_parameters(model).clone()
+    history = [params.clone()]  # history[-1 - s]: the parameters s steps ago
+    losses = []
+    for x, y in batches:
+        old = history[max(0, len(history) - 1 - staleness)]
+        grad, _ = _gradient_at(model, old, loss_fn, x, y)
+        with torch.no_grad():
+            losses.append(loss_fn(_model_at(model, params)(x), y).item())
+        params = params - lr * grad
+        history = [*history[-staleness:], params.clone()] if staleness else [params.clone()]
+    _vector_to_model(params, model)
+    return losses
+
+
+def _model_at(model: nn.Module, params: torch.Tensor) -> nn.Module:
+    _vector_to_model(params, model)
+    return model
+
+
+@dataclass
+class ServerLog:
+    """What `parameter_server` saw, one entry per applied gradient."""
+
+    time: list[float] = field(default_factory=list)  # simulated seconds when it was applied
+    worker: list[int] = field(default_factory=list)  # which worker sent it
+    staleness: list[int] = field(default_factory=list)  # updates since that worker read
+    losses: list[float] = field(default_factory=list)  # loss of the server's parameters
+
+
+def parameter_server(
+    model: nn.Module,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+    lr: float,
+    worker_times: Sequence[float],
+    eval_data: tuple[torch.Tensor, torch.Tensor],
+) -> ServerLog:
+    """Asynchronous SGD with a parameter server, simulated event by event in one process.
+
+    Worker k reads the server's parameters, spends worker_times[k] simulated seconds on a
+    gradient (of the next batch), and sends it; the server applies each gradient as it
+    arrives, without waiting for the others. A gradient is as stale as the number of updates
+    that landed while it was being computed."""
+    params = flat_parameters(model).clone()
+    version = 0
+    batch_iter = iter(batches)
+    # (finish time, worker, parameters it read, version it read, its batch)
+    events: list = []
+    for k, seconds in enumerate(worker_times):
+        events.append((seconds, k, params.clone(), version, next(batch_iter)))
+    heapq.heapify(events)
+    log = ServerLog()
+    x_eval, y_eval = eval_data
+    while events:
+        now, k, read, read_version, (x, y) = heapq.heappop(events)
+        grad, _ = _gradient_at(model, read, loss_fn, x, y)
+        params = params - lr * grad
+        log.staleness.append(version - read_version)
+        version += 1
+        with torch.no_grad():
+            log.losses.append(loss_fn(_model_at(model, params)(x_eval), y_eval).item())
+        log.time.append(now)
+        log.worker.append(k)
+        batch = next(batch_iter, None)
+        if batch is not None:
+            heapq.heappush(events, (now + worker_times[k], k, params.clone(), version, batch))
+    _vector_to_model(params, model)
+    return log
+
+
+def synchronous_server(
+    model: nn.Module,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+    lr: float,
+    worker_times: Sequence[float],
+    eval_data: tuple[torch.Tensor, torch.Tensor],
+) -> ServerLog:
+    """The synchronous counterpart of `parameter_server`: each step waits for one gradient
+    from every worker (max(worker_times) simulated seconds) and applies their average."""
+    params = flat_parameters(model).clone()
+    log, n = ServerLog(), len(worker_times)
+    x_eval, y_eval = eval_data
+    for step in range(len(batches) // n):
+        grads = [_gradient_at(model, params, loss_fn, x, y)[0] for x, y in batches[step * n :][:n]]
+        params = params - lr * torch.stack(grads).mean(dim=0)
+        with torch.no_grad():
+            log.losses.append(loss_fn(_model_at(model, params)(x_eval), y_eval).item())
+        log.time.append((step + 1) * max(worker_times))
+        log.worker.append(-1)  # all of them
+        log.staleness.append(0)
+    _vector_to_model(params, model)
+    return log
+
+
+# --- 5. training loops compared --------------------------------------------------------------
+
+
+METHODS = ("allreduce", "gossip", "sgp", "group", "async_sgp")
+
+
+@dataclass
+class GossipLog:
+    """What one rank measured in `train_decentralized`, one entry per step."""
+
+    method: str
+    losses: list[float] = field(default_factory=list)  # loss on this rank's shard, at z
+    step_s: list[float] = field(default_factory=list)  # wall time of the step
+    bytes_sent: list[int] = field(default_factory=list)  # counted by CommCounter
+    weights: list[float] = field(default_factory=list)  # push-sum weight w after the step
+    parameters: torch.Tensor | None = None  # this rank's final z (a flat vector)
+    gossip_rounds: int = 0  # rounds of the asynchronous gossip thread
+
+
+def train_decentralized(
+    method: str,
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+    lr: float,
+    *,
+    topology: Topology | None = None,
+    straggler=None,
+    max_seconds: float | None = None,
+) -> GossipLog:
+    """Train with plain SGD steps and one of five ways of keeping the copies together.
+
+    - "allreduce": all-reduce the gradients (synchronous data parallel);
+    - "gossip": D-PSGD, step then one `gossip_round` on `topology` (default: ring);
+    - "sgp": SGP, Algorithm 1: step on x at z = x / w, then `push_sum_step` (default graph:
+      exponential);
+    - "group": step, then average within random groups (`topology`: RandomGroups, default 2);
+    - "async_sgp": push-sum in a thread of its own that never waits (`AsyncPushSum`).
+    Each rank trains on its shard of every batch. `straggler.step()` (a `network.Straggler`)
+    runs after backward, before communication: a rank's compute is slowed, not its network.
+    With `max_seconds`, "async_sgp" ranks stop stepping after that much wall time (or at the
+    end of `batches`), each on its own: a slow rank then simply makes fewer steps.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    p, me = world_size(), rank()
+    topology = topology or _default_topology(method, p)
+    if topology.world != p:
+        raise ValueError(f"{topology!r} is for {topology.world} ranks, but {p} are running")
+    if max_seconds is not None and method != "async_sgp":
+        raise ValueError(
+            f"{method!r} is synchronous: its ranks must agree on the number of steps, so it "
+            "cannot stop on a per-rank time budget; pass max_seconds only with 'async_sgp'"
+        )
+    groups = GroupAllReduce(topology) if method == "group" else None
+    log = GossipLog(method)
+    x = flat_parameters(model).clone()  # numerators (the parameters, for non-push methods)
+    w = torch.ones((), dtype=x.dtype)  # push-sum weight (stays 1 for the others)
+    dist.barrier()  # start the clocks together
+    pusher = AsyncPushSum(topology, x) if method == "async_sgp" else None
+    began = time.perf_counter()
+    with CommCounter() as counter:
+        for step, (xb, yb) in enumerate(batches):
+            if max_seconds is not None and time.perf_counter() - began > max_seconds:
+                break
+            start, sent_before = time.perf_counter(), counter.bytes_sent
+            z = pusher.z() if pusher else x / w
+            _vector_to_model(z, model)  # gradients are computed at z = x / w
+            model.zero_grad(set_to_none=True)
+            loss = loss_fn(model(shard(xb, me, p)), shard(yb, me, p))
+            loss.backward()
+            if straggler is not None:
+                straggler.step()
+            if method == "allreduce":
+                allreduce_gradients(model)
+            update = lr * flat_gradients(model)
+            if pusher:
+                pusher.step(update)  # the gossip thread mixes on its own
+            else:
+                x = x - update  # Algorithm 1, line 4
+            if method == "gossip":
+                x = gossip_round(x, topology, step)
+            elif method == "sgp":
+                out_nbrs, in_nbrs = (
+                    topology.out_neighbors(me, step),
+                    topology.in_neighbors(me, step),
+                )
+                x, w = push_sum_step(x, w, out_nbrs, in_nbrs)  # lines 5-7
+            elif method == "group":
+                x = groups.average(x, step)
+            log.losses.append(loss.item())
+            log.step_s.append(time.perf_counter() - start)
+            log.bytes_sent.append(counter.bytes_sent - sent_before)
+            log.weights.append(float(pusher.w if pusher else w))
+        if pusher:
+            x, w = pusher.finish()
+            log.gossip_rounds = pusher.rounds
+    _vector_to_model(x / w, model)
+    log.parameters = (x / w).clone()
+    return log
+
+
+def _default_topology(method: str, p: int) -> Topology:
+    if method == "group":
+        return RandomGroups(p, group_size=2 if p % 2 == 0 else 1)
+    if method == "gossip":
+        return Ring(p)
+    return ExponentialGraph(p)
+
+
+class AsyncPushSum:
+    """Push-sum whose communication never waits for computation, nor computation for it.
+
+    A gossip thread mixes (x, w) every `interval` seconds, whatever the training loop is
+    doing: it adds the messages that have arrived, keeps its share and pushes the rest to
+    the round's out-neighbours. A receiver thread per in-neighbour blocks in `dist.recv` and
+    drops messages in a mailbox. The training loop reads z = x / w and subtracts its gradient
+    steps from x whenever it has one. A slow rank (a straggler in its computation) thus still
+    mixes at the common pace, and the others never wait for it: it only contributes fewer
+    gradient steps. The weight w travels with x, so late messages do not bias z.
+    `finish` stops the gossip and adds what was still in flight; after it the totals of x and
+    w over all ranks are exactly the starting totals plus the gradient steps.
+    """
+
+    def __init__(self, topology: Topology, x: torch.Tensor, interval: float = 0.002) -> None:
+        self.topology, self.me, self.interval = topology, rank(), interval
+        self.x, self.w = x.clone(), torch.ones((), dtype=x.dtype)
+        self.rounds = 0  # gossip rounds done by this rank
+        self.lock = threading.Lock()
+        self.mailbox: queue.Queue = queue.Queue()
+        self.errors: list[BaseException] = []
+        self.done = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._guard, args=(self._receive, j), daemon=True)
+            for j in topology.all_in_neighbors(self.me)
+        ]
+        self.gossiper = threading.Thread(target=self._guard, args=(self._gossip,), daemon=True)
+        for thread in [*self.threads, self.gossiper]:
+            thread.start()
+
+    # The training loop's side.
+
+    def z(self) -> torch.Tensor:
+        """This rank's current estimate z = x / w (a copy), with every message arrived so far."""
+        with self.lock:
+            self._check()
+            self._add_arrived()
+            return self.x / self.w
+
+    def step(self, update: torch.Tensor) -> None:
+        """Move z by -update: x <- x - w * update.
+
+        Algorithm 1 (line 4) subtracts lr * gradient from x, which moves z = x / w by that
+        divided by w. Synchronously on a regular graph w = 1 and nothing changes; here w
+        drifts with the timing of messages, and scaling by w keeps every step on z the same
+        size instead of letting a rank with a small w take huge steps."""
+        with self.lock:
+            self.x -= self.w * update
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Once every rank is done (a rank that stopped alone would soak up the others' mass
+        and never give it back), stop gossiping, wait for every in-neighbour to stop, and
+        add what is left: (x, w)."""
+        dist.barrier()
+        self.done.set()
+        self.gossiper.join()
+        for thread in self.threads:
+            thread.join()
+        with self.lock:
+            self._check()
+            self._add_arrived()
+            return self.x.clone(), self.w.clone()
+
+    # The threads' side.
+
+    def _guard(self, target: Callable, *args) -> None:
+        try:
+            target(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
+            self.errors.append(exc)
+
+    def _check(self) -> None:
+        if self.errors:
+            raise RuntimeError(f"rank {self.me}: asynchronous gossip failed") from self.errors[0]
+
+    def _receive(self, source: int) -> None:
+        while True:
+            buf = torch.empty(self.x.numel() + 2, dtype=self.x.dtype)  # x, w, stop flag
+            dist.recv(buf, src=source, tag=GOSSIP_TAG)
+            if buf[-1] != 0:
+                return
+            self.mailbox.put(buf[:-1])
+
+    def _add_arrived(self) -> None:
+        while not self.mailbox.empty():
+            message = self.mailbox.get_nowait()
+            self.x += message[:-1]
+            self.w += message[-1]
+
+    def _send(self, payload: torch.Tensor, targets: Sequence[int]) -> None:
+        for work in [dist.isend(payload, dst=j, tag=GOSSIP_TAG) for j in targets]:
+            work.wait()
+
+    def _gossip(self) -> None:
+        while not self.done.is_set():
+            out_nbrs = self.topology.out_neighbors(self.me, self.rounds)
+            with self.lock:
+                self._add_arrived()
+                share = 1.0 / (1 + len(out_nbrs))
+                self.x *= share
+                self.w *= share
+                payload = torch.cat([self.x, self.w.reshape(1), torch.zeros(1, dtype=self.x.dtype)])
+            self._send(payload, out_nbrs)
+            self.rounds += 1
+            time.sleep(self.interval)
+        stop = torch.zeros(self.x.numel() + 2, dtype=self.x.dtype)
+        stop[-1] = 1
+        self._send(stop, self.topology.all_out_neighbors(self.me))
+
+
+# --- 6. plots --------------------------------------------------------------------------------
+
+
+def plot_curves(
+    curves: dict[str, Sequence[float]],
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    log_y: bool = False,
+    x_values: dict[str, Sequence[float]] | None = None,
+    ax=None,
+):
+    """One line per label; `x_values[label]` (default: 0, 1, 2, ...) gives its x axis."""
+    from course_lib.plots import NotebookFigure
+
+    if ax is None:
+        fig = NotebookFigure(figsize=(6.5, 3.6), layout="constrained")
+        ax = fig.add_subplot()
+    for label, values in curves.items():
+        xs = (x_values or {}).get(label, range(len(values)))
+        ax.plot(list(xs), list(values), label=label)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ax.figure

@@ -1,0 +1,336 @@
+"""course_lib.gossip: topologies, gossip and push-sum rounds over point-to-point messages, group
+all-reduce, the asynchronous push-sum, stale-gradient SGD and the training loops.
+
+References are independent of the code under test: torch.distributed's own all-reduce and
+all-gather for sums and means, the mixing matrix applied in one process, and single-process
+SGD (`compare.train`). Sums and means are checked in fp64 to 1e-12; training in fp32 to 1e-6
+(../shared/NOTES.md: rounding only).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course_lib import RankError, WorkerPool, compare, data, models, rank
+from course_lib.data_parallel import flat_parameters
+from course_lib.gossip import (
+    AsyncPushSum,
+    ExponentialGraph,
+    GroupAllReduce,
+    RandomGroups,
+    RandomPeer,
+    Ring,
+    consensus_error,
+    gossip_round,
+    parameter_server,
+    push_sum_step,
+    simulate_consensus,
+    stale_sgd,
+    synchronous_server,
+    train_decentralized,
+)
+
+P = 4
+SIZES = (8, 16, 4)
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    with WorkerPool(P) as pool:
+        yield pool
+
+
+def start_values(r: int, n: int = 5) -> torch.Tensor:
+    """Different fp64 values on every rank, from a seed per rank."""
+    return torch.randn(n, generator=torch.Generator().manual_seed(100 + r), dtype=torch.float64)
+
+
+# --- topologies ----------------------------------------------------------------------------
+
+
+def test_ring_neighbours():
+    assert Ring(4).out_neighbors(0) == [1, 3]
+    assert Ring(4).in_neighbors(2) == [1, 3]
+    assert Ring(2).out_neighbors(0) == [1]  # left and right are the same rank
+    assert Ring(1).out_neighbors(0) == []
+
+
+def test_exponential_graph_cycles_over_powers_of_two():
+    g = ExponentialGraph(8)
+    assert g.hops() == [1, 2, 4] and g.period() == 3
+    assert [g.out_neighbors(0, s) for s in range(4)] == [[1], [2], [4], [1]]
+    assert [g.in_neighbors(0, s) for s in range(3)] == [[7], [6], [4]]
+    assert g.all_out_neighbors(5) == [1, 6, 7]
+    assert ExponentialGraph(5).hops() == [1, 2, 4]  # 2^k up to floor(log2(P - 1))
+    assert ExponentialGraph(4).hops() == [1, 2]
+    assert ExponentialGraph(2).hops() == [1]
+
+
+@pytest.mark.parametrize("topology", [RandomPeer(6, seed=3), RandomGroups(6, 2, seed=3)])
+def test_in_neighbours_are_the_reverse_of_out_neighbours(topology):
+    for step in range(5):
+        edges = {(i, j) for i in range(6) for j in topology.out_neighbors(i, step)}
+        assert all(i != j for i, j in edges)
+        reverse = {(i, j) for j in range(6) for i in topology.in_neighbors(j, step)}
+        assert edges == reverse
+
+
+def test_random_groups_split_every_rank_once_and_change():
+    topology = RandomGroups(8, group_size=4, seed=1)
+    splits = [topology.groups(step) for step in range(6)]
+    for groups in splits:
+        assert sorted(r for g in groups for r in g) == list(range(8))
+        assert all(len(g) == 4 for g in groups)
+    assert len({tuple(s) for s in splits}) > 1, "the groups should be re-drawn between steps"
+    with pytest.raises(ValueError, match="divide the world size"):
+        RandomGroups(6, group_size=4)
+
+
+@pytest.mark.parametrize("topology", [Ring(5), ExponentialGraph(6), RandomPeer(5)])
+def test_mixing_matrices_are_column_stochastic(topology):
+    for step in range(3):
+        w = topology.mixing_matrix(step)
+        torch.testing.assert_close(w.sum(dim=0), torch.ones(w.shape[0], dtype=w.dtype))
+
+
+def test_exponential_graph_averages_exactly_in_log2_p_rounds():
+    errors = simulate_consensus(ExponentialGraph(8), torch.randn(8, 3), rounds=3, push_sum=False)
+    assert errors[0] > 0.1 and errors[3] < 1e-12
+
+
+def test_plain_averaging_is_biased_on_a_random_peer_graph_and_push_sum_is_not():
+    x0 = torch.randn(6, 2, dtype=torch.float64)
+    topology = RandomPeer(6, seed=0)
+    x, w = x0.clone(), torch.ones(6, 1, dtype=torch.float64)
+    for step in range(60):
+        x, w = topology.mixing_matrix(step) @ x, topology.mixing_matrix(step) @ w
+    torch.testing.assert_close(x / w, x0.mean(0).expand(6, 2), rtol=0, atol=1e-8)
+    assert (x.mean(0) - x0.mean(0)).abs().max() < 1e-12  # the total is conserved...
+    assert (x - x0.mean(0)).abs().max() > 1e-3  # ...but x alone does not reach the average
+
+
+# --- rounds over point-to-point messages ---------------------------------------------------
+
+
+def gossip_rounds(topology, rounds):
+    x = start_values(rank())
+    start_mean = x.clone()
+    dist.all_reduce(start_mean)
+    start_mean /= P
+    history = [x]
+    for step in range(rounds):
+        history.append(gossip_round(history[-1], topology, step))
+    return start_mean, history
+
+
+@pytest.mark.parametrize("topology", [Ring(P), ExponentialGraph(P)], ids=["ring", "expo"])
+def test_gossip_round_keeps_the_mean_and_equals_the_mixing_matrix(pool4, topology):
+    results = pool4.launch(gossip_rounds, topology, 3, timeout=60)
+    start_mean = results[0][0]
+    x = torch.stack([start_values(r) for r in range(P)])
+    for step in range(3):
+        x = topology.mixing_matrix(step) @ x  # the same round, computed in one process
+        got = torch.stack([history[step + 1] for _, history in results])
+        torch.testing.assert_close(got, x, rtol=0, atol=1e-12)
+        torch.testing.assert_close(got.mean(dim=0), start_mean, rtol=0, atol=1e-12)
+
+
+def push_sum_rounds(topology, rounds):
+    x, w = start_values(rank()), torch.ones((), dtype=torch.float64)
+    totals, errors = [], []
+    for step in range(rounds + 1):
+        sums = torch.cat([x, w.reshape(1)])
+        dist.all_reduce(sums)
+        totals.append(sums)
+        errors.append(consensus_error(x / w))
+        if step < rounds:
+            out_nbrs, in_nbrs = (
+                topology.out_neighbors(rank(), step),
+                topology.in_neighbors(rank(), step),
+            )
+            x, w = push_sum_step(x, w, out_nbrs, in_nbrs)
+    return x / w, w, totals, errors
+
+
+@pytest.mark.parametrize("topology", [ExponentialGraph(P), RandomPeer(P, seed=2)])
+def test_push_sum_conserves_the_totals_of_x_and_w(pool4, topology):
+    results = pool4.launch(push_sum_rounds, topology, 6, timeout=60)
+    totals = results[0][2]
+    for step, sums in enumerate(totals):
+        torch.testing.assert_close(sums, totals[0], rtol=0, atol=1e-12, msg=f"round {step}")
+    assert totals[0][-1].item() == P  # every weight starts at 1
+
+
+def test_push_sum_reaches_the_average_on_the_exponential_graph(pool4):
+    results = pool4.launch(push_sum_rounds, ExponentialGraph(P), 4, timeout=60)
+    average = torch.stack([start_values(r) for r in range(P)]).mean(dim=0)
+    errors = results[0][3]
+    # P = 4 is a power of two: two rounds of the one-peer exponential graph average exactly.
+    assert errors[0] > 0.1 and errors[1] < errors[0] and errors[2] < 1e-12
+    for r, (z, _, _, rank_errors) in enumerate(results):
+        torch.testing.assert_close(z, average, rtol=0, atol=1e-12, msg=f"rank {r}")
+        assert rank_errors == errors  # consensus_error gives every rank the same number
+    simulated = simulate_consensus(
+        ExponentialGraph(P), torch.stack([start_values(r) for r in range(P)]), 4
+    )
+    assert simulated == pytest.approx(errors, abs=1e-12)
+
+
+def group_average(steps):
+    groups = GroupAllReduce(RandomGroups(P, group_size=2, seed=5))
+    out = []
+    for step in range(steps):
+        x = start_values(rank()) * (step + 1)
+        everyone = [torch.empty_like(x) for _ in range(P)]
+        dist.all_gather(everyone, x)
+        members = groups.topology.group_of(rank(), step)
+        expected = torch.stack([everyone[j] for j in members]).mean(dim=0)
+        out.append((members, groups.average(x.clone(), step), expected))
+    return out
+
+
+def test_group_all_reduce_averages_within_the_drawn_groups(pool4):
+    results = pool4.launch(group_average, 4, timeout=60)
+    drawn = set()
+    for r, steps in enumerate(results):
+        for step, (members, got, expected) in enumerate(steps):
+            assert r in members and len(members) == 2
+            drawn.add((step, members))
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-12, msg=f"rank {r}")
+    assert len({m for _, m in drawn}) > 2, "the same groups every step: are they re-drawn?"
+
+
+def async_push_sum(seconds):
+    x0 = start_values(rank(), n=3)
+    pusher = AsyncPushSum(ExponentialGraph(P), x0, interval=0.001)
+    if rank() == 2:
+        time.sleep(seconds)  # a slow rank: the others keep gossiping meanwhile
+    pusher.step(torch.full_like(x0, 0.5))  # one "gradient step" per rank
+    x, w = pusher.finish()
+    totals = torch.cat([x, w.reshape(1), x0]).clone()
+    dist.all_reduce(totals)
+    return totals, pusher.rounds, x / w
+
+
+def test_async_push_sum_conserves_the_totals(pool4):
+    results = pool4.launch(async_push_sum, 0.1, timeout=60)
+    totals = results[0][0]
+    x, w, x0 = totals[:3], totals[3], totals[4:]
+    # Each rank subtracted w * 0.5 from x at some moment: the total of x moved by 0.5 times
+    # the weights held then, which we cannot know; but the weights' total is exact.
+    assert w.item() == pytest.approx(P, abs=1e-12)
+    assert all(rounds > 5 for _, rounds, _ in results), "the gossip thread did not run"
+    # The ranks' estimates agree more than their starting values did.
+    spread = torch.stack([z for _, _, z in results]).std(dim=0).max()
+    assert spread < torch.stack([start_values(r, 3) for r in range(P)]).std(dim=0).max()
+    assert torch.isfinite(x).all() and torch.isfinite(x0).all()
+
+
+# --- stale gradients -------------------------------------------------------------------------
+
+
+def regression_batches(steps=6):
+    x, y = data.regression(128, in_dim=SIZES[0], out_dim=SIZES[-1])
+    return data.batches(x, y, 16, steps)
+
+
+def sgd_reference():
+    model = models.MLP(SIZES)
+    compare.train(
+        model, regression_batches(), F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+    return model
+
+
+def test_stale_sgd_with_zero_staleness_is_plain_sgd():
+    model = models.MLP(SIZES)
+    stale_sgd(model, regression_batches(), F.mse_loss, lr=0.1, staleness=0)
+    compare.assert_same_parameters(model, sgd_reference(), rtol=0, atol=1e-6)
+    stale = models.MLP(SIZES)
+    stale_sgd(stale, regression_batches(), F.mse_loss, lr=0.1, staleness=2)
+    assert compare.find_mismatch(stale, sgd_reference(), rtol=0, atol=1e-6) is not None
+
+
+def test_parameter_server_with_one_worker_is_plain_sgd():
+    model = models.MLP(SIZES)
+    x, y = data.regression(64, in_dim=SIZES[0], out_dim=SIZES[-1])
+    log = parameter_server(model, regression_batches(), F.mse_loss, 0.1, [1.0], (x, y))
+    assert log.staleness == [0] * 6 and log.time == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    compare.assert_same_parameters(model, sgd_reference(), rtol=0, atol=1e-6)
+
+
+def test_parameter_server_staleness_grows_with_the_number_of_workers():
+    model = models.MLP(SIZES)
+    x, y = data.regression(64, in_dim=SIZES[0], out_dim=SIZES[-1])
+    log = parameter_server(model, regression_batches(12), F.mse_loss, 0.1, [1.0] * 3, (x, y))
+    assert log.staleness[:3] == [0, 1, 2] and set(log.staleness[3:]) == {2}
+
+
+# --- training loops ------------------------------------------------------------------------
+
+
+def decentralized(method, **kwargs):
+    model = models.MLP(SIZES)
+    log = train_decentralized(method, model, regression_batches(), F.mse_loss, 0.1, **kwargs)
+    return log, flat_parameters(model)
+
+
+def test_allreduce_method_matches_single_process_sgd(pool4):
+    results = pool4.launch(decentralized, "allreduce", timeout=60)
+    reference = flat_parameters(sgd_reference())
+    for r, (log, params) in enumerate(results):
+        torch.testing.assert_close(params, reference, rtol=0, atol=1e-6, msg=f"rank {r}")
+        assert len(log.losses) == 6
+
+
+def spread_without_communication():
+    """How far apart the ranks' models end when each trains on its shards alone."""
+    finals = []
+    for r in range(P):
+        model = models.MLP(SIZES)
+        shards = [(data.shard(x, r, P), data.shard(y, r, P)) for x, y in regression_batches()]
+        compare.train(model, shards, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+        finals.append(flat_parameters(model))
+    return torch.stack(finals).std(dim=0).max().item()
+
+
+@pytest.mark.parametrize("method", ["gossip", "sgp", "group"])
+def test_decentralized_methods_keep_the_copies_together(pool4, method):
+    # Same data, same steps: the average follows all-reduce SGD, and mixing keeps the copies
+    # much closer together than training each shard alone would.
+    results = pool4.launch(decentralized, method, timeout=60)
+    finals = torch.stack([params for _, params in results])
+    reference = flat_parameters(sgd_reference())
+    assert (finals.mean(dim=0) - reference).abs().max() < 0.05
+    assert finals.std(dim=0).max().item() < 0.75 * spread_without_communication()
+    for log, _ in results:
+        assert all(torch.isfinite(torch.tensor(log.losses)))
+
+
+def test_async_sgp_trains_near_all_reduce_sgd(pool4):
+    # How much the copies mix in 6 fast steps depends on thread timing; their average does not
+    # stray far from all-reduce SGD, and nothing blows up.
+    results = pool4.launch(decentralized, "async_sgp", timeout=60)
+    finals = torch.stack([params for _, params in results])
+    assert torch.isfinite(finals).all()
+    assert (finals.mean(dim=0) - flat_parameters(sgd_reference())).abs().max() < 0.1
+
+
+def test_synchronous_methods_refuse_a_time_budget(pool4):
+    with pytest.raises(RankError, match="cannot stop on a per-rank time budget"):
+        pool4.launch(decentralized, "gossip", max_seconds=1.0, timeout=60)
+
+
+def test_synchronous_server_averages_one_gradient_per_worker():
+    # Two workers with batches of 8 each, averaged: the same as SGD on batches of 16.
+    x, y = data.regression(128, in_dim=SIZES[0], out_dim=SIZES[-1])
+    halves = [(bx[i : i + 8], by[i : i + 8]) for bx, by in regression_batches() for i in (0, 8)]
+    model = models.MLP(SIZES)
+    log = synchronous_server(model, halves, F.mse_loss, 0.1, [1.0, 2.5], (x, y))
+    assert log.time == [2.5 * k for k in range(1, 7)]
+    compare.assert_same_parameters(model, sgd_reference(), rtol=0, atol=1e-6)
