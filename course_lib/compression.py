@@ -1,0 +1,513 @@
+"""Compressed gradient communication, measured (lecture 5).
+
+    q = quantize(grad, chunk_size=256)              # int8 values + one fp32 scale per chunk
+    dequantize(q)                                   # within scale / 2 of grad, element by element
+    quantized_all_reduce(grad)                      # the sum over ranks, sending only 8-bit data
+    compress_with_feedback(grad, error, TopK(0.01)) # error feedback: keep what was not sent
+    run = train("powersgd", batches, sizes=...)     # on every rank, inside `launch`
+
+Every method here is a DDP communication hook (`build_ddp`), so one training loop (`train`)
+runs them all and counts the same things: the loss, the bytes sent (`CommCounter`) and the
+wall-clock time of every step, optionally on an emulated slow network (`SlowNetwork`).
+
+- "fp32": torch's `allreduce_hook`, the uncompressed reference (a ring all-reduce).
+- "int8": `quantized_hook`, an all-reduce whose payloads are 8-bit (fp32 arithmetic).
+- "topk", "sign" and their "+ef" versions: `feedback_hook`, all-gathers of top-k or 1-bit
+  compressed gradients, with or without error feedback.
+- "powersgd": torch's `powerSGD_hook` with `PowerSGDState(use_error_feedback=True,
+  warm_start=True)`, the production reference (Assignment 3 builds PowerSGD from scratch).
+"""
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+    PowerSGDState,
+    powerSGD_hook,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from course_lib import models
+from course_lib.comm import CommCounter
+from course_lib.data import shard
+from course_lib.network import SlowNetwork
+from course_lib.plots import NotebookFigure
+from course_lib.runtime import device, rank, world_size
+
+LEVELS = 127  # int8 values -127..127: symmetric, so 0 is exact and no value is wasted
+CHUNK = 256  # elements per scale: 4 scale bytes per 256 value bytes, a 1.6% overhead
+ONE_BUCKET_MB = 1024  # DDP bucket size larger than any model here
+METHODS = ("fp32", "int8", "topk", "topk+ef", "sign", "sign+ef", "powersgd")
+
+
+# --- 8-bit quantization -------------------------------------------------------------------
+
+
+@dataclass
+class Quantized:
+    """A tensor as int8 values (padded to whole chunks) and one fp32 scale per chunk."""
+
+    values: torch.Tensor  # int8, numel a multiple of chunk_size
+    scales: torch.Tensor  # float32, one per chunk: value * scale approximates the element
+    shape: torch.Size
+    chunk_size: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes to send this payload: 1 per value and 4 per scale."""
+        return self.values.numel() + 4 * self.scales.numel()
+
+
+def quantize(tensor: torch.Tensor, chunk_size: int | None = CHUNK) -> Quantized:
+    """Round `tensor` to int8 with scale max|x| / 127 per chunk (None: one scale for all).
+
+    Rounding to the nearest level errs by at most scale / 2 per element, and a chunk's scale
+    follows its own largest element, so one outlier only coarsens its own chunk."""
+    flat = tensor.detach().reshape(-1).float()
+    n = flat.numel()
+    chunk = max(n, 1) if chunk_size is None else chunk_size
+    if chunk < 1:
+        raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    if n % chunk:
+        flat = F.pad(flat, (0, -n % chunk))  # zero padding never raises a chunk's max
+    chunks = flat.view(-1, chunk)
+    scales = chunks.abs().amax(dim=1) / LEVELS
+    inverse = torch.where(scales > 0, 1 / scales, 0.0)  # an all-zero chunk gets q = 0
+    # |x| * 127 / max|x| <= 127 (+ rounding), so the int8 values need no clamping
+    values = (chunks * inverse[:, None]).round_().to(torch.int8)
+    return Quantized(values.view(-1), scales, tensor.shape, chunk)
+
+
+def dequantize(q: Quantized) -> torch.Tensor:
+    """The fp32 tensor a `Quantized` payload stands for (values * scales, padding dropped)."""
+    # int8 -> fp32 first, then scale in place: a mixed-dtype multiply is far slower on CPU
+    chunks = q.values.view(-1, q.chunk_size).float().mul_(q.scales[:, None])
+    return chunks.view(-1)[: math.prod(q.shape)].view(q.shape)
+
+
+def error_bound(q: Quantized) -> torch.Tensor:
+    """Per element, the most `dequantize(q)` may differ from the original: its scale / 2."""
+    bound = (q.scales / 2).repeat_interleave(q.chunk_size)
+    return bound[: math.prod(q.shape)].view(q.shape)
+
+
+def _pack(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Rows of int8 values and fp32 scales as one uint8 tensor: one message, not two."""
+    return torch.cat([values.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=-1)
+
+
+def _unpack(packed: torch.Tensor, n_values: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values = packed[..., :n_values].view(torch.int8)
+    scales = packed[..., n_values:].clone().view(torch.float32)  # a copy: aligned for the view
+    return values, scales
+
+
+def _dequantize_rows(values: torch.Tensor, scales: torch.Tensor, chunk: int) -> torch.Tensor:
+    rows = values.shape[0]
+    return values.view(rows, -1, chunk).float().mul_(scales.view(rows, -1, 1)).view(rows, -1)
+
+
+def part_size(numel: int, world: int, chunk_size: int = CHUNK) -> int:
+    """Elements in each rank's part of a quantized all-reduce: whole chunks, P parts."""
+    return math.ceil(numel / (world * chunk_size)) * chunk_size
+
+
+def quantized_all_reduce(tensor: torch.Tensor, chunk_size: int = CHUNK, group=None) -> torch.Tensor:
+    """The sum of `tensor` over ranks, sending only int8 values and fp32 scales.
+
+    A reduce-scatter then an all-gather, as in the ring all-reduce: every rank quantizes the
+    P parts of its tensor and sends part j to rank j (`all_to_all_single`); rank j sums the
+    P dequantized parts in fp32, quantizes the sum and all-gathers it. Each element is
+    quantized twice; `quantized_sum_bound` says how far that can move it."""
+    p = dist.get_world_size(group)
+    flat = tensor.detach().reshape(-1).float()
+    part = part_size(flat.numel(), p, chunk_size)
+    scales_per_part = part // chunk_size
+    # 1. reduce-scatter in 8 bits: row j of `send` is what rank j sums
+    if flat.numel() < p * part:
+        flat = F.pad(flat, (0, p * part - flat.numel()))
+    q = quantize(flat, chunk_size)
+    send = _pack(q.values.view(p, part), q.scales.view(p, scales_per_part))
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    values, scales = _unpack(received, part)
+    my_sum = _dequantize_rows(values, scales, chunk_size).sum(dim=0)  # fp32 arithmetic
+    # 2. all-gather the 8-bit sums
+    q_sum = quantize(my_sum, chunk_size)
+    mine = _pack(q_sum.values, q_sum.scales)
+    gathered = torch.empty(p * mine.numel(), dtype=torch.uint8, device=mine.device)
+    dist.all_gather_single(gathered, mine, group=group)
+    values, scales = _unpack(gathered.view(p, -1), part)
+    total = _dequantize_rows(values, scales, chunk_size).view(-1)[: tensor.numel()]
+    return total.view(tensor.shape).to(tensor.dtype)
+
+
+def quantized_sum_bound(tensors: Sequence[torch.Tensor], chunk_size: int = CHUNK) -> torch.Tensor:
+    """Per element, how far `quantized_all_reduce` may be from the exact sum of `tensors`
+    (one per rank), computed from the inputs alone.
+
+    Phase 1 errs by at most E1 = sum over ranks of s_r / 2 (each rank's chunk scale s_r);
+    phase 2 by s' / 2, where s' = max|sum + phase-1 error| / 127 <= (max|sum| + E1) / 127."""
+    p = len(tensors)
+    shape = tensors[0].shape
+    flats = [t.detach().reshape(-1).float() for t in tensors]
+    n = flats[0].numel()
+    total = p * part_size(n, p, chunk_size)
+    scales = torch.stack([quantize(F.pad(f, (0, total - n)), chunk_size).scales for f in flats])
+    phase1 = scales.sum(dim=0) / 2  # per chunk
+    exact = F.pad(torch.stack(flats).sum(dim=0), (0, total - n)).view(-1, chunk_size)
+    phase2 = (exact.abs().amax(dim=1) + phase1) / LEVELS / 2
+    return (phase1 + phase2).repeat_interleave(chunk_size)[:n].view(shape)
+
+
+def quantized_bytes(numel: int, world: int, chunk_size: int = CHUNK) -> int:
+    """Bytes one rank sends in `quantized_all_reduce`: (P-1) parts of int8 values and fp32
+    scales in each phase, so 2 (P-1)/P N (1 + 4/chunk) for N elements (whole chunks)."""
+    part = part_size(numel, world, chunk_size)
+    return 2 * (world - 1) * (part + 4 * part // chunk_size)
+
+
+def fp32_all_reduce_bytes(numel: int, world: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of `numel` fp32 values: 2 (P-1)/P * 4N."""
+    return 2 * (world - 1) * 4 * numel // world
+
+
+@dataclass
+class QuantizeState:
+    """State of `quantized_hook`: the chunk size of its scales."""
+
+    chunk_size: int = CHUNK
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
+def quantized_hook(
+    state: QuantizeState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average the bucket's gradients with `quantized_all_reduce`."""
+    grads = bucket.buffer()
+    grads.copy_(quantized_all_reduce(grads, state.chunk_size) / dist.get_world_size())
+    return _done(grads)
+
+
+# --- top-k and 1-bit compressors, error feedback -----------------------------------------
+
+
+@dataclass
+class TopK:
+    """Keep the `fraction` of entries largest in magnitude; send their values and indices."""
+
+    fraction: float
+
+    def k(self, numel: int) -> int:
+        return max(1, round(self.fraction * numel))
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 payload: k values, then their k indices as int32 bit patterns."""
+        indices = x.abs().topk(self.k(x.numel())).indices
+        bits = indices.to(torch.int32).view(torch.float32)  # same 4 bytes, reinterpreted
+        return torch.cat([x[indices], bits])
+
+    def decompress(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        values, bits = payload.view(2, -1)
+        dense = torch.zeros(numel, dtype=payload.dtype, device=payload.device)
+        return dense.index_put_((bits.view(torch.int32).long(),), values)
+
+    def payload_bytes(self, numel: int) -> int:
+        return 8 * self.k(numel)
+
+
+@dataclass
+class Sign:
+    """1-bit compression: sign(x) times the mean |x|, the signs packed 8 to a byte."""
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 payload: the fp32 scale as 4 bytes, then ceil(N / 8) bytes of signs."""
+        scale = x.abs().mean().reshape(1)
+        bits = F.pad(x >= 0, (0, -x.numel() % 8)).view(-1, 8).to(torch.uint8)
+        packed = (bits << torch.arange(8, dtype=torch.uint8, device=x.device)).sum(
+            dim=1, dtype=torch.uint8
+        )
+        return torch.cat([scale.view(torch.uint8), packed])
+
+    def decompress(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        scale = payload[:4].clone().view(torch.float32)  # a copy: aligned for the view
+        shifts = torch.arange(8, dtype=torch.uint8, device=payload.device)
+        bits = (payload[4:, None] >> shifts) & 1
+        signs = bits.view(-1)[:numel].float() * 2 - 1
+        return signs * scale
+
+    def payload_bytes(self, numel: int) -> int:
+        return 4 + math.ceil(numel / 8)
+
+
+Compressor = TopK | Sign
+
+
+def compress_with_feedback(
+    grad: torch.Tensor, error: torch.Tensor | None, compressor: Compressor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One error-feedback step: compress delta = grad + error; return (payload, new error).
+
+    The new error is delta - C(delta): what compression dropped this step is added back to
+    the next step's gradient instead of being lost."""
+    delta = grad if error is None else grad + error
+    payload = compressor.compress(delta)
+    return payload, delta - compressor.decompress(payload, delta.numel())
+
+
+@dataclass
+class FeedbackState:
+    """State of `feedback_hook`: the compressor, and each bucket's error memory."""
+
+    compressor: Compressor
+    error_feedback: bool = True
+    errors: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def compressed_mean(payload: torch.Tensor, numel: int, compressor: Compressor) -> torch.Tensor:
+    """All-gather every rank's payload; return the mean of the decompressed payloads."""
+    p = dist.get_world_size()
+    gathered = torch.empty(p * payload.numel(), dtype=payload.dtype, device=payload.device)
+    dist.all_gather_single(gathered, payload)
+    rows = gathered.view(p, -1)
+    return sum(compressor.decompress(row, numel) for row in rows) / p
+
+
+def feedback_hook(
+    state: FeedbackState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: compressed gradients, all-gathered and averaged, with or without
+    error feedback (`state.error_feedback`)."""
+    grads = bucket.buffer()
+    error = state.errors.get(bucket.index()) if state.error_feedback else None
+    payload, new_error = compress_with_feedback(grads, error, state.compressor)
+    if state.error_feedback:
+        state.errors[bucket.index()] = new_error
+    grads.copy_(compressed_mean(payload, grads.numel(), state.compressor))
+    return _done(grads)
+
+
+def all_gather_bytes(payload_bytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring all-gather of a `payload_bytes` payload: (P-1) * it."""
+    return (world - 1) * payload_bytes
+
+
+# --- PowerSGD: the compression ratio and torch's hook --------------------------------------
+
+
+def powersgd_ratio(n: int, m: int, r: int) -> float:
+    """How much smaller PowerSGD's P (n x r) and Q (m x r) are than an n x m matrix."""
+    return n * m / ((n + m) * r)
+
+
+def powersgd_elements(shapes: Iterable[torch.Size], r: int, min_rate: float = 2.0) -> dict:
+    """Elements torch's powerSGD_hook all-reduces per step for parameters of `shapes`:
+    P (n r per matrix), Q (m r per matrix) and the uncompressed rest (vectors, and matrices
+    too small to gain `min_rate`), following the hook's own rule."""
+    counts = {"P": 0, "Q": 0, "uncompressed": 0}
+    for shape in shapes:
+        n = shape[0]
+        m = math.prod(shape[1:]) if len(shape) > 1 else 1
+        r_used = min(n, m, r)
+        if len(shape) > 1 and (n + m) * r_used * min_rate < n * m:
+            counts["P"] += n * r_used
+            counts["Q"] += m * r_used
+        else:
+            counts["uncompressed"] += n * m
+    return counts
+
+
+def powersgd_bytes(shapes: Iterable[torch.Size], r: int, world: int) -> int:
+    """Bytes one rank sends per PowerSGD step: three fp32 ring all-reduces (the uncompressed
+    tensors, then the Ps, then the Qs), each counted as 2 (P-1)/P * its bytes."""
+    counts = powersgd_elements(shapes, r)
+    return sum(fp32_all_reduce_bytes(c, world) for c in counts.values())
+
+
+# --- the formulas for every method, per step ------------------------------------------------
+
+
+def bytes_per_step(
+    method: str,
+    shapes: Sequence[torch.Size],
+    world: int,
+    *,
+    chunk_size: int = CHUNK,
+    topk_fraction: float = 0.01,
+    powersgd_rank: int = 4,
+) -> int:
+    """Bytes one rank sends per step under `method` for parameters of `shapes` in one DDP
+    bucket (PowerSGD: once compression has started)."""
+    numel = sum(math.prod(shape) for shape in shapes)
+    if method == "fp32":
+        return fp32_all_reduce_bytes(numel, world)
+    if method == "int8":
+        return quantized_bytes(numel, world, chunk_size)
+    if method.startswith("topk"):
+        return all_gather_bytes(TopK(topk_fraction).payload_bytes(numel), world)
+    if method.startswith("sign"):
+        return all_gather_bytes(Sign().payload_bytes(numel), world)
+    if method == "powersgd":
+        return powersgd_bytes(shapes, powersgd_rank, world)
+    raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+
+
+def latency_steps(method: str, world: int) -> int:
+    """Messages one after another per step: a ring all-reduce takes 2(P-1), an all-gather or
+    an all-to-all P-1; PowerSGD runs three all-reduces, int8 an all-to-all and an all-gather."""
+    per_method = {"fp32": 2, "int8": 2, "powersgd": 6}
+    return per_method.get(method, 1) * (world - 1)
+
+
+def comm_seconds(
+    method: str,
+    shapes: Sequence[torch.Size],
+    world: int,
+    bandwidth: float,
+    latency: float,
+    **options,
+) -> float:
+    """Network time per step, alpha-beta model: latency_steps * latency + bytes / bandwidth."""
+    sent = bytes_per_step(method, shapes, world, **options)
+    return latency_steps(method, world) * latency + sent / bandwidth
+
+
+# --- one training loop for every method ----------------------------------------------------
+
+
+def build_ddp(
+    model: nn.Module,
+    method: str,
+    *,
+    chunk_size: int = CHUNK,
+    topk_fraction: float = 0.01,
+    powersgd_rank: int = 4,
+    start_powersgd_iter: int = 10,
+) -> nn.Module:
+    """Wrap `model` in DDP with the comm hook of `method` (one of `METHODS`)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    # One bucket for all gradients: one hook call per step, so each step sends the payloads
+    # the formulas count (and no two hook chains issue collectives at once from two threads).
+    ddp = DistributedDataParallel(model, bucket_cap_mb=ONE_BUCKET_MB)
+    if method == "fp32":
+        # torch's Python all-reduce hook: DDP's own averaging, where CommCounter sees it
+        ddp.register_comm_hook(None, allreduce_hook)
+    elif method == "int8":
+        ddp.register_comm_hook(QuantizeState(chunk_size), quantized_hook)
+    elif method == "powersgd":
+        state = PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=start_powersgd_iter,
+            use_error_feedback=True,
+            warm_start=True,
+        )
+        ddp.register_comm_hook(state, powerSGD_hook)
+    else:
+        compressor = TopK(topk_fraction) if method.startswith("topk") else Sign()
+        state = FeedbackState(compressor, error_feedback=method.endswith("+ef"))
+        ddp.register_comm_hook(state, feedback_hook)
+    return ddp
+
+
+@dataclass
+class Run:
+    """What one rank measured in `train`: one entry per step."""
+
+    method: str
+    losses: list[float] = field(default_factory=list)  # loss on this rank's shard
+    bytes_sent: list[int] = field(default_factory=list)  # by this rank, per CommCounter
+    step_s: list[float] = field(default_factory=list)  # wall-clock time of the step
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
+
+
+def train(
+    method: str,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    sizes: tuple[int, ...],
+    lr: float = 0.1,
+    network: dict | None = None,
+    **options,
+) -> Run:
+    """Train the seeded MLP(sizes) with SGD under `method` (run on every rank in `launch`),
+    each rank on its shard of every batch; record loss, bytes sent and time per step.
+
+    `network`: keyword arguments of `SlowNetwork` (bandwidth, latency) to emulate a slow link
+    while training; `options` go to `build_ddp`."""
+    model = build_ddp(models.MLP(sizes).to(device()), method, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    run = Run(method)
+    p, r = world_size(), rank()
+    with SlowNetwork(**network) if network is not None else nullcontext():
+        for x, y in batches:
+            x, y = shard(x, r, p).to(device()), shard(y, r, p).to(device())
+            start = time.perf_counter()
+            with CommCounter() as counter:
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()  # the comm hook runs in here
+                optimizer.step()
+            run.step_s.append(time.perf_counter() - start)
+            run.losses.append(loss.item())
+            run.bytes_sent.append(counter.bytes_sent)
+    run.params = {n: t.detach().cpu().clone() for n, t in model.module.named_parameters()}
+    return run
+
+
+def mean_losses(per_rank: Sequence[Run]) -> list[float]:
+    """Loss per step averaged over the ranks' shards: the loss of the whole batch."""
+    return [sum(losses) / len(losses) for losses in zip(*(r.losses for r in per_rank), strict=True)]
+
+
+# --- pictures -------------------------------------------------------------------------------
+
+
+def plot_curves(
+    curves: dict[str, tuple[Sequence[float], Sequence[float]]],
+    xlabel: str,
+    ylabel: str = "training loss",
+    title: str = "",
+    logy: bool = True,
+) -> NotebookFigure:
+    """One line per label: y against x (loss against step or against seconds)."""
+    fig = NotebookFigure(figsize=(6.5, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    for label, (x, y) in curves.items():
+        ax.plot(x, y, label=label, lw=1.5)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def loss_curves(runs: dict[str, Sequence[Run]], against: str = "step") -> dict:
+    """Curves for `plot_curves` from {label: per-rank runs}: mean loss against the step
+    number, or against rank 0's cumulative wall-clock seconds (`against="time"`)."""
+    curves = {}
+    for label, per_rank in runs.items():
+        losses = mean_losses(per_rank)
+        if against == "time":
+            x = list(torch.tensor(per_rank[0].step_s).cumsum(0).tolist())
+        else:
+            x = list(range(len(losses)))
+        curves[label] = (x, losses)
+    return curves

@@ -1,0 +1,229 @@
+"""course_lib.compression: 8-bit quantization and its all-reduce, top-k / 1-bit compressors
+with error feedback, torch's powerSGD_hook, and the byte formulas, against independent
+references (torch.topk, dist.all_gather of the exact tensors, plain fp32 DDP, CommCounter).
+
+Tolerances: quantization bounds are checked with a relative slack of 1e-5 (x * (1/s) is
+computed in fp32); sums over 50-200 fp32 steps are exact to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import CommCounter, WorkerPool, data, models
+from course_lib.compression import (
+    LEVELS,
+    Sign,
+    TopK,
+    build_ddp,
+    bytes_per_step,
+    compress_with_feedback,
+    dequantize,
+    error_bound,
+    fp32_all_reduce_bytes,
+    powersgd_bytes,
+    quantize,
+    quantized_all_reduce,
+    quantized_bytes,
+    quantized_sum_bound,
+    train,
+)
+
+P = 4
+SLACK = 1 + 1e-5
+SIZES = (8, 32, 32, 4)
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    with WorkerPool(P) as pool:
+        yield pool
+
+
+def batches(steps: int):
+    x, y = data.classification(16 * steps, dim=8, classes=4, seed=3)
+    return data.batches(x, y, batch_size=16, steps=steps)
+
+
+# --- single process --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7, 256])
+def test_quantize_error_within_half_a_scale(chunk):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    x[10] = 50.0  # an outlier
+    x[300:600] = 0.0  # all-zero chunks must come back as exact zeros
+    q = quantize(x, chunk)
+    # the scale, independently: max |x| over each chunk / 127
+    size = x.numel() if chunk is None else chunk
+    n_chunks = math.ceil(x.numel() / size)
+    padded = torch.zeros(n_chunks * size)
+    padded[: x.numel()] = x
+    scales = padded.view(n_chunks, size).abs().max(dim=1).values / LEVELS
+    assert torch.equal(q.scales, scales)
+    assert q.values.dtype == torch.int8
+    assert q.nbytes == n_chunks * size + 4 * n_chunks
+    err = (dequantize(q) - x).abs()
+    bound = scales.repeat_interleave(size)[: x.numel()] / 2
+    assert torch.equal(error_bound(q), bound)
+    assert (err <= bound * SLACK).all(), f"max excess {(err - bound).max():.3g}"
+    assert torch.equal(dequantize(q)[300:600], torch.zeros(300))
+
+
+def test_quantize_per_chunk_beats_per_tensor_with_an_outlier():
+    x = 1e-3 * torch.randn(4096, generator=torch.Generator().manual_seed(1))
+    x[0] = 1.0
+    whole = (dequantize(quantize(x, None)) - x).abs().mean()
+    chunked = (dequantize(quantize(x, 256)) - x).abs().mean()
+    assert chunked < whole / 10
+
+
+def test_quantize_rejects_a_bad_chunk_size():
+    with pytest.raises(ValueError, match="chunk_size"):
+        quantize(torch.ones(4), 0)
+
+
+def test_topk_keeps_exactly_the_k_largest_entries():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+    topk = TopK(0.05)
+    payload = topk.compress(x)
+    assert payload.numel() * 4 == topk.payload_bytes(1000) == 8 * 50
+    dense = topk.decompress(payload, 1000)
+    kept = torch.topk(x.abs(), 50).indices
+    assert dense.count_nonzero() == 50
+    assert torch.equal(dense[kept], x[kept])
+
+
+def test_sign_sends_one_bit_per_entry_and_the_mean_magnitude():
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(3))
+    sign = Sign()
+    payload = sign.compress(x)
+    assert payload.dtype == torch.uint8 and payload.numel() == sign.payload_bytes(1001) == 4 + 126
+    dense = sign.decompress(payload, 1001)
+    assert torch.equal(dense > 0, x >= 0)
+    torch.testing.assert_close(dense.abs(), x.abs().mean().expand(1001), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compressor", [TopK(0.01), Sign()], ids=["topk", "sign"])
+def test_error_feedback_invariant(compressor):
+    """e_T + sum of applied updates = sum of gradients, to fp32 rounding."""
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(500, generator=gen) for _ in range(100)]
+    error, applied = None, torch.zeros(500)
+    for step, g in enumerate(grads):
+        payload, error = compress_with_feedback(g, error, compressor)
+        applied += compressor.decompress(payload, 500)
+        total = torch.stack(grads[: step + 1]).sum(dim=0)
+        torch.testing.assert_close(error + applied, total, rtol=0, atol=2e-4)
+
+
+def test_byte_formulas():
+    assert fp32_all_reduce_bytes(1000, 4) == 2 * 3 * 4 * 1000 // 4
+    # 1000 elements, 4 ranks, chunks of 256: parts of 256, two phases of 3 parts + scales
+    assert quantized_bytes(1000, 4, 256) == 2 * 3 * (256 + 4)
+    shapes = [torch.Size([64, 32]), torch.Size([64]), torch.Size([4, 64])]
+    # r = 2: 64x32 -> P 128 + Q 64; 4x64 at r=2 gains 256 / 136 < 2: uncompressed with the bias
+    assert powersgd_bytes(shapes, 2, 4) == sum(fp32_all_reduce_bytes(c, 4) for c in (128, 64, 320))
+
+
+def test_build_ddp_rejects_an_unknown_method():
+    with pytest.raises(ValueError, match="unknown method"):
+        build_ddp(torch.nn.Linear(2, 2), "int4")
+
+
+# --- on 4 ranks -----------------------------------------------------------------------------
+
+
+def _quantized_sum(n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(10 + dist.get_rank())) * (
+        1 + dist.get_rank()
+    )
+    with CommCounter() as counter:
+        got = quantized_all_reduce(x)
+    everyone = [torch.empty(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, x)
+    exact = x.clone()
+    dist.all_reduce(exact)  # torch's own sum is the reference
+    return got, exact, quantized_sum_bound(everyone), counter.bytes_sent
+
+
+@pytest.mark.parametrize("n", [1000, 4096])
+def test_quantized_all_reduce_within_bound_and_bytes(pool4, n):
+    for got, exact, bound, sent in pool4.launch(_quantized_sum, n, timeout=60):
+        err = (got - exact).abs()
+        assert (err <= bound * SLACK).all(), f"max excess {(err - bound).max():.3g}"
+        assert bound.max() < 0.05 * exact.abs().max()  # the bound is not vacuous
+        assert sent == quantized_bytes(n, P)
+        assert sent < fp32_all_reduce_bytes(n, P) / 3.5
+
+
+def _one_step_gradients(method):
+    """This rank's averaged gradient after one DDP step, the exact average, and the bound."""
+    x, y = batches(1)[0]
+    p, r = dist.get_world_size(), dist.get_rank()
+    xs, ys = data.shard(x, r, p), data.shard(y, r, p)
+    plain = models.MLP(SIZES)
+    torch.nn.functional.cross_entropy(plain(xs), ys).backward()
+    local = torch.cat([q.grad.reshape(-1) for q in plain.parameters()])
+    everyone = [torch.empty_like(local) for _ in range(p)]
+    dist.all_gather(everyone, local)
+    ddp = build_ddp(models.MLP(SIZES), method)
+    torch.nn.functional.cross_entropy(ddp(xs), ys).backward()
+    got = torch.cat([q.grad.reshape(-1) for q in ddp.module.parameters()])
+    return got, torch.stack(everyone).mean(dim=0), quantized_sum_bound(everyone) / p
+
+
+def test_quantized_hook_average_within_bound(pool4):
+    for got, exact, bound in pool4.launch(_one_step_gradients, "int8", timeout=60):
+        assert not torch.equal(got, exact)  # it did quantize
+        assert ((got - exact).abs() <= bound * SLACK).all()
+
+
+def _train_pair(method_a, method_b, steps, **options):
+    b = batches(steps)
+    return train(method_a, b, sizes=SIZES, **options), train(method_b, b, sizes=SIZES, **options)
+
+
+def test_powersgd_hook_exact_before_start_then_bytes_match_formula(pool4):
+    start, steps, r = 4, 7, 2
+    results = pool4.launch(
+        _train_pair,
+        "fp32",
+        "powersgd",
+        steps,
+        timeout=60,
+        powersgd_rank=r,
+        start_powersgd_iter=start,
+    )
+    shapes = [p.shape for p in models.MLP(SIZES).parameters()]
+    for fp32, powersgd in results:
+        # before start_powerSGD_iter the hook all-reduces plainly: same losses, bit for bit
+        assert powersgd.losses[:start] == fp32.losses[:start]
+        assert powersgd.bytes_sent[:start] == fp32.bytes_sent[:start]
+        assert powersgd.bytes_sent[start:] == [powersgd_bytes(shapes, r, P)] * (steps - start)
+        assert powersgd.bytes_sent[-1] < fp32.bytes_sent[-1]
+        assert powersgd.losses[start:] != fp32.losses[start:]  # compression did start
+
+
+def test_powersgd_matches_plain_ddp_parameters_before_start(pool4):
+    results = pool4.launch(_train_pair, "fp32", "powersgd", 3, timeout=60, start_powersgd_iter=4)
+    for fp32, powersgd in results:
+        for name, value in fp32.params.items():
+            torch.testing.assert_close(powersgd.params[name], value, rtol=0, atol=1e-6)
+
+
+def _bytes_of(method):
+    run = train(method, batches(3), sizes=SIZES, topk_fraction=0.1)
+    return run.bytes_sent
+
+
+@pytest.mark.parametrize("method", ["fp32", "int8", "topk+ef", "sign"])
+def test_bytes_per_step_match_formula(pool4, method):
+    shapes = [p.shape for p in models.MLP(SIZES).parameters()]
+    expected = bytes_per_step(method, shapes, P, topk_fraction=0.1)
+    for sent in pool4.launch(_bytes_of, method, timeout=60):
+        assert sent == [expected] * 3
