@@ -14,9 +14,7 @@ from torch import nn
 from course_lib import rank, world_size
 from course_lib.grading import CheckFailed, check_zero1, check_zero2, check_zero3
 from course_lib.grading.zero import (
-    ADAMW,
     SMALL,
-    AdamW,
     chunk_of,
     held_bytes,
     measure_memory,
@@ -24,7 +22,7 @@ from course_lib.grading.zero import (
     shard_bytes,
     shard_range,
 )
-from course_lib.models import TinyGPT, count_parameters, lm_loss
+from course_lib.models import TinyGPT, count_parameters
 
 # --- right implementations (the notebook's reference, in short) ---------------------------
 
@@ -382,6 +380,16 @@ def test_checks_accept_other_right_styles():
     check_zero2(AllReduceGradOptimizer)
 
 
+class TorchAdamWOnly(ShardedOptimizer):
+    def __init__(self, params, optimizer_cls, **kwargs):
+        assert optimizer_cls is torch.optim.AdamW, optimizer_cls
+        super().__init__(params, optimizer_cls, **kwargs)
+
+
+def test_the_ranks_step_with_torch_optim_adamw_as_the_reference_does():
+    check_zero1(TorchAdamWOnly, world_size=2, steps=1)
+
+
 # --- ... and reject wrong code --------------------------------------------------------------
 
 
@@ -462,23 +470,6 @@ def test_a_bad_world_size_or_batch_is_refused_before_running():
 
 
 # --- the pieces the checks rely on --------------------------------------------------------
-
-
-def test_checks_adamw_matches_torch_optim_bit_for_bit():
-    ours, theirs = TinyGPT(SMALL, seed=3), TinyGPT(SMALL, seed=3)
-    a = AdamW(ours.parameters(), **ADAMW)
-    b = torch.optim.AdamW(theirs.parameters(), **ADAMW, foreach=False)
-    x = torch.randint(SMALL.vocab_size, (4, SMALL.seq_len), generator=torch.Generator())
-    for _ in range(4):
-        for model, opt in ((ours, a), (theirs, b)):
-            opt.zero_grad()
-            lm_loss(model(x), x).backward()
-            opt.step()
-    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
-        assert torch.equal(p, q), name
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(a.state[p][key], b.state[q][key]), (name, key)
-    assert not torch.equal(ours.head.out.weight, TinyGPT(SMALL, seed=3).head.out.weight)
 
 
 @pytest.mark.parametrize("numel", [1, 3, 22, 37, 638])

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -80,60 +79,6 @@ def chunk_of(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return flat[rank * chunk : (rank + 1) * chunk].clone()
 
 
-# --- an AdamW the ranks can construct quickly ---------------------------------------------
-
-
-class AdamW:
-    """torch.optim.AdamW's update (its single-tensor code, foreach=False) with the same API:
-    `param_groups`, `state[p] = {"step", "exp_avg", "exp_avg_sq"}`, `zero_grad()`, `step()`.
-
-    The checks give this class to your code as `optimizer_cls`: constructing a torch.optim
-    optimizer first imports torch._dynamo, about 1.5 s of CPU in every freshly started rank.
-    tests/test_grading_zero.py shows that it matches torch.optim.AdamW."""
-
-    def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-    ) -> None:
-        params = list(params)
-        if not params:
-            raise ValueError("optimizer got an empty parameter list")
-        groups = params if isinstance(params[0], dict) else [{"params": params}]
-        self.defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-        self.param_groups = [{**self.defaults, **g, "params": list(g["params"])} for g in groups]
-        self.state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for group in self.param_groups:
-            lr, (beta1, beta2) = group["lr"], group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                step = state["step"].item()
-                p.mul_(1 - lr * group["weight_decay"])
-                state["exp_avg"].lerp_(p.grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                step_size = lr / (1 - beta1**step)
-                denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**step) ** 0.5).add_(group["eps"])
-                p.addcdiv_(state["exp_avg"], denom, value=-step_size)
-
-
 # --- measuring memory ---------------------------------------------------------------------
 
 
@@ -149,7 +94,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def optimizers_in(obj: object, depth: int = 4) -> list:
     """Every optimizer reachable from `obj` through attributes, lists and dicts: anything
-    with a `state` dict and a `param_groups` list (torch.optim optimizers and `AdamW`)."""
+    with a `state` dict and a `param_groups` list (torch.optim's optimizers, for one)."""
     found: dict[int, object] = {}
 
     def visit(item: object, level: int) -> None:
@@ -283,7 +228,9 @@ def _train_stage12(impl: Callable, stage: int, run: Run) -> dict:
     """On each rank: train with the student's optimizer; record what the check compares."""
     ranks, me = world_size(), rank()
     model = build_model(run)
-    optimizer = impl(model.parameters(), AdamW, **ADAMW)
+    # optimizer_cls is torch.optim.AdamW itself: on the CPU it runs its single-tensor code
+    # (foreach=False), as the reference does.
+    optimizer = impl(model.parameters(), torch.optim.AdamW, **ADAMW)
     groups = getattr(optimizer, "param_groups", None)
     lr = groups[0].get("lr") if isinstance(groups, list) and groups else None
     steps = []
@@ -313,7 +260,7 @@ def _train_stage3(shard_module: Callable, run: Run) -> dict:
     result = {"names": names, "initial": _clone(model.named_parameters()), "steps": []}
     if any(p.dim() != 1 for p in model.parameters()):
         return result  # the check explains what a shard should look like
-    optimizer = AdamW(model.parameters(), **ADAMW)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, foreach=False)
     for x, y in global_batches(run):
         x, y = data.shard(x, me, ranks), data.shard(y, me, ranks)
         optimizer.zero_grad()
@@ -769,11 +716,11 @@ def _measure_on_rank(impl: Callable, stage: int, run: Run) -> dict[str, int]:
     model = build_model(run)
     if stage == 3:
         model = impl(model) or model
-        optimizer = AdamW(model.parameters(), **ADAMW)
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, foreach=False)
     elif stage == 0:
-        optimizer = AdamW(model.parameters(), **ADAMW)
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, foreach=False)
     else:
-        optimizer = impl(model.parameters(), AdamW, **ADAMW)
+        optimizer = impl(model.parameters(), torch.optim.AdamW, **ADAMW)
     x, y = global_batches(run)[0]
     x, y = data.shard(x, me, ranks), data.shard(y, me, ranks)
     optimizer.zero_grad()
@@ -800,7 +747,6 @@ def measure_memory(
 __all__ = [
     "ADAMW",
     "SMALL",
-    "AdamW",
     "check_zero1",
     "check_zero2",
     "check_zero3",
