@@ -2,16 +2,24 @@
 
     from course_lib import launch, rank, world_size, device, CommCounter
 
-One module per topic: `launch` (workers from a notebook cell), `runtime` (who am I),
-`comm` (counting bytes), `models` and `data` (seeded toy models and data), `compare`
-(single-process references and parameter-by-parameter comparison), `magic` (the
-`%%distributed` cell magic), `torchrun` (the same functions on a cluster), and the lectures'
-plumbing: `pipes` (message costs, lecture 1), `collectives` (all-reduce algorithms and the
-ring's schedule, lecture 2), `data_parallel` (host scheme, all-reduce DP, DDP timelines,
-lecture 3), `memory` (bytes of weights, gradients, optimizer state and activations;
-checkpointing, lecture 6), `sharding` (torch's DDP, ZeroRedundancyOptimizer and FSDP2 measured
-against the ZeRO formulas; sharded checkpoints, lecture 7), `plots` (figures and widgets).
-`grading` holds the assignments' checks.
+One module per topic.
+
+The machinery: `launch` (workers from a notebook cell), `runtime` (who am I), `comm` (counting
+bytes), `network` (an emulated slow network and stragglers), `magic` (the `%%distributed` cell
+magic), `torchrun` (the same functions on a cluster), `models` and `data` (seeded toy models and
+data), `compare` (single-process references, parameter-by-parameter comparison), `plots`
+(figures and widgets), `grading` (the assignments' checks).
+
+The lectures' plumbing, one module each:
+- `pipes` (1): message costs over pipes and gloo;
+- `collectives` (2): all-reduce algorithms and the ring's schedule;
+- `data_parallel` (3): host scheme, all-reduce DP, DDP timelines;
+- `gossip` (4): topologies, gossip, push-sum, group all-reduce, stale gradients;
+- `compression` (5): 8-bit quantization, error feedback, PowerSGD via torch's hook;
+- `memory` (6): bytes of weights, gradients, optimizer state and activations; checkpointing;
+- `sharding` (7): torch's ZeRO-1 and FSDP2 against the ZeRO formulas; sharded checkpoints;
+- `pipeline` (8): schedules and their bubble, a real GPipe/1F1B pipeline, stage partition;
+- `tensor_parallel` (9): Megatron layers, their traffic and activation memory.
 """
 
 import sys
