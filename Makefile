@@ -61,6 +61,8 @@ format: install
 
 bench: install
 	$(BIN)/python bench/launch.py
+	$(BIN)/python bench/ring.py
+	$(BIN)/python bench/network.py
 	$(BIN)/python bench/autograde.py
 
 # --- instructors: nbgrader (configured in nbgrader_config.py) ---
