@@ -49,6 +49,12 @@ BUG = {
         "p.grad /= 1",
         {"test_sync_gradients"},
     ),
+    "a3_communication": (
+        "powersgd",
+        "M = grad + self.error",
+        "M = grad",
+        {"test_powersgd"},
+    ),
     "a4_zero": (
         "zero2",
         "param.grad = None  # the full gradient is gone as soon as its shard exists",

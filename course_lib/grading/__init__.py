@@ -14,7 +14,9 @@ from course_lib.grading.collectives import (
     check_reduce,
     check_reduce_scatter,
 )
+from course_lib.grading.compression import check_powersgd, check_quantized_all_reduce
 from course_lib.grading.data_parallel import check_ddp, check_sync_gradients
+from course_lib.grading.gossip import check_push_sum
 from course_lib.grading.processes import (
     check_chain,
     check_dist_ping_pong,
@@ -32,6 +34,9 @@ __all__ = [
     "check_ddp",
     "check_dist_ping_pong",
     "check_ping_pong",
+    "check_powersgd",
+    "check_push_sum",
+    "check_quantized_all_reduce",
     "check_reduce",
     "check_reduce_scatter",
     "check_round_trip_time",
