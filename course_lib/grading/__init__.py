@@ -17,11 +17,22 @@ from course_lib.grading.collectives import (
 from course_lib.grading.compression import check_powersgd, check_quantized_all_reduce
 from course_lib.grading.data_parallel import check_ddp, check_sync_gradients
 from course_lib.grading.gossip import check_push_sum
+from course_lib.grading.pipeline import (
+    check_optimal_partition,
+    check_pipeline_trainer,
+    check_simulate_schedule,
+)
 from course_lib.grading.processes import (
     check_chain,
     check_dist_ping_pong,
     check_ping_pong,
     check_round_trip_time,
+)
+from course_lib.grading.tensor_parallel import (
+    check_column_parallel_linear,
+    check_parallel_attention,
+    check_parallel_mlp,
+    check_row_parallel_linear,
 )
 from course_lib.grading.zero import check_zero1, check_zero2, check_zero3
 
@@ -31,15 +42,22 @@ __all__ = [
     "check_all_reduce",
     "check_broadcast",
     "check_chain",
+    "check_column_parallel_linear",
     "check_ddp",
     "check_dist_ping_pong",
+    "check_optimal_partition",
+    "check_parallel_attention",
+    "check_parallel_mlp",
     "check_ping_pong",
+    "check_pipeline_trainer",
     "check_powersgd",
     "check_push_sum",
     "check_quantized_all_reduce",
     "check_reduce",
     "check_reduce_scatter",
     "check_round_trip_time",
+    "check_row_parallel_linear",
+    "check_simulate_schedule",
     "check_sync_gradients",
     "check_zero1",
     "check_zero2",

@@ -194,10 +194,6 @@ def make_optimizer(name: str, parameters) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {name!r}: use 'sgd' or 'adamw'")
 
 
-# The name course_lib/grading/pipeline.py still imports; it builds torch.optim's optimizer.
-WrittenOutOptimizer = make_optimizer
-
-
 def _snapshot(named) -> dict[str, torch.Tensor | None]:
     return {name: None if t is None else t.detach().clone() for name, t in named}
 

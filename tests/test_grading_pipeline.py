@@ -1,0 +1,433 @@
+"""Assignment 5's pipeline checks accept right implementations and reject wrong ones."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import launch, rank, world_size
+from course_lib.grading import (
+    CheckFailed,
+    check_optimal_partition,
+    check_pipeline_trainer,
+    check_simulate_schedule,
+)
+from course_lib.grading.pipeline import (
+    PartitionProblem,
+    brute_force_partition,
+    partition_problems,
+    partition_time,
+    recv_tensor,
+    schedule_order,
+    send_tensor,
+)
+
+# Fresh workers cannot import this test module: ship its functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+# --- the pipeline trainer -----------------------------------------------------------------
+
+
+def warmup_forwards(schedule, n_micro):
+    if schedule == "gpipe":
+        return n_micro
+    return min(world_size() - rank() - 1, n_micro)
+
+
+def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule, scale=True, warmup=None):
+    """Right: GPipe and 1F1B differ only in how many forwards run before the first backward."""
+    r, P = rank(), world_size()
+    first, last = r == 0, r == P - 1
+    xs, ys = inputs.tensor_split(n_micro), targets.tensor_split(n_micro)
+    in_flight, sends, total = {}, [], 0.0
+
+    def forward(i):
+        nonlocal total
+        x = xs[i] if first else recv_tensor(r - 1).requires_grad_()
+        y = stage(x)
+        if last:
+            y = loss_fn(y, ys[i]) / (n_micro if scale else 1)
+            total += y.item()
+        else:
+            sends.append(send_tensor(y, r + 1))
+        in_flight[i] = (x, y)
+
+    def backward(i):
+        x, y = in_flight.pop(i)
+        y.backward(None if last else recv_tensor(r + 1))
+        if not first:
+            sends.append(send_tensor(x.grad, r - 1))
+
+    w = warmup_forwards(schedule, n_micro) if warmup is None else warmup(schedule, n_micro)
+    for i in range(w):
+        forward(i)
+    for i in range(n_micro - w):
+        forward(w + i)
+        backward(i)
+    for i in range(n_micro - w, n_micro):
+        backward(i)
+    for send in sends:
+        send.wait()
+    return total if last else None
+
+
+def step_unscaled(*args):
+    return pipeline_step(*args, scale=False)
+
+
+def step_1f1b_keeps_everything(*args):
+    return pipeline_step(*args, warmup=lambda schedule, n: n)
+
+
+def step_1f1b_one_too_many(*args):
+    return pipeline_step(*args, warmup=lambda s, n: min(world_size() - rank(), n))
+
+
+def step_zeroes_between_micro_batches(stage, *args):
+    class Zeroing(torch.nn.Module):
+        def forward(self, x):
+            stage.zero_grad()
+            return stage(x)
+
+    return pipeline_step(Zeroing(), *args)
+
+
+def step_never_sends_gradients(stage, inputs, targets, loss_fn, n_micro, schedule):
+    """Stage r > 0 never sends the input's gradient back: stage r - 1 waits forever."""
+    r, P = rank(), world_size()
+    outputs = []
+    for x, y in zip(inputs.tensor_split(n_micro), targets.tensor_split(n_micro), strict=True):
+        x = x if r == 0 else recv_tensor(r - 1).requires_grad_()
+        out = stage(x)
+        if r < P - 1:
+            send_tensor(out, r + 1).wait()
+        outputs.append(out if r < P - 1 else loss_fn(out, y) / n_micro)
+    for out in outputs:
+        out.backward(None if r == P - 1 else recv_tensor(r + 1))
+    return sum(o.item() for o in outputs) if r == P - 1 else None
+
+
+def step_broadcasts(stage, inputs, targets, loss_fn, n_micro, schedule):
+    """Right numbers, but a collective (a barrier) on every rank."""
+    dist.barrier()
+    return pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule)
+
+
+def step_as_1f1b(stage, inputs, targets, loss_fn, n_micro, schedule):
+    """Right 1F1B, whatever schedule is asked for."""
+    return pipeline_step(stage, inputs, targets, loss_fn, n_micro, "1f1b")
+
+
+def not_implemented(*args, **kwargs):
+    raise NotImplementedError()
+
+
+def test_send_tensor_carries_shape_and_dtype():
+    def exchange():
+        if rank() == 0:
+            sends = [
+                send_tensor(torch.arange(6.0, dtype=torch.float64).view(2, 3), 1),
+                send_tensor(torch.tensor(7), 1),
+            ]
+            for send in sends:
+                send.wait()
+            return None
+        return [recv_tensor(0), recv_tensor(0)]
+
+    received = launch(exchange, world_size=2, timeout=20)[1]
+    assert torch.equal(received[0], torch.arange(6.0, dtype=torch.float64).view(2, 3))
+    assert received[1].dtype == torch.int64 and received[1].shape == () and received[1] == 7
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_trainer_accepts_a_right_implementation(schedule):
+    sizes, gpt_stages = ((1, 3, 4), 4) if schedule == "gpipe" else ((2, 3, 4), 2)
+    check_pipeline_trainer(pipeline_step, schedule, world_sizes=sizes)
+    check_pipeline_trainer(
+        pipeline_step, schedule, world_sizes=(gpt_stages,), models=("gpt",), seed=3
+    )
+
+
+def test_schedule_orders_keep_the_documented_number_in_flight():
+    for P, m in [(4, 8), (4, 2), (2, 5), (1, 3)]:
+        for r in range(P):
+            for schedule, bound in (("gpipe", m), ("1f1b", min(m, P - r))):
+                order = schedule_order(schedule, P, m, r)
+                live = [order[: k + 1].count("F") - order[: k + 1].count("B") for k in range(2 * m)]
+                assert max(live) == bound and live[-1] == 0, (schedule, P, m, r)
+
+
+@pytest.mark.parametrize(
+    "fn, schedule, message",
+    [
+        (step_unscaled, "gpipe", "it is n_micro = 4 times the full-batch gradient"),
+        (step_1f1b_keeps_everything, "1f1b", "held the activations of 4 micro-batches at once"),
+        (step_1f1b_one_too_many, "1f1b", "held the activations of 3 micro-batches"),
+        (step_zeroes_between_micro_batches, "1f1b", "do not zero gradients"),
+        (step_never_sends_gradients, "gpipe", "did not finish within 5 s"),
+        (step_broadcasts, "gpipe", "used ['barrier']"),
+        (step_as_1f1b, "gpipe", "the gpipe schedule runs F F F F B B B B on stage 0 of 2"),
+        (not_implemented, "gpipe", "raised NotImplementedError"),
+    ],
+)
+def test_pipeline_trainer_rejects_wrong_implementations(fn, schedule, message):
+    start = time.monotonic()
+    with pytest.raises(CheckFailed) as info:
+        check_pipeline_trainer(fn, schedule, timeout=5)
+    assert str(info.value).startswith("check_pipeline_trainer: ")
+    assert message in str(info.value)
+    assert time.monotonic() - start < 30
+
+
+def test_pipeline_failure_names_stage_step_and_tolerance():
+    with pytest.raises(CheckFailed) as info:
+        check_pipeline_trainer(step_unscaled, "1f1b", world_sizes=(2,), n_micro=(2,))
+    text = str(info.value)
+    assert "stage 0, step 0 (mlp model, seed 0, batch of 16 in 2 micro-batches, 2 stages" in text
+    assert "(allowed atol=1e-10 + rtol=1e-10 * |expected|)" in text
+
+
+def test_one_micro_batch_cannot_tell_the_loss_scaling():
+    # With n_micro = 1 the scaling is 1: the bug shows only from 2 micro-batches on.
+    check_pipeline_trainer(step_unscaled, "gpipe", world_sizes=(2,), n_micro=(1,))
+
+
+def test_bad_pipeline_arguments_are_refused():
+    with pytest.raises(ValueError, match="unknown schedule 'interleaved'"):
+        check_pipeline_trainer(pipeline_step, "interleaved")
+    with pytest.raises(ValueError, match="n_micro=3 does not divide the batch of 16"):
+        check_pipeline_trainer(pipeline_step, "gpipe", n_micro=(3,))
+
+
+# --- simulated schedules ------------------------------------------------------------------
+
+
+def simulate_schedule(P, m, schedule, t_forward=1.0, t_backward=1.0, bubble=None, late=0.0):
+    """Right: each stage runs its schedule's order, each op as soon as it can."""
+    orders = []
+    for s in range(P):
+        w = m if schedule == "gpipe" else min(P - s - 1, m)
+        ops = [("F", i) for i in range(w)]
+        for i in range(m - w):
+            ops += [("F", w + i), ("B", i)]
+        orders.append(ops + [("B", i) for i in range(m - w, m)])
+    end, free, timeline, nxt = {}, [0.0] * P, [[] for _ in range(P)], [0] * P
+    while sum(nxt) < 2 * P * m:
+        for s in range(P):
+            while nxt[s] < len(orders[s]):
+                kind, i = orders[s][nxt[s]]
+                if kind == "F":
+                    dep = ("F", i, s - 1) if s > 0 else None
+                else:
+                    dep = ("B", i, s + 1) if s < P - 1 else ("F", i, s)
+                if dep is not None and dep not in end:
+                    break
+                start = max(free[s], end[dep] + late if dep else 0.0)
+                finish = start + (t_forward if kind == "F" else t_backward)
+                timeline[s].append((kind, i, start, finish))
+                end[kind, i, s], free[s] = finish, finish
+                nxt[s] += 1
+    makespan = max(end.values())
+    fraction = 1 - m * (t_forward + t_backward) / makespan
+    return {
+        "timeline": timeline,
+        "makespan": makespan,
+        "bubble_fraction": fraction if bubble is None else bubble(P, m),
+    }
+
+
+def simulate_off_by_one(P, m, schedule, **times):
+    return simulate_schedule(P, m, schedule, **times, bubble=lambda P, m: (P - 1) / (m + P))
+
+
+def simulate_with_a_gap(P, m, schedule, **times):
+    return simulate_schedule(P, m, schedule, **times, late=1.0)
+
+
+def simulate_1f1b_as_gpipe(P, m, schedule, **times):
+    return simulate_schedule(P, m, "gpipe", **times)
+
+
+def simulate_without_dependencies(P, m, schedule, t_forward=1.0, t_backward=1.0):
+    result = simulate_schedule(P, m, schedule, t_forward, t_backward)
+    for s, ops in enumerate(result["timeline"]):  # every stage starts at once
+        shift = ops[0][2]
+        result["timeline"][s] = [(k, i, a - shift, b - shift) for k, i, a, b in ops]
+    return result
+
+
+def test_simulate_schedule_accepts_a_right_implementation():
+    check_simulate_schedule(simulate_schedule, cases=((1, 3), (2, 2), (4, 16), (5, 3), (8, 1)))
+
+
+def test_simulated_bubble_is_the_formula_for_the_issue_cases():
+    for m in (1, 4, 16):
+        for schedule in ("gpipe", "1f1b"):
+            result = simulate_schedule(4, m, schedule, t_backward=2.0)
+            assert result["bubble_fraction"] == pytest.approx(3 / (m + 3), abs=1e-12)
+            assert result["makespan"] == pytest.approx((m + 3) * 3.0)
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (simulate_off_by_one, "bubble_fraction is 0.333"),
+        (simulate_with_a_gap, "does every operation start as soon as"),
+        (
+            simulate_1f1b_as_gpipe,
+            "stage 1 has 4 micro-batches in flight at once; 1F1B keeps at most min(m, P - s) = 3",
+        ),
+        (simulate_without_dependencies, "but it needs F0 of stage 0, which ends at 1"),
+        (not_implemented, "raised NotImplementedError"),
+    ],
+)
+def test_simulate_schedule_rejects_wrong_implementations(fn, message):
+    with pytest.raises(CheckFailed) as info:
+        check_simulate_schedule(fn)
+    assert str(info.value).startswith("check_simulate_schedule: ")
+    assert message in str(info.value)
+
+
+# --- the optimal partition ----------------------------------------------------------------
+
+
+def optimal_partition(layer_times, activation_sizes, n_machines, bandwidth=1.0, weight_sizes=None):
+    """Right: A(j, m) over prefixes of j layers on m machines, with the argmin kept."""
+    n = len(layer_times)
+    weights = weight_sizes or [0.0] * n
+
+    def T(i, j, k):
+        sync = sum(2 * w / bandwidth for w in weights[i:j]) if k > 1 else 0.0
+        return max(sum(layer_times[i:j]), sync) / k
+
+    A, choice = {}, {}
+    for j in range(1, n + 1):
+        for m in range(1, n_machines + 1):
+            A[j, m], choice[j, m] = T(0, j, m), None
+            for i in range(1, j):
+                for k in range(1, m):
+                    t = max(A[i, m - k], 2 * activation_sizes[i - 1] / bandwidth, T(i, j, k))
+                    if t < A[j, m]:
+                        A[j, m], choice[j, m] = t, (i, k)
+    stages, j, m = [], n, n_machines
+    while choice[j, m] is not None:
+        i, k = choice[j, m]
+        stages.append((i, j, k))
+        j, m = i, m - k
+    return A[n, n_machines], [(0, j, m), *reversed(stages)]
+
+
+def partition_greedy(layer_times, activation_sizes, n_machines, bandwidth=1.0, weight_sizes=None):
+    """Wrong: one machine per stage, layers cut where the running time passes its share."""
+    problem = PartitionProblem(
+        tuple(layer_times),
+        tuple(activation_sizes),
+        n_machines,
+        None if weight_sizes is None else tuple(weight_sizes),
+        bandwidth,
+    )
+    n = len(layer_times)
+    k = min(n, n_machines)
+    share, stages, start, acc = sum(layer_times) / k, [], 0, 0.0
+    for j, t in enumerate(layer_times):
+        acc += t
+        left = k - len(stages) - 1
+        if left and acc >= share and n - (j + 1) >= left:
+            stages.append([start, j + 1, 1])
+            start, acc = j + 1, 0.0
+    stages.append([start, n, 1])
+    stages[-1][2] += n_machines - sum(s[2] for s in stages)
+    stages = [tuple(s) for s in stages]
+    return partition_time(problem, stages), stages
+
+
+def partition_ignoring_communication(layer_times, activation_sizes, n_machines, **kwargs):
+    value, stages = optimal_partition(
+        layer_times, [0.0] * len(activation_sizes), n_machines, **kwargs
+    )
+    return value, stages
+
+
+def partition_one_machine_per_stage(
+    layer_times, activation_sizes, n_machines, bandwidth=1.0, weight_sizes=None
+):
+    """Wrong: the last stage always gets one machine (m' = 1 only)."""
+    n = len(layer_times)
+    w = weight_sizes or [0.0] * n
+
+    def T(i, j, k):
+        sync = sum(2 * x / bandwidth for x in w[i:j]) if k > 1 else 0.0
+        return max(sum(layer_times[i:j]), sync) / k
+
+    A, choice = {}, {}
+    for j in range(1, n + 1):
+        for m in range(1, n_machines + 1):
+            A[j, m], choice[j, m] = T(0, j, m), None
+            for i in range(1, j):
+                if m > 1:
+                    t = max(A[i, m - 1], 2 * activation_sizes[i - 1] / bandwidth, T(i, j, 1))
+                    if t < A[j, m]:
+                        A[j, m], choice[j, m] = t, i
+    stages, j, m = [], n, n_machines
+    while choice[j, m] is not None:
+        stages.append((choice[j, m], j, 1))
+        j, m = choice[j, m], m - 1
+    return A[n, n_machines], [(0, j, m), *reversed(stages)]
+
+
+def test_optimal_partition_accepts_a_right_implementation():
+    check_optimal_partition(optimal_partition, seeds=(0, 1, 2, 3, 4, 5))
+
+
+def test_brute_force_agrees_with_a_hand_solved_case():
+    # 4, 1, 1, 1, 1 on 2 machines: {4} | {1, 1, 1, 1} takes 4; nothing beats the slow layer.
+    problem = PartitionProblem((4.0, 1.0, 1.0, 1.0, 1.0), (0.1,) * 5, 2)
+    assert brute_force_partition(problem) == 4.0
+    # 6, 1, 1 on 3 machines: all layers on 3 replicas (8/3) beats one machine per stage (6).
+    problem = PartitionProblem((6.0, 1.0, 1.0), (0.1,) * 3, 3)
+    assert brute_force_partition(problem) == pytest.approx(8.0 / 3)
+    assert partition_time(problem, [(0, 1, 1), (1, 2, 1), (2, 3, 1)]) == 6.0
+    # A cut where the activation is large costs 2 a / bandwidth: 10 here, so cut elsewhere.
+    problem = PartitionProblem((1.0, 1.0, 1.0, 1.0), (0.2, 5.0, 0.2, 1.0), 2, (1.0,) * 4)
+    assert partition_time(problem, [(0, 2, 1), (2, 4, 1)]) == 10.0
+    assert brute_force_partition(problem) == 3.0
+    # Weight sync: replicas of a layer with w = 4.5 all-reduce for 2 * 4.5 = 9 > 6 computing.
+    problem = PartitionProblem((6.0,), (0.0,), 3, (4.5,))
+    assert brute_force_partition(problem) == pytest.approx(3.0)
+
+
+def test_the_problems_separate_the_wrong_partitions():
+    problems = partition_problems((0,))
+    for wrong in (
+        partition_greedy,
+        partition_ignoring_communication,
+        partition_one_machine_per_stage,
+    ):
+        assert any(
+            wrong(*p.args(), **p.kwargs())[0] > brute_force_partition(p) + 1e-9
+            or wrong(*p.args(), **p.kwargs())[0]
+            != partition_time(p, wrong(*p.args(), **p.kwargs())[1])
+            for p in problems
+        ), wrong.__name__
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (partition_greedy, "the best split takes"),
+        (partition_ignoring_communication, "but its stages"),
+        (partition_one_machine_per_stage, "the best split takes"),
+        (not_implemented, "raised NotImplementedError"),
+    ],
+)
+def test_optimal_partition_rejects_wrong_implementations(fn, message):
+    with pytest.raises(CheckFailed) as info:
+        check_optimal_partition(fn)
+    assert str(info.value).startswith("check_optimal_partition: ")
+    assert message in str(info.value)

@@ -1,0 +1,345 @@
+"""Assignment 5's tensor-parallel checks accept right implementations and reject wrong ones."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import rank, world_size
+from course_lib.grading import (
+    CheckFailed,
+    check_column_parallel_linear,
+    check_parallel_attention,
+    check_parallel_mlp,
+    check_row_parallel_linear,
+)
+from course_lib.grading.tensor_parallel import Case, dense_layer, expected_shards, head_rows
+
+# Fresh workers cannot import this test module: ship its classes by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+# --- right implementations ----------------------------------------------------------------
+
+
+class CopyToParallel(torch.autograd.Function):
+    """Identity in forward; all-reduce of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class ReduceFromParallel(torch.autograd.Function):
+    """All-reduce in forward; identity in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class GatherFromParallel(torch.autograd.Function):
+    """All-gather along the last dimension in forward; own block of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        parts = [torch.empty_like(x) for _ in range(world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(world_size(), dim=-1)[rank()].contiguous()
+
+
+def rows(t, r=None):
+    r = rank() if r is None else r
+    n = t.shape[0] // world_size()
+    return t[r * n : (r + 1) * n]
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, linear, gather_output=False):
+        super().__init__()
+        self.gather_output = gather_output
+        self.weight = nn.Parameter(rows(linear.weight.detach()).clone())
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(rows(bias.detach()).clone())
+
+    def forward(self, x):
+        y = F.linear(CopyToParallel.apply(x), self.weight, self.bias)
+        return GatherFromParallel.apply(y) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear):
+        super().__init__()
+        self.weight = nn.Parameter(rows(linear.weight.detach().t()).t().clone())
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+
+    def forward(self, x):
+        y = ReduceFromParallel.apply(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.fc = ColumnParallelLinear(block.fc)
+        self.proj = RowParallelLinear(block.proj)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class ParallelSelfAttention(nn.Module):
+    def __init__(self, attn):
+        super().__init__()
+        d_model = attn.qkv.in_features
+        self.local_heads = attn.n_heads // world_size()
+        # Reorder the dense rows so that this rank's q, k, v rows form block r.
+        order = torch.cat([head_rows(d_model, r, world_size()) for r in range(world_size())])
+        dense = nn.Linear(d_model, 3 * d_model, dtype=attn.qkv.weight.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(attn.qkv.weight[order])
+            dense.bias.copy_(attn.qkv.bias[order])
+        self.qkv = ColumnParallelLinear(dense)
+        self.proj = RowParallelLinear(attn.proj)
+
+    def forward(self, x):
+        batch, time, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        head_dim = q.shape[-1] // self.local_heads
+        q, k, v = (
+            t.view(batch, time, self.local_heads, head_dim).transpose(1, 2) for t in (q, k, v)
+        )
+        scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
+        future = torch.ones(time, time, dtype=torch.bool).triu(1)
+        out = scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+        return self.proj(out.transpose(1, 2).reshape(batch, time, -1))
+
+
+class TorchSDPAAttention(ParallelSelfAttention):
+    """Right, in another style: torch's scaled_dot_product_attention for the local heads."""
+
+    def forward(self, x):
+        batch, time, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (t.unflatten(-1, (self.local_heads, -1)).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).flatten(-2))
+
+
+# --- wrong implementations ----------------------------------------------------------------
+
+
+class ColumnNoBackwardAllReduce(ColumnParallelLinear):
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        return GatherFromParallel.apply(y) if self.gather_output else y
+
+
+class ColumnStridedShard(ColumnParallelLinear):
+    def __init__(self, linear, gather_output=False):
+        super().__init__(linear, gather_output)
+        with torch.no_grad():
+            self.weight = nn.Parameter(linear.weight[rank() :: world_size()].clone())
+
+
+class ColumnGatherSumsGradient(ColumnParallelLinear):
+    """The all-gather's backward all-reduces instead of taking its own block: P times."""
+
+    def forward(self, x):
+        y = F.linear(CopyToParallel.apply(x), self.weight, self.bias)
+        if self.gather_output:
+            y = GatherFromParallel.apply(y)
+            return CopyToParallel.apply(y)
+        return y
+
+
+class RowBiasOnEveryRank(RowParallelLinear):
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        return ReduceFromParallel.apply(y)
+
+
+class RowNoAllReduce(RowParallelLinear):
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+class RowAllReduceInBackwardToo(RowParallelLinear):
+    def forward(self, x):
+        y = ReduceFromParallel.apply(F.linear(CopyToParallel.apply(x), self.weight))
+        y = CopyToParallel.apply(y)
+        return y if self.bias is None else y + self.bias
+
+
+class MLPGatheredInTheMiddle(ParallelMLP):
+    """Right numbers, but an all-gather between the layers and a dense second layer."""
+
+    def __init__(self, block):
+        super().__init__(block)
+        self.fc = ColumnParallelLinear(block.fc, gather_output=True)
+
+    def forward(self, x):
+        h = F.gelu(self.fc(x))
+        n = h.shape[-1] // world_size()
+        return self.proj(h[..., rank() * n : (rank() + 1) * n])
+
+
+class MLPNoBackwardAllReduce(ParallelMLP):
+    def __init__(self, block):
+        super().__init__(block)
+        self.fc = ColumnNoBackwardAllReduce(block.fc)
+
+
+class MLPBiasOnEveryRank(ParallelMLP):
+    def __init__(self, block):
+        super().__init__(block)
+        self.proj = RowBiasOnEveryRank(block.proj)
+
+
+class AttentionChunkedQKV(ParallelSelfAttention):
+    """Heads split wrongly: block r of all 3*d rows, which mixes q, k and v."""
+
+    def __init__(self, attn):
+        super().__init__(attn)
+        self.qkv = ColumnParallelLinear(attn.qkv)
+
+
+class AttentionAllHeadsEverywhere(ParallelSelfAttention):
+    """Every rank computes all heads' output for its block but forgets the local head count."""
+
+    def forward(self, x):
+        self.local_heads = self.local_heads * world_size()
+        try:
+            return super().forward(x)
+        finally:
+            self.local_heads //= world_size()
+
+
+class AttentionBiasOnEveryRank(ParallelSelfAttention):
+    def __init__(self, attn):
+        super().__init__(attn)
+        self.proj = RowBiasOnEveryRank(attn.proj)
+
+
+def not_implemented(*args, **kwargs):
+    raise NotImplementedError()
+
+
+# --- tests --------------------------------------------------------------------------------
+
+
+def test_shards_of_the_dense_layer_put_back_together_are_the_dense_layer():
+    # The check's expected shards, concatenated over the ranks, give the dense tensors back.
+    for kind in ("column", "row", "mlp", "attention"):
+        case = Case(kind, in_features=16, out_features=24, n_heads=4)
+        params = {n: p.detach() for n, p in dense_layer(case).named_parameters()}
+        for P in (1, 2, 4):
+            shards = [expected_shards(case, params, r, P) for r in range(P)]
+            for name, full in params.items():
+                parts = [s[name] for s in shards]
+                if kind == "row" and name == "weight" or name == "proj.weight":
+                    assert torch.equal(torch.cat(parts, dim=1), full), (kind, name, P)
+                elif name in ("bias", "proj.bias") and kind != "column":
+                    assert all(torch.equal(p, full) for p in parts), (kind, name, P)
+                elif name.startswith("qkv"):
+                    order = torch.cat([head_rows(16, r, P) for r in range(P)])
+                    assert torch.equal(torch.cat(parts), full[order]), (kind, name, P)
+                    assert sorted(order.tolist()) == list(range(48))
+                else:
+                    assert torch.equal(torch.cat(parts), full), (kind, name, P)
+
+
+def test_head_rows_are_the_q_k_v_rows_of_the_ranks_heads():
+    # d_model 8, 4 heads of 2 on 2 ranks: rank 1 owns heads 2, 3 = features 4..7 of q, k, v.
+    assert head_rows(8, 1, 2).tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+
+
+def test_column_parallel_linear_accepts_a_right_implementation():
+    check_column_parallel_linear(ColumnParallelLinear, seeds=(0, 1))
+
+
+def test_row_parallel_linear_accepts_a_right_implementation():
+    check_row_parallel_linear(RowParallelLinear, seeds=(0, 1))
+
+
+def test_parallel_mlp_accepts_a_right_implementation():
+    check_parallel_mlp(ParallelMLP, seeds=(0, 1))
+
+
+@pytest.mark.parametrize("cls", [ParallelSelfAttention, TorchSDPAAttention])
+def test_parallel_attention_accepts_right_implementations(cls):
+    check_parallel_attention(cls, seeds=(0, 1))
+
+
+@pytest.mark.parametrize(
+    "check, cls, message",
+    [
+        (
+            check_column_parallel_linear,
+            ColumnNoBackwardAllReduce,
+            "all-reduces the gradient in backward",
+        ),
+        (check_column_parallel_linear, ColumnStridedShard, "it holds every P-th row"),
+        (check_column_parallel_linear, ColumnGatherSumsGradient, "gather_output=True"),
+        (check_column_parallel_linear, not_implemented, "raised NotImplementedError"),
+        (check_row_parallel_linear, RowBiasOnEveryRank, "extra copies of the bias"),
+        (check_row_parallel_linear, RowNoAllReduce, "summed with one all-reduce in forward"),
+        (check_row_parallel_linear, RowAllReduceInBackwardToo, "the input's gradient differs"),
+        (check_parallel_mlp, MLPNoBackwardAllReduce, "all-reduces the gradient in backward"),
+        (check_parallel_mlp, MLPBiasOnEveryRank, "extra copies of the bias"),
+        (check_parallel_mlp, MLPGatheredInTheMiddle, "'all_gather': 1"),
+        (check_parallel_attention, AttentionChunkedQKV, "mixes queries, keys and values"),
+        (check_parallel_attention, AttentionAllHeadsEverywhere, "forward output differs"),
+        (check_parallel_attention, AttentionBiasOnEveryRank, "extra copies of the bias"),
+    ],
+)
+def test_checks_reject_wrong_implementations(check, cls, message):
+    with pytest.raises(CheckFailed) as info:
+        check(cls, timeout=15)
+    assert str(info.value).startswith(check.__name__ + ": ")
+    assert message in str(info.value)
+
+
+def test_a_failure_names_rank_layer_and_tolerance():
+    with pytest.raises(CheckFailed) as info:
+        check_row_parallel_linear(RowBiasOnEveryRank)
+    text = str(info.value)
+    assert "rank 0 (nn.Linear(12, 8), seed 0, input (3, 5, 12), on 2 rank(s))" in text
+    assert "(allowed atol=1e-10 + rtol=1e-10 * |expected|)" in text
+
+
+def test_one_rank_needs_no_communication_but_two_do():
+    # On one rank every collective is the identity: the bugs show only from 2 ranks on.
+    check_column_parallel_linear(ColumnNoBackwardAllReduce, world_sizes=(1,))
+    with pytest.raises(CheckFailed, match="on 2 rank"):
+        check_column_parallel_linear(ColumnNoBackwardAllReduce, world_sizes=(2,))
+
+
+def test_bad_world_size_is_refused():
+    with pytest.raises(ValueError, match="use 1, 2 or 4"):
+        check_parallel_mlp(ParallelMLP, world_sizes=(3,))
