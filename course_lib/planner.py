@@ -1,0 +1,554 @@
+"""Putting it together: 3D parallelism, from a grid of ranks to a planner (lecture 10).
+
+    grid = ProcessGrid(tp=2, pp=2, dp=2)                # ranks <-> (dp, pp, tp) coordinates
+    grid.groups("tp")                                   # every tensor-parallel group: [[0, 1], ...]
+    launch(group_members, grid, world_size=8)           # the same groups made with dist.new_group
+    estimates = candidates(LLAMA_70B, Cluster(512))     # every TP x PP x DP plan, estimated
+    best(LLAMA_70B, Cluster(512))                       # the fastest plan that fits in memory
+    print(candidate_table(estimates[:10])); PlannerWidget()
+
+Every estimate is a formula of the earlier lectures, imported, not rewritten: bytes per
+parameter of mixed-precision AdamW and the ZeRO stages (`memory`, `sharding`, lectures 6-7),
+activation memory per layer with TP and SP, TP and PP traffic and compute per micro-batch
+(`tensor_parallel`, lecture 9), and the pipeline bubble (`pipeline`, lecture 8). What this
+module adds is the bookkeeping: which ranks form which group (`ProcessGrid`), which link each
+group's traffic crosses, and how the pieces add up to a step time.
+
+The model of a step (an estimate, not a simulation): a 1F1B pipeline of m micro-batches takes
+m x (compute + TP + PP time per micro-batch) / (1 - bubble); the data-parallel gradient
+traffic comes after it, not overlapped (an upper bound). Left out: the embedding and LM head
+(their parameters are spread evenly over the stages), the buffers ZeRO-3 gathers, latency,
+and framework overheads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Any
+
+import ipywidgets as widgets
+import numpy as np
+import torch
+import torch.distributed as dist
+from matplotlib.patches import Patch
+
+from course_lib.memory import GB, divisors
+from course_lib.pipeline import bubble_formula
+from course_lib.plots import NotebookFigure
+from course_lib.runtime import device
+from course_lib.sharding import MIXED_ADAMW, STAGES, comm_formula, formula_bytes
+from course_lib.tensor_parallel import (
+    GPT3_175B,
+    TransformerShape,
+    activation_memory,
+    compute_seconds,
+    traffic_per_microbatch,
+)
+
+DIMENSIONS = ("tp", "pp", "dp")  # innermost (neighbouring ranks) first, as in picotron
+CHECKPOINTING = ("none", "selective", "full")
+BF16 = 2  # bytes per value of activations and gradients in mixed precision
+
+# --- 1. one grid of ranks, every group derived from it ----------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcessGrid:
+    """tp x pp x dp ranks laid out as a (dp, pp, tp) array: rank = (d * pp + p) * tp + t.
+
+    Tensor-parallel partners are neighbouring ranks, so with TP no larger than a node they
+    share a node (ranks are numbered node by node). The pipeline comes next, data parallelism
+    is outermost."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    def __post_init__(self) -> None:
+        for name in DIMENSIONS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def _array(self) -> np.ndarray:
+        return np.arange(self.world).reshape(self.dp, self.pp, self.tp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's position on each axis: {"tp": t, "pp": p, "dp": d}."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is not in a grid of {self.world} ranks")
+        d, p, t = np.unravel_index(rank, (self.dp, self.pp, self.tp))
+        return {"tp": int(t), "pp": int(p), "dp": int(d)}
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """Every group of `kind` ("tp", "pp" or "dp"): the ranks that differ only in that
+        coordinate, in the order of that coordinate (a pipeline group lists stages 0, 1, ...)."""
+        if kind not in DIMENSIONS:
+            raise ValueError(f"unknown group kind {kind!r}; use one of {DIMENSIONS}")
+        axis = {"dp": 0, "pp": 1, "tp": 2}[kind]
+        # Move the axis last: each row is then one group.
+        rows = np.moveaxis(self._array(), axis, -1).reshape(-1, getattr(self, kind))
+        return sorted(row.tolist() for row in rows)
+
+    def group_of(self, rank: int, kind: str) -> list[int]:
+        """The `kind` group that `rank` belongs to."""
+        self.coords(rank)  # validates the rank
+        return next(g for g in self.groups(kind) if rank in g)
+
+    def table(self) -> str:
+        """One line per rank: its coordinates and the members of its three groups."""
+        width = 2 + max(len(str(g)) for k in DIMENSIONS for g in self.groups(k))
+        header = f"{'rank':>4}  {'(dp, pp, tp)':<14}"
+        lines = [(header + "".join(f"{k} group".ljust(width) for k in DIMENSIONS)).rstrip()]
+        for r in range(self.world):
+            c = self.coords(r)
+            where = f"({c['dp']}, {c['pp']}, {c['tp']})"
+            groups = "".join(str(self.group_of(r, k)).ljust(width) for k in DIMENSIONS)
+            lines.append(f"{r:>4}  {where:<14}{groups}".rstrip())
+        return "\n".join(lines)
+
+
+def spans_nodes(ranks: Sequence[int], gpus_per_node: int) -> bool:
+    """True if `ranks` sit on more than one node (ranks are numbered node by node)."""
+    return len({r // gpus_per_node for r in ranks}) > 1
+
+
+def new_groups(grid: ProcessGrid) -> dict[str, dist.ProcessGroup]:
+    """Create every group of the grid with `dist.new_group` and return this rank's three.
+    Call it on every rank: each rank must take part in creating every group, in one order."""
+    if dist.get_world_size() != grid.world:
+        raise ValueError(
+            f"the grid has {grid.world} ranks but the process group {dist.get_world_size()}; "
+            f"launch with world_size={grid.world}"
+        )
+    mine = {}
+    for kind in DIMENSIONS:
+        for ranks in grid.groups(kind):
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine[kind] = group
+    return mine
+
+
+def group_members(grid: ProcessGrid) -> dict[str, list[int]]:
+    """On every rank: create the groups, then all-gather each rank's global rank inside each
+    of its groups: who is really in my TP, PP and DP group, as the collectives see it."""
+    members = {}
+    for kind, group in new_groups(grid).items():
+        me = torch.tensor([dist.get_rank()], device=device())
+        everyone = [torch.zeros_like(me) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, me, group=group)
+        members[kind] = [int(t.item()) for t in everyone]
+    return members
+
+
+# --- 2. what is planned: a model and a cluster ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Model:
+    """A transformer to train: its parameters, its shape (with `shape.batch` the micro-batch,
+    in sequences) and the global batch of one optimizer step, in sequences."""
+
+    name: str
+    params: float
+    shape: TransformerShape
+    global_batch: int
+
+
+LLAMA_7B = Model("7B", 6.7e9, TransformerShape(32, 4096, 32, 4096, 1), global_batch=1024)
+LLAMA_70B = Model("70B", 70e9, TransformerShape(80, 8192, 64, 4096, 1), global_batch=1024)
+GPT3 = Model("175B", 175e9, GPT3_175B, global_batch=1536)
+MODELS = {m.name: m for m in (LLAMA_7B, LLAMA_70B, GPT3)}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs in nodes of `gpus_per_node`, linked inside a node at `intra_bandwidth` and between
+    nodes at `inter_bandwidth` (bytes/s per GPU), each computing `flops_per_s` (achieved, not
+    peak). Defaults: A100 80 GB nodes with NVLink (300 GB/s) and 200 Gbit/s InfiniBand per GPU,
+    at about half the bf16 peak."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    gpu_memory: float = 80 * GB
+    intra_bandwidth: float = 300e9
+    inter_bandwidth: float = 25e9
+    flops_per_s: float = 150e12
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"need at least one GPU per node and one GPU, got {self}")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(
+                f"{self.gpus} GPUs do not fill whole nodes of {self.gpus_per_node}; "
+                f"use a multiple of {self.gpus_per_node}"
+            )
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.gpus / self.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to train: TP x PP x DP ranks, a ZeRO stage over the DP group (one of
+    `sharding.STAGES`), activation checkpointing (`CHECKPOINTING`), sequence parallelism."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero: str = "ddp"
+    checkpointing: str = "none"
+    sequence_parallel: bool = True
+
+    def __str__(self) -> str:
+        sp = "+SP" if self.sequence_parallel and self.tp > 1 else ""
+        return f"TP{self.tp}{sp} x PP{self.pp} x DP{self.dp} {self.zero} ckpt={self.checkpointing}"
+
+
+def factorizations(cluster: Cluster) -> list[tuple[int, int, int]]:
+    """Every (tp, pp, dp) with tp * pp * dp = GPUs and tp dividing a node: TP never crosses
+    nodes, its all-reduces are on the critical path of every layer."""
+    node = min(cluster.gpus, cluster.gpus_per_node)
+    return [
+        (tp, pp, cluster.gpus // (tp * pp))
+        for tp in divisors(node)
+        if cluster.gpus % tp == 0
+        for pp in divisors(cluster.gpus // tp)
+    ]
+
+
+def problem(model: Model, tp: int, pp: int, dp: int) -> str | None:
+    """Why `model` cannot be split as tp x pp x dp, or None if it can."""
+    s = model.shape
+    if s.heads % tp or s.hidden % tp:
+        return f"{s.heads} heads / hidden {s.hidden} do not split over tp={tp}"
+    if pp > s.layers:
+        return f"pp={pp} stages for {s.layers} layers"
+    if model.global_batch % (dp * s.batch):
+        return f"global batch {model.global_batch} is not a multiple of dp x micro-batch"
+    return None
+
+
+# --- 3. the estimates ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one plan costs per GPU and per optimizer step. Bytes are per GPU (memory: the most
+    loaded GPU, pipeline stage 0); seconds are per step."""
+
+    plan: Plan
+    micro_batches: int
+    params_per_gpu: float
+    memory: dict[str, float]  # params, grads, optimizer_state, activations: bytes per GPU
+    fits: bool
+    bubble: float
+    traffic: dict[str, float]  # tp, pp, dp: bytes each GPU sends per step
+    links: dict[str, str]  # tp, pp, dp: "intra-node" or "inter-node"
+    seconds: dict[str, float]  # compute, recompute, tp, pp, bubble, dp: time per step
+    useful_seconds: float  # the model's own forward + backward math, no recomputation
+
+    @property
+    def total_memory(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def utilisation(self) -> float:
+        """Share of the step spent on the model's own math (an MFU at the assumed FLOP/s)."""
+        return self.useful_seconds / self.step_seconds
+
+
+def layers_per_stage(model: Model, pp: int) -> int:
+    """Layers of the largest stage: it decides memory and time."""
+    return math.ceil(model.shape.layers / pp)
+
+
+def params_per_gpu(model: Model, plan: Plan) -> float:
+    """Parameters a GPU computes with: 1/tp of each layer of the largest stage (before ZeRO
+    shards them over the DP group)."""
+    return model.params * layers_per_stage(model, plan.pp) / model.shape.layers / plan.tp
+
+
+def state_bytes(model: Model, plan: Plan) -> dict[str, float]:
+    """Bytes per GPU of bf16 weights, bf16 gradients and AdamW's fp32 state (16 bytes per
+    parameter, lecture 6) for its share of the parameters, with the plan's ZeRO stage over
+    the DP group (lecture 7)."""
+    return formula_bytes(plan.zero, params_per_gpu(model, plan), plan.dp, MIXED_ADAMW)
+
+
+def activation_bytes(model: Model, plan: Plan, micro_batches: int) -> float:
+    """Activations stage 0 holds at its peak: under 1F1B it keeps min(P, m) micro-batches in
+    flight, each `layers_per_stage` layers of Korthikanti's bytes per layer (lecture 9).
+    Full checkpointing keeps only each layer's input, plus one layer recomputed at a time."""
+    s, b, h, a = model.shape.seq, model.shape.batch, model.shape.hidden, model.shape.heads
+    t, sp = plan.tp, plan.sequence_parallel
+    in_flight = min(plan.pp, micro_batches) * layers_per_stage(model, plan.pp)
+    if plan.checkpointing == "full":
+        layer_input = BF16 * s * b * h / (t if sp else 1)
+        return in_flight * layer_input + activation_memory(s, b, h, a, t, sequence_parallel=sp)
+    selective = plan.checkpointing == "selective"
+    per_layer = activation_memory(
+        s, b, h, a, t, sequence_parallel=sp, recompute_attention=selective
+    )
+    return in_flight * per_layer
+
+
+def dp_traffic(zero: str, model_bytes: float, dp: int, micro_batches: int) -> float:
+    """Bytes a GPU sends per step in its DP group for `model_bytes` of bf16 gradients.
+    DDP and ZeRO-1 accumulate gradients over the micro-batches and all-reduce once
+    (2(P-1)/P M). ZeRO-2 keeps only a shard of the gradients, so it reduce-scatters after
+    every micro-batch, then all-gathers the parameters once: (m+1)(P-1)/P M. ZeRO-3 gathers
+    the parameters twice and reduce-scatters once per micro-batch: 3m(P-1)/P M."""
+    once = comm_formula(zero, model_bytes, dp)  # the lecture-7 formula, one micro-batch
+    per_step = {"ddp": 1, "zero1": 1, "zero2": (micro_batches + 1) / 2, "zero3": micro_batches}
+    return once * per_step[zero]
+
+
+@lru_cache(maxsize=4096)
+def _links(tp: int, pp: int, dp: int, gpus_per_node: int) -> tuple[str, str, str]:
+    grid = ProcessGrid(tp, pp, dp)
+    return tuple(
+        "inter-node"
+        if any(spans_nodes(g, gpus_per_node) for g in grid.groups(kind))
+        else "intra-node"
+        for kind in DIMENSIONS
+    )
+
+
+def links(plan: Plan, cluster: Cluster) -> dict[str, str]:
+    """The link each kind of group crosses: inter-node if any of its groups spans nodes."""
+    kinds = _links(plan.tp, plan.pp, plan.dp, cluster.gpus_per_node)
+    return dict(zip(DIMENSIONS, kinds, strict=True))
+
+
+def estimate(model: Model, cluster: Cluster, plan: Plan) -> Estimate:
+    """Memory per GPU, bubble, traffic and time per step of `plan` for `model` on `cluster`."""
+    if plan.tp * plan.pp * plan.dp != cluster.gpus:
+        raise ValueError(f"{plan} uses {plan.tp * plan.pp * plan.dp} GPUs, not {cluster.gpus}")
+    if plan.zero not in STAGES or plan.checkpointing not in CHECKPOINTING:
+        raise ValueError(f"zero must be one of {STAGES}, checkpointing one of {CHECKPOINTING}")
+    reason = problem(model, plan.tp, plan.pp, plan.dp)
+    if reason:
+        raise ValueError(f"cannot plan {plan} for {model.name}: {reason}")
+    m = model.global_batch // (plan.dp * model.shape.batch)
+    stage = replace(model.shape, layers=layers_per_stage(model, plan.pp))
+
+    memory = state_bytes(model, plan)
+    memory["activations"] = activation_bytes(model, plan, m)
+
+    # Per micro-batch on one GPU (lecture 9): compute, TP all-reduces, PP send/receive.
+    compute = compute_seconds(stage, plan.tp, 1, cluster.flops_per_s)
+    s, b, h = stage.seq, stage.batch, stage.hidden
+    recompute = {
+        "none": 0.0,
+        "full": compute / 3,  # one more forward (forward is a third of forward + backward)
+        # Selective recomputation redoes the attention scores, QK^T and scores x V: 4bs^2h.
+        "selective": stage.layers * 4 * b * s * s * h / plan.tp / cluster.flops_per_s,
+    }[plan.checkpointing]
+    per_micro = traffic_per_microbatch(stage, plan.tp, 1, element_size=BF16)
+    tp_bytes = per_micro["TP"] * (1.5 if plan.checkpointing == "full" else 1)  # forward's 2 of 4
+    pp_bytes = 0.0 if plan.pp == 1 else per_micro["PP"] / (plan.tp if plan.sequence_parallel else 1)
+    link = links(plan, cluster)
+    bandwidth = {"intra-node": cluster.intra_bandwidth, "inter-node": cluster.inter_bandwidth}
+    tp_s, pp_s = tp_bytes / bandwidth[link["tp"]], pp_bytes / bandwidth[link["pp"]]
+
+    # The 1F1B pipeline: m micro-batches of work stretched by the bubble (lecture 8).
+    bubble = bubble_formula(plan.pp, m)
+    busy = m * (compute + recompute + tp_s + pp_s)
+    dp_bytes = dp_traffic(plan.zero, BF16 * params_per_gpu(model, plan), plan.dp, m)
+    seconds = {
+        "compute": m * compute,
+        "recompute": m * recompute,
+        "tp": m * tp_s,
+        "pp": m * pp_s,
+        "bubble": busy / (1 - bubble) - busy,
+        "dp": dp_bytes / bandwidth[link["dp"]],
+    }
+    exact = compute_seconds(model.shape, plan.tp, plan.pp, cluster.flops_per_s)
+    return Estimate(
+        plan=plan,
+        micro_batches=m,
+        params_per_gpu=params_per_gpu(model, plan),
+        memory=memory,
+        fits=sum(memory.values()) <= cluster.gpu_memory,
+        bubble=bubble,
+        traffic={"tp": m * tp_bytes, "pp": m * pp_bytes, "dp": dp_bytes},
+        links=link,
+        seconds=seconds,
+        useful_seconds=m * exact,
+    )
+
+
+# --- 4. the planner -------------------------------------------------------------------------
+
+
+def candidates(
+    model: Model,
+    cluster: Cluster,
+    zero_stages: Iterable[str] = STAGES,
+    checkpointing: Iterable[str] = CHECKPOINTING,
+    sequence_parallel: bool = True,
+) -> list[Estimate]:
+    """Every plan that can split `model` on `cluster` (fitting in memory or not), fastest
+    first: each (tp, pp, dp) factorization with TP inside a node, each ZeRO stage and each
+    checkpointing choice. With dp = 1 every ZeRO stage is the same plan: only the first of
+    `zero_stages` is kept."""
+    zero_stages, checkpointing = tuple(zero_stages), tuple(checkpointing)
+    if not zero_stages or not checkpointing:
+        raise ValueError("give at least one ZeRO stage and one checkpointing choice")
+    estimates = [
+        estimate(model, cluster, Plan(tp, pp, dp, zero, ckpt, sequence_parallel))
+        for tp, pp, dp in factorizations(cluster)
+        if problem(model, tp, pp, dp) is None
+        for zero in (zero_stages if dp > 1 else zero_stages[:1])
+        for ckpt in checkpointing
+    ]
+    return sorted(estimates, key=lambda e: (e.step_seconds, e.total_memory))
+
+
+def best(model: Model, cluster: Cluster, **options: Any) -> Estimate | None:
+    """The fastest plan that fits in GPU memory, or None if none does."""
+    return next((e for e in candidates(model, cluster, **options) if e.fits), None)
+
+
+def explain_none(model: Model, cluster: Cluster, **options: Any) -> str:
+    """Why nothing fits: the plan needing the least memory, and how much it needs."""
+    estimates = candidates(model, cluster, **options)
+    if not estimates:
+        return f"no way to split {model.name} over {cluster.gpus} GPUs (check the batch sizes)"
+    least = min(estimates, key=lambda e: e.total_memory)
+    return (
+        f"nothing fits: the smallest plan, {least.plan}, needs {least.total_memory / GB:.0f} GB "
+        f"per GPU of {cluster.gpu_memory / GB:.0f} GB; add GPUs or memory"
+    )
+
+
+def candidate_table(estimates: Sequence[Estimate]) -> str:
+    """One row per plan: memory per GPU (GB), whether it fits, bubble, seconds per step
+    by cause, and utilisation."""
+    header = (
+        f"{'tp':>3}{'pp':>4}{'dp':>5} {'zero':<6}{'ckpt':<10}{'m':>5}{'state GB':>9}{'act GB':>8}"
+        f"{'total':>7} {'fits':<5}{'bubble':>7}{'compute':>8}{'recomp':>7}{'TP':>6}{'PP':>6}"
+        f"{'bubble':>7}{'DP':>7}{'step s':>8}{'util':>6}"
+    )
+    rows = [header]
+    for e in estimates:
+        p, s = e.plan, e.seconds
+        state = e.total_memory - e.memory["activations"]
+        rows.append(
+            f"{p.tp:>3}{p.pp:>4}{p.dp:>5} {p.zero:<6}{p.checkpointing:<10}{e.micro_batches:>5}"
+            f"{state / GB:>9.1f}{e.memory['activations'] / GB:>8.1f}{e.total_memory / GB:>7.1f}"
+            f" {'yes' if e.fits else 'no':<5}{e.bubble:>7.1%}{s['compute']:>8.2f}"
+            f"{s['recompute']:>7.2f}{s['tp']:>6.2f}{s['pp']:>6.2f}{s['bubble']:>7.2f}"
+            f"{s['dp']:>7.2f}{e.step_seconds:>8.2f}{e.utilisation:>6.0%}"
+        )
+    return "\n".join(rows)
+
+
+def summary(model: Model, cluster: Cluster, **options: Any) -> str:
+    """One line: the best plan for `model` on `cluster`, or why there is none."""
+    where = f"{model.name} on {cluster.gpus:>4} GPUs"
+    e = best(model, cluster, **options)
+    if e is None:
+        return f"{where}: {explain_none(model, cluster, **options)}"
+    return (
+        f"{where}: {e.plan}  {e.total_memory / GB:.0f} GB/GPU, bubble {e.bubble:.1%}, "
+        f"{e.step_seconds:.1f} s/step, utilisation {e.utilisation:.0%}"
+    )
+
+
+def plot_step_times(estimates: Sequence[Estimate], title: str = "") -> NotebookFigure:
+    """Seconds per step of each plan, stacked by cause; plans that do not fit are hatched."""
+    fig = NotebookFigure(figsize=(8, 0.45 * len(estimates) + 1.2), layout="constrained")
+    ax = fig.add_subplot()
+    causes = ("compute", "recompute", "tp", "pp", "bubble", "dp")
+    labels = [str(e.plan) for e in estimates]
+    left = np.zeros(len(estimates))
+    for i, cause in enumerate(causes):
+        widths = np.array([e.seconds[cause] for e in estimates])
+        bars = ax.barh(labels, widths, left=left, color=f"C{i}")
+        for bar, e in zip(bars, estimates, strict=True):
+            if not e.fits:
+                bar.set_hatch("//")
+                bar.set_alpha(0.5)
+        left += widths
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per optimizer step (hatched: does not fit in memory)")
+    ax.set_title(title, fontsize=10)
+    handles = [Patch(color=f"C{i}", label=cause) for i, cause in enumerate(causes)]
+    fig.legend(handles=handles, fontsize=8, ncols=len(causes), loc="outside upper center")
+    ax.tick_params(axis="y", labelsize=8)
+    return fig
+
+
+# --- 5. the interactive planner (exercise 8) -------------------------------------------------
+
+
+class PlannerWidget(widgets.VBox):
+    """Menus and sliders for the model and the cluster; every change re-plans and shows the
+    best plan and the fastest candidates. `estimates` and `best` hold what is shown (tests)."""
+
+    def __init__(self, model: str = "70B", gpus: int = 512, top: int = 12) -> None:
+        self.top = top
+        style = {"description_width": "initial"}
+        self.model = widgets.Dropdown(options=list(MODELS), value=model, description="model")
+        self.gpus = widgets.SelectionSlider(
+            options=[2**k for k in range(3, 13)], value=gpus, description="GPUs", style=style
+        )
+        self.gpus_per_node = widgets.Dropdown(options=[4, 8], value=8, description="GPUs/node")
+        self.memory = widgets.IntSlider(80, min=16, max=192, step=8, description="GPU GB")
+        self.inter = widgets.FloatLogSlider(
+            25, base=10, min=0, max=2.7, description="inter-node GB/s", style=style
+        )
+        batches = sorted({2**k for k in range(6, 14)} | {m.global_batch for m in MODELS.values()})
+        self.batch = widgets.SelectionSlider(
+            options=batches, value=MODELS[model].global_batch, description="global batch"
+        )
+        self.output = widgets.Output()
+        controls = [self.model, self.gpus, self.gpus_per_node, self.memory, self.inter, self.batch]
+        super().__init__([widgets.HBox(controls[:3]), widgets.HBox(controls[3:]), self.output])
+        self.estimates: list[Estimate] = []
+        self.best: Estimate | None = None
+        for control in controls:
+            control.observe(self._replan, names="value")
+        self.model.observe(self._default_batch, names="value")
+        self._replan()
+
+    def _default_batch(self, change: Any) -> None:
+        """A new model starts from its own global batch (which re-plans once more)."""
+        self.batch.value = MODELS[change["new"]].global_batch
+
+    def chosen(self) -> tuple[Model, Cluster]:
+        """The model and cluster the controls describe."""
+        model = replace(MODELS[self.model.value], global_batch=self.batch.value)
+        cluster = Cluster(
+            self.gpus.value,
+            gpus_per_node=self.gpus_per_node.value,
+            gpu_memory=self.memory.value * GB,
+            inter_bandwidth=self.inter.value * 1e9,
+        )
+        return model, cluster
+
+    def _replan(self, _change: Any = None) -> None:
+        model, cluster = self.chosen()
+        self.estimates = candidates(model, cluster)
+        self.best = next((e for e in self.estimates if e.fits), None)
+        with self.output:
+            self.output.clear_output(wait=True)
+            print(summary(model, cluster))
+            fitting = [e for e in self.estimates if e.fits]
+            print(f"{len(fitting)} of {len(self.estimates)} plans fit; the fastest:")
+            print(candidate_table((fitting or self.estimates)[: self.top]))

@@ -1,0 +1,284 @@
+"""course_lib.planner: the grid of ranks against the groups torch.distributed really builds,
+each estimate against a configuration computed here by hand from the textbook formulas, and
+the planner's choices against brute force.
+
+Expected numbers are written out from the formulas (16 bytes per parameter, ZeRO's shards,
+sbh(34 + 5as/h) and its TP/SP forms, 3 x (24bsh^2 + 4bs^2h) FLOPs, ring traffic 2(P-1)/P,
+the bubble (P-1)/(m+P-1)), never read back from the modules the planner imports.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+
+from course_lib import launch
+from course_lib.planner import (
+    GPT3,
+    LLAMA_7B,
+    LLAMA_70B,
+    Cluster,
+    Model,
+    Plan,
+    PlannerWidget,
+    ProcessGrid,
+    activation_bytes,
+    best,
+    candidate_table,
+    candidates,
+    estimate,
+    factorizations,
+    group_members,
+    plot_step_times,
+    spans_nodes,
+    summary,
+)
+from course_lib.tensor_parallel import TransformerShape
+
+RTOL = 1e-12  # the estimates are a few float operations: only rounding may differ
+
+# --- the grid ------------------------------------------------------------------------------
+
+
+def test_grid_of_eight_ranks_by_hand():
+    grid = ProcessGrid(tp=2, pp=2, dp=2)
+    assert grid.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.coords(6) == {"tp": 0, "pp": 1, "dp": 1}
+    assert grid.group_of(6, "pp") == [4, 6]
+    assert "[4, 6]" in grid.table().splitlines()[7]  # rank 6's line names its pipeline
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 4, 2), (4, 1, 4), (1, 3, 2), (8, 2, 1)])
+def test_every_kind_of_group_partitions_the_ranks(tp, pp, dp):
+    grid = ProcessGrid(tp, pp, dp)
+    for kind, size in (("tp", tp), ("pp", pp), ("dp", dp)):
+        groups = grid.groups(kind)
+        assert sorted(r for g in groups for r in g) == list(range(grid.world))
+        for group in groups:
+            assert len(group) == size
+            coords = [grid.coords(r) for r in group]
+            # members differ in this coordinate only, and are listed in its order
+            assert [c[kind] for c in coords] == list(range(size))
+            for other in {"tp", "pp", "dp"} - {kind}:
+                assert len({c[other] for c in coords}) == 1
+    for r in range(grid.world):  # the layout: tp fastest, then pp, then dp
+        c = grid.coords(r)
+        assert r == (c["dp"] * pp + c["pp"]) * tp + c["tp"]
+
+
+def test_groups_made_with_new_group_hold_the_grid_ranks():
+    grids = [ProcessGrid(2, 1, 2), ProcessGrid(1, 2, 2), ProcessGrid(2, 2, 1)]
+
+    def members(grids):
+        return [group_members(g) for g in grids]
+
+    per_rank = launch(members, grids, world_size=4, timeout=60)
+    for r, result in enumerate(per_rank):
+        for grid, seen in zip(grids, result, strict=True):
+            for kind in ("tp", "pp", "dp"):
+                assert seen[kind] == grid.group_of(r, kind), (r, grid, kind)
+
+
+def test_bad_grids_and_clusters_are_refused():
+    with pytest.raises(ValueError, match="tp must be"):
+        ProcessGrid(0, 1, 1)
+    with pytest.raises(ValueError, match="rank 8"):
+        ProcessGrid(2, 2, 2).coords(8)
+    with pytest.raises(ValueError, match="whole nodes"):
+        Cluster(12, gpus_per_node=8)
+    with pytest.raises(ValueError, match="uses 8 GPUs, not 16"):
+        estimate(SMALL, CLUSTER, Plan(2, 2, 2))
+
+
+# --- the estimates, by hand -----------------------------------------------------------------
+
+# A small model with round numbers: 8 layers, h = 1024, 16 heads, s = 512, micro-batch 2.
+SMALL = Model("small", 1e9, TransformerShape(8, 1024, 16, 512, 2), global_batch=64)
+# 16 GPUs in 4 nodes of 4; 100 GB/s inside a node, 10 GB/s between nodes, 1e14 FLOP/s.
+CLUSTER = Cluster(16, 4, gpu_memory=80e9, intra_bandwidth=100e9, inter_bandwidth=10e9,
+                  flops_per_s=1e14)  # fmt: skip
+S, B, H, A, L = 512, 2, 1024, 16, 8
+SBH = S * B * H
+
+
+def forward_backward_flops(layers):
+    return layers * 3 * (24 * B * S * H * H + 4 * B * S * S * H)
+
+
+def test_estimate_tp2_pp2_dp4_zero1_by_hand():
+    e = estimate(SMALL, CLUSTER, Plan(2, 2, 4, "zero1", "none", sequence_parallel=True))
+    m = 64 // (4 * 2)  # 8 micro-batches per step
+    share = 1e9 * (4 / 8) / 2  # 4 of 8 layers, half of each: 2.5e8 parameters
+    assert e.micro_batches == m and e.params_per_gpu == pytest.approx(share, rel=RTOL)
+    # ZeRO-1 shards only the 12 bytes of optimizer state over the 4 DP ranks
+    assert e.memory["params"] == pytest.approx(2 * share, rel=RTOL)
+    assert e.memory["grads"] == pytest.approx(2 * share, rel=RTOL)
+    assert e.memory["optimizer_state"] == pytest.approx(12 * share / 4, rel=RTOL)
+    # TP + SP: sbh(34/t + 5as/(ht)) per layer; 1F1B stage 0 holds P = 2 micro-batches x 4 layers
+    per_layer = SBH * (34 / 2 + 5 * A * S / (H * 2))
+    assert e.memory["activations"] == pytest.approx(2 * 4 * per_layer, rel=RTOL)
+    assert e.fits == (sum(e.memory.values()) <= 80e9)
+    # links: tp [0,1] and pp [0,2] inside a node of 4; dp [0,4,8,12] crosses nodes
+    assert e.links == {"tp": "intra-node", "pp": "intra-node", "dp": "inter-node"}
+    compute = forward_backward_flops(4) / 2 / 1e14
+    tp_bytes = 4 * 4 * (2 * (2 - 1) / 2) * SBH * 2  # 4 all-reduces per layer, bf16
+    pp_bytes = 2 * SBH * 2 / 2  # activation forward, gradient back; SP sends 1/t each
+    dp_bytes = 2 * (3 / 4) * 2 * share  # one all-reduce of bf16 gradients
+    assert e.traffic["tp"] == pytest.approx(m * tp_bytes, rel=RTOL)
+    assert e.traffic["pp"] == pytest.approx(m * pp_bytes, rel=RTOL)
+    assert e.traffic["dp"] == pytest.approx(dp_bytes, rel=RTOL)
+    per_micro = compute + tp_bytes / 100e9 + pp_bytes / 100e9
+    assert e.bubble == pytest.approx(1 / 9, rel=RTOL)  # (P-1)/(m+P-1)
+    assert e.step_seconds == pytest.approx((m + 2 - 1) * per_micro + dp_bytes / 10e9, rel=RTOL)
+    assert e.seconds["bubble"] == pytest.approx(1 * per_micro, rel=RTOL)
+    assert e.utilisation == pytest.approx(m * compute / e.step_seconds, rel=RTOL)
+
+
+def test_estimate_zero3_with_full_checkpointing_no_sp_by_hand():
+    e = estimate(SMALL, CLUSTER, Plan(2, 1, 8, "zero3", "full", sequence_parallel=False))
+    m = 64 // (8 * 2)  # 4
+    share = 1e9 / 2
+    assert e.memory["params"] == pytest.approx(2 * share / 8, rel=RTOL)
+    assert e.memory["grads"] == pytest.approx(2 * share / 8, rel=RTOL)
+    assert e.memory["optimizer_state"] == pytest.approx(12 * share / 8, rel=RTOL)
+    # one micro-batch in flight (no pipeline): 8 layer inputs of 2sbh (not split without SP),
+    # plus one layer recomputed at a time, sbh(10 + 24/t + 5as/(ht))
+    one_layer = SBH * (10 + 24 / 2 + 5 * A * S / (H * 2))
+    assert e.memory["activations"] == pytest.approx(8 * 2 * SBH + one_layer, rel=RTOL)
+    compute = forward_backward_flops(8) / 2 / 1e14
+    assert e.seconds["recompute"] == pytest.approx(m * compute / 3, rel=RTOL)  # one forward more
+    tp_bytes = 8 * 6 * 1 * SBH * 2  # 4 all-reduces per layer, and forward's 2 again
+    assert e.traffic["tp"] == pytest.approx(m * tp_bytes, rel=RTOL)
+    dp_bytes = m * 3 * (7 / 8) * 2 * share  # gather, gather, reduce-scatter per micro-batch
+    assert e.traffic["dp"] == pytest.approx(dp_bytes, rel=RTOL)
+    assert e.bubble == 0 and e.traffic["pp"] == 0
+    expected = m * (compute * 4 / 3 + tp_bytes / 100e9) + dp_bytes / 10e9
+    assert e.step_seconds == pytest.approx(expected, rel=RTOL)
+
+
+def test_selective_recompute_and_zero2_by_hand():
+    e = estimate(SMALL, CLUSTER, Plan(1, 1, 16, "zero2", "selective"))
+    m = 64 // (16 * 2)  # 2
+    # without the as^2b attention terms, sbh x 34 per layer, 8 layers, one micro-batch
+    assert e.memory["activations"] == pytest.approx(8 * 34 * SBH, rel=RTOL)
+    assert e.seconds["recompute"] == pytest.approx(m * 8 * 4 * B * S * S * H / 1e14, rel=RTOL)
+    dp_bytes = (m + 1) * (15 / 16) * 2 * 1e9  # reduce-scatter per micro-batch, one all-gather
+    assert e.traffic["dp"] == pytest.approx(dp_bytes, rel=RTOL)
+    assert e.traffic["tp"] == 0 and e.links["dp"] == "inter-node"
+
+
+# --- the planner ---------------------------------------------------------------------------
+
+CASES = [
+    (LLAMA_7B, Cluster(8)),
+    (LLAMA_7B, Cluster(64, gpus_per_node=4, gpu_memory=40e9)),
+    (LLAMA_70B, Cluster(64)),
+    (LLAMA_70B, Cluster(512)),
+    (GPT3, Cluster(512, inter_bandwidth=5e9)),
+]
+
+
+@pytest.mark.parametrize("model,cluster", CASES, ids=lambda x: getattr(x, "name", None))
+def test_planner_proposes_only_plans_that_fit_with_tp_inside_a_node(model, cluster):
+    estimates = candidates(model, cluster)
+    for e in estimates:  # no candidate at all puts TP across nodes
+        grid = ProcessGrid(e.plan.tp, e.plan.pp, e.plan.dp)
+        assert not any(spans_nodes(g, cluster.gpus_per_node) for g in grid.groups("tp"))
+    chosen = best(model, cluster)
+    assert chosen is not None
+    assert sum(chosen.memory.values()) <= cluster.gpu_memory
+    fitting = [e for e in estimates if sum(e.memory.values()) <= cluster.gpu_memory]
+    assert chosen.step_seconds == min(e.step_seconds for e in fitting)
+    assert str(chosen.plan) in summary(model, cluster)
+
+
+def test_when_nothing_fits_the_planner_says_so():
+    assert best(LLAMA_70B, Cluster(8)) is None  # 16 bytes x 70e9 / 8 = 140 GB per GPU at least
+    assert "nothing fits" in summary(LLAMA_70B, Cluster(8))
+
+
+def test_only_one_plan_fits_and_the_planner_finds_it():
+    # One head, so tp = 1; 4 GPUs as dp x pp. DDP keeps 16 bytes/parameter of 1/pp of the
+    # model: 16, 8, 4 GB for pp = 1, 2, 4 (activations are a few kB). Only pp = 4 fits in 5 GB,
+    # and it is not the fastest plan: on these slow GPUs compute dominates, and pp = 1 has no
+    # bubble.
+    tiny = Model("tiny", 1e9, TransformerShape(4, 64, 1, 8, 1), global_batch=4)
+    cluster = Cluster(4, 4, gpu_memory=5e9, flops_per_s=1e7)
+    options = {"zero_stages": ("ddp",), "checkpointing": ("none",)}
+    estimates = candidates(tiny, cluster, **options)
+    assert {(e.plan.tp, e.plan.pp, e.plan.dp) for e in estimates} == {
+        (1, 1, 4),
+        (1, 2, 2),
+        (1, 4, 1),
+    }
+    assert [e.fits for e in estimates].count(True) == 1
+    found = best(tiny, cluster, **options)
+    assert (found.plan.tp, found.plan.pp, found.plan.dp) == (1, 4, 1)
+    assert estimates[0].plan != found.plan  # the fastest plan does not fit
+
+
+@pytest.mark.parametrize(
+    "cluster", [Cluster(8), Cluster(16, 4), Cluster(64), Cluster(4, 8), Cluster(24, 4)]
+)
+def test_candidates_are_exactly_the_brute_force_factorizations(cluster):
+    model = replace(LLAMA_7B, shape=replace(LLAMA_7B.shape, heads=4, hidden=1024, layers=6),
+                    global_batch=48)  # fmt: skip
+    n = cluster.gpus
+    brute = {
+        (tp, pp, dp)
+        for tp, pp, dp in itertools.product(range(1, n + 1), repeat=3)
+        if tp * pp * dp == n and cluster.gpus_per_node % tp == 0
+    }
+    assert set(factorizations(cluster)) == brute
+    usable = {
+        (tp, pp, dp)
+        for tp, pp, dp in brute
+        if 4 % tp == 0 and pp <= 6 and 48 % dp == 0  # heads, layers, batch
+    }
+    stages, ckpts = ("ddp", "zero3"), ("none", "full")
+    estimates = candidates(model, cluster, zero_stages=stages, checkpointing=ckpts)
+    assert {(e.plan.tp, e.plan.pp, e.plan.dp) for e in estimates} == usable
+    assert len(estimates) == sum(2 * (2 if dp > 1 else 1) for _, _, dp in usable)
+    assert len({e.plan for e in estimates}) == len(estimates)
+    steps = [e.step_seconds for e in estimates]
+    assert steps == sorted(steps)
+    assert len(candidate_table(estimates).splitlines()) == len(estimates) + 1
+
+
+def test_widget_replans_when_a_value_changes():
+    widget = PlannerWidget(model="7B", gpus=64)
+    assert widget.best.plan == best(LLAMA_7B, Cluster(64)).plan
+    widget.gpus.value = 512
+    assert widget.best.plan == best(LLAMA_7B, Cluster(512)).plan
+    assert widget.best.plan.dp * widget.best.plan.tp * widget.best.plan.pp == 512
+    widget.memory.value = 40
+    assert widget.best.plan == best(LLAMA_7B, Cluster(512, gpu_memory=40e9)).plan
+    assert widget.best.total_memory <= 40e9
+    widget.model.value = "175B"
+    assert widget.batch.value == GPT3.global_batch  # a model brings its own global batch
+    assert widget.best.plan == best(GPT3, Cluster(512, gpu_memory=40e9)).plan
+    widget.gpus.value = 8
+    assert widget.best is None and widget.estimates  # 175B on 8 GPUs: candidates, none fits
+    assert not any(e.fits for e in widget.estimates)
+
+
+def test_fewer_micro_batches_than_stages_keep_only_m_in_flight():
+    # 1F1B holds min(P, m) micro-batches on stage 0: with m = 3 < P = 4, three, of 2 layers each
+    plan = Plan(1, 4, 4, "ddp", "selective")
+    per_layer = 34 * SBH  # selective recomputation, no TP
+    assert activation_bytes(SMALL, plan, micro_batches=3) == pytest.approx(3 * 2 * per_layer)
+    assert activation_bytes(SMALL, plan, micro_batches=9) == pytest.approx(4 * 2 * per_layer)
+
+
+def test_step_time_chart_stacks_each_cause_and_hatches_what_does_not_fit():
+    estimates = candidates(LLAMA_70B, Cluster(512))
+    shown = [next(e for e in estimates if e.fits), next(e for e in estimates if not e.fits)]
+    ax = plot_step_times(shown).axes[0]
+    for row, e in enumerate(shown):
+        bars = [p for p in ax.patches if abs(p.get_y() + p.get_height() / 2 - row) < 1e-9]
+        assert sum(p.get_width() for p in bars) == pytest.approx(e.step_seconds, rel=RTOL)
+        assert all(bool(p.get_hatch()) == (not e.fits) for p in bars)
