@@ -20,6 +20,7 @@ The lectures' plumbing, one module each:
 - `sharding` (7): torch's ZeRO-1 and FSDP2 against the ZeRO formulas; sharded checkpoints;
 - `pipeline` (8): schedules and their bubble, a real GPipe/1F1B pipeline, stage partition;
 - `tensor_parallel` (9): Megatron layers, their traffic and activation memory.
+- `planner` (10): the grid of ranks and its groups, a TP x PP x DP planner.
 """
 
 import sys
