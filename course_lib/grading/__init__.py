@@ -7,6 +7,7 @@ One module per assignment topic.
 """
 
 from course_lib.grading._harness import CheckFailed
+from course_lib.grading.capstone import check_2d_training, check_process_grid
 from course_lib.grading.collectives import (
     check_all_gather,
     check_all_reduce,
@@ -38,6 +39,7 @@ from course_lib.grading.zero import check_zero1, check_zero2, check_zero3
 
 __all__ = [
     "CheckFailed",
+    "check_2d_training",
     "check_all_gather",
     "check_all_reduce",
     "check_broadcast",
@@ -51,6 +53,7 @@ __all__ = [
     "check_ping_pong",
     "check_pipeline_trainer",
     "check_powersgd",
+    "check_process_grid",
     "check_push_sum",
     "check_quantized_all_reduce",
     "check_reduce",

@@ -1,0 +1,440 @@
+"""The capstone's checks accept right 2-D (DP x TP) training and reject wrong ones."""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import data, models
+from course_lib import tensor_parallel as tpl
+from course_lib.grading import CheckFailed, check_2d_training, check_process_grid
+from course_lib.grading.capstone import (
+    expected_grid,
+    formula,
+    gather_dense,
+    measure_configuration,
+    split_counts,
+    tp_shard,
+)
+from course_lib.runtime import rank, world_size
+
+# Fresh workers cannot import this test module: ship its functions and classes by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+# --- right implementations ----------------------------------------------------------------
+
+
+def process_grid(world, tp):
+    if world % tp:
+        raise ValueError(f"tp_size={tp} does not divide world_size={world}")
+    grid = torch.arange(world).view(world // tp, tp)  # row: a TP group; column: a DP group
+    return grid.tolist(), grid.T.tolist()
+
+
+def make_groups(tp):
+    tp_groups, dp_groups = process_grid(world_size(), tp)
+    mine = {}
+    for kind, groups in (("tp", tp_groups), ("dp", dp_groups)):
+        for ranks in groups:  # every rank creates every group, in the same order
+            group = dist.new_group(ranks)
+            if rank() in ranks:
+                mine[kind] = group
+    return mine["tp"], mine["dp"]
+
+
+class GPT2D(nn.Module):
+    """TinyGPT with course_lib's tensor-parallel blocks."""
+
+    def __init__(self, model, tp_group, dp_group):
+        super().__init__()
+        self.embed, self.head = model.embed, model.head
+        self.blocks = nn.ModuleList(tpl.ParallelBlock(b, tp_group) for b in model.blocks)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def train_step(model, optimizer, x, y, dp_group):
+    me, size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    xs, ys = data.shard(x, me, size), data.shard(y, me, size)
+    optimizer.zero_grad()
+    loss = models.lm_loss(model(xs), ys)
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=dp_group)
+        p.grad /= size
+    optimizer.step()
+    return loss.item()
+
+
+def train_step_flat_avg(model, optimizer, x, y, dp_group):
+    """Right, in another style: one flat all-reduce with ReduceOp.AVG, loss all-reduced too."""
+    me, size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    optimizer.zero_grad()
+    loss = models.lm_loss(model(data.shard(x, me, size)), data.shard(y, me, size))
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=dp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+    optimizer.step()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=dp_group)  # for logging: in the DP group, allowed
+    return loss.item() / size
+
+
+# Tensor-parallel layers of one's own (Assignment 5 style), with a switch for the bug.
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class OwnBlock(nn.Module):
+    """A block with hand-written TP attention and MLP; `reduce_rows=False` is the bug."""
+
+    reduce_rows = True
+
+    def __init__(self, block, group):
+        super().__init__()
+        t, size = dist.get_rank(group), dist.get_world_size(group)
+        self.group = group
+        self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
+        self.attn, self.mlp = nn.Module(), nn.Module()
+        self.heads = block.attn.n_heads // size
+        d = block.attn.proj.in_features
+        w, b = block.attn.qkv.weight.detach(), block.attn.qkv.bias.detach()
+        rows = [torch.arange(i * d, (i + 1) * d).chunk(size)[t] for i in range(3)]
+        rows = torch.cat(rows)
+        self.attn.qkv = nn.Linear(d, len(rows), dtype=w.dtype)
+        self.attn.qkv.weight.data, self.attn.qkv.bias.data = w[rows].clone(), b[rows].clone()
+        self.attn.proj = self._row(block.attn.proj, t, size)
+        fc = block.mlp.fc
+        self.mlp.fc = nn.Linear(d, fc.out_features // size, dtype=w.dtype)
+        self.mlp.fc.weight.data = fc.weight.detach().chunk(size, 0)[t].clone()
+        self.mlp.fc.bias.data = fc.bias.detach().chunk(size, 0)[t].clone()
+        self.mlp.proj = self._row(block.mlp.proj, t, size)
+
+    @staticmethod
+    def _row(linear, t, size):
+        row = nn.Linear(linear.in_features // size, linear.out_features, dtype=linear.weight.dtype)
+        row.weight.data = linear.weight.detach().chunk(size, 1)[t].clone()
+        row.bias.data = linear.bias.detach().clone()
+        return row
+
+    def _row_out(self, linear, x):
+        y = F.linear(x, linear.weight)
+        y = _Reduce.apply(y, self.group) if self.reduce_rows else y
+        return y + linear.bias
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = _Copy.apply(self.ln1(x), self.group)
+        width = self.attn.qkv.out_features // 3
+        q, k, v = self.attn.qkv(h).split(width, dim=-1)
+        q, k, v = (z.view(b, s, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+        out = (scores.masked_fill(mask, float("-inf")).softmax(-1) @ v).transpose(1, 2)
+        x = x + self._row_out(self.attn.proj, out.reshape(b, s, width))
+        h = F.gelu(self.mlp.fc(_Copy.apply(self.ln2(x), self.group)))
+        return x + self._row_out(self.mlp.proj, h)
+
+
+class GPT2DOwn(GPT2D):
+    block = OwnBlock
+
+    def __init__(self, model, tp_group, dp_group):
+        nn.Module.__init__(self)
+        self.embed, self.head = model.embed, model.head
+        self.blocks = nn.ModuleList(self.block(b, tp_group) for b in model.blocks)
+
+
+# --- wrong implementations ----------------------------------------------------------------
+
+
+def grid_swapped(world, tp):
+    tp_groups, dp_groups = process_grid(world, tp)
+    return dp_groups, tp_groups
+
+
+def grid_strided_tp(world, tp):
+    """TP groups strided, DP groups consecutive: 'swapped' only when tp = world / tp."""
+    dp = world // tp
+    grid = torch.arange(world).view(tp, dp)
+    return grid.T.tolist(), grid.tolist()
+
+
+def grid_no_error(world, tp):
+    return [list(range(world))], [[r] for r in range(world)]
+
+
+def grid_not_implemented(world, tp):
+    raise NotImplementedError()
+
+
+def make_groups_swapped(tp):
+    tp_group, dp_group = make_groups(tp)
+    return dp_group, tp_group
+
+
+class NoRowReduceBlock(OwnBlock):
+    reduce_rows = False
+
+
+class GPT2DNoRowReduce(GPT2DOwn):
+    block = NoRowReduceBlock
+
+
+class GPT2DWorldTP(GPT2D):
+    """Builds the TP layers on the default group (every rank) instead of the TP group."""
+
+    def __init__(self, model, tp_group, dp_group):
+        super().__init__(model, None, dp_group)
+
+
+class GPT2DRenamed(nn.Module):
+    """Right numbers, but the blocks are stored as `layers`: the shards cannot be found."""
+
+    def __init__(self, model, tp_group, dp_group):
+        super().__init__()
+        self.embed, self.head = model.embed, model.head
+        self.layers = nn.ModuleList(tpl.ParallelBlock(b, tp_group) for b in model.blocks)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
+def train_step_world(model, optimizer, x, y, dp_group):
+    """Averages over the whole world (divides by the DP size, so the scale looks right)."""
+    me, size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    optimizer.zero_grad()
+    models.lm_loss(model(data.shard(x, me, size)), data.shard(y, me, size)).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world_size()
+    optimizer.step()
+
+
+def train_step_sum(model, optimizer, x, y, dp_group):
+    me, size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    optimizer.zero_grad()
+    models.lm_loss(model(data.shard(x, me, size)), data.shard(y, me, size)).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=dp_group)
+    optimizer.step()
+
+
+def train_step_no_sync(model, optimizer, x, y, dp_group):
+    me, size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    optimizer.zero_grad()
+    models.lm_loss(model(data.shard(x, me, size)), data.shard(y, me, size)).backward()
+    optimizer.step()
+
+
+def train_step_same_batch(model, optimizer, x, y, dp_group):
+    """Every rank trains on the whole batch: the numbers are even right, the work is not."""
+    optimizer.zero_grad()
+    models.lm_loss(model(x), y).backward()
+    size = dist.get_world_size(dp_group)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=dp_group)
+        p.grad /= size
+    optimizer.step()
+
+
+def train_step_global_rank_shard(model, optimizer, x, y, dp_group):
+    optimizer.zero_grad()
+    xs, ys = data.shard(x, rank(), world_size()), data.shard(y, rank(), world_size())
+    models.lm_loss(model(xs), ys).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=dp_group)
+        p.grad /= dist.get_world_size(dp_group)
+    optimizer.step()
+
+
+def not_implemented(*args, **kwargs):
+    raise NotImplementedError()
+
+
+# --- the grid -----------------------------------------------------------------------------
+
+
+def test_expected_grid_is_picotrons_layout():
+    # TP innermost: [dp][tp] grid of ranks, as picotron's process-group manager builds it.
+    assert expected_grid(8, 2) == ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]])
+    assert expected_grid(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+
+
+def test_process_grid_accepts_a_right_implementation():
+    check_process_grid(process_grid)
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (grid_swapped, "process_grid(4, 2): the TP and DP groups are swapped"),
+        (grid_strided_tp, "process_grid(4, 2): the TP and DP groups are swapped"),
+        (grid_no_error, "process_grid(4, 2): TP groups [[0, 1, 2, 3]], expected"),
+        (grid_not_implemented, "process_grid(4, 2) raised NotImplementedError"),
+    ],
+)
+def test_process_grid_rejects_wrong_implementations(fn, message):
+    with pytest.raises(CheckFailed) as info:
+        check_process_grid(fn)
+    assert str(info.value).startswith("check_process_grid: ")
+    assert message in str(info.value)
+
+
+def test_process_grid_names_wrong_tp_groups():
+    with pytest.raises(CheckFailed) as info:
+        check_process_grid(grid_strided_tp, cases=((8, 2),))
+    assert "process_grid(8, 2): TP groups [[0, 4], [1, 5], [2, 6], [3, 7]], expected" in str(
+        info.value
+    )
+
+
+def test_process_grid_must_refuse_a_tp_size_that_does_not_divide():
+    def no_check(world, tp):
+        grid = torch.arange(world - world % tp).view(-1, tp)
+        return grid.tolist(), grid.T.tolist()
+
+    with pytest.raises(CheckFailed, match=r"process_grid\(4, 3\) returned .* raise ValueError"):
+        check_process_grid(no_check)
+
+
+# --- shards and formulas, against course_lib's own layers ---------------------------------
+
+
+def _shards_on_rank(tp):
+    tp_group, dp_group = make_groups(tp)
+    model = GPT2D(models.TinyGPT(seed=3, dtype=torch.float64), tp_group, dp_group)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_tp_shard_and_gather_dense_agree_with_course_lib_layers():
+    from course_lib import launch
+
+    dense = models.TinyGPT(seed=3, dtype=torch.float64).state_dict()
+    states = launch(_shards_on_rank, 2, world_size=4, timeout=60)
+    for r, state in enumerate(states):
+        for name, shard in state.items():
+            assert torch.equal(shard, tp_shard(name, dense[name], r % 2, 2)), (r, name)
+    gathered = gather_dense(states[:2])
+    assert all(torch.equal(gathered[n], dense[n]) for n in states[0])
+    assert states[0]["blocks.0.attn.qkv.weight"].shape == (48, 32)  # half of q, k and v
+
+
+def test_measured_memory_and_traffic_match_the_formulas():
+    split, replicated = split_counts()
+    assert split + replicated == models.count_parameters(models.TinyGPT())
+    for tp in (1, 2, 4):
+        m = measure_configuration(make_groups, GPT2D, train_step, tp)
+        f = formula(m.dp, m.tp)
+        for kind in ("params", "grads", "optimizer_state", "tp_sent", "dp_sent", "total_sent"):
+            # CommCounter rounds each call's volume down to whole bytes
+            assert abs(getattr(m, kind) - f[kind]) <= 64, (tp, kind, getattr(m, kind), f[kind])
+    assert formula(2, 2)["params"] < formula(4, 1)["params"]
+
+
+# --- 2-D training -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "impl, options",
+    [
+        ((make_groups, GPT2D, train_step), {}),
+        ((make_groups, GPT2DOwn, train_step_flat_avg), {"seed": 2, "steps": 2}),
+        ((make_groups, GPT2D, train_step), {"tp_size": 1}),  # DP only, 4 x 1
+        ((make_groups, GPT2D, train_step_flat_avg), {"tp_size": 4}),  # TP only, 1 x 4
+        ((make_groups, GPT2D, train_step), {"world_size": 2, "batch_size": 4}),
+    ],
+)
+def test_2d_training_accepts_right_implementations(impl, options):
+    check_2d_training(*impl, **options)
+
+
+@pytest.mark.parametrize(
+    "impl, message",
+    [
+        (
+            (make_groups, GPT2D, train_step_world),
+            "went over ranks [0, 1, 2, 3] (the default group, every rank)",
+        ),
+        ((make_groups_swapped, GPT2D, train_step), "they are swapped"),
+        (
+            (make_groups, GPT2D, train_step_sum),
+            "the update is 2 (the DP size) times the full-batch one",
+        ),
+        ((make_groups, GPT2D, train_step_no_sync), "the update uses this DP rank's own"),
+        ((make_groups, GPT2D, train_step_same_batch), "every rank's model saw the same batch"),
+        ((make_groups, GPT2D, train_step_global_rank_shard), "form a TP group but their"),
+        (
+            (make_groups, GPT2DNoRowReduce, train_step),
+            "forward made 0 collective calls in the TP group",
+        ),
+        (
+            (make_groups, GPT2DWorldTP, train_step),
+            "all_reduce in forward went over ranks [0, 1, 2, 3]",
+        ),
+        ((make_groups, GPT2DRenamed, train_step), "right after GPT2D(...), parameter names"),
+        ((not_implemented, GPT2D, train_step), "raised NotImplementedError on rank 0"),
+    ],
+)
+def test_2d_training_rejects_wrong_implementations(impl, message):
+    with pytest.raises(CheckFailed) as info:
+        check_2d_training(*impl, timeout=20)
+    assert str(info.value).startswith("check_2d_training: ")
+    assert message in str(info.value)
+
+
+def test_2d_training_failure_names_rank_step_and_tolerance():
+    with pytest.raises(CheckFailed) as info:
+        check_2d_training(make_groups, GPT2D, train_step_sum)
+    text = str(info.value)
+    assert "rank 0, step 0 (DP x TP = 2 x 2, TinyGPT seed 0, float64, SGD, batch of 8)" in text
+    assert "(allowed atol=1e-10 + rtol=1e-10 * |expected|)" in text
+
+
+def test_bad_arguments_are_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="tp_size=3 must divide world_size=4"):
+        check_2d_training(make_groups, GPT2D, train_step, tp_size=3)
+    with pytest.raises(ValueError, match="must divide evenly over the DP groups"):
+        check_2d_training(make_groups, GPT2D, train_step, batch_size=5)
