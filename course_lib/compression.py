@@ -432,6 +432,7 @@ class Run:
     losses: list[float] = field(default_factory=list)  # loss on this rank's shard
     bytes_sent: list[int] = field(default_factory=list)  # by this rank, per CommCounter
     step_s: list[float] = field(default_factory=list)  # wall-clock time of the step
+    wait_s: list[float] = field(default_factory=list)  # of step_s, waiting for the network
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
 
 
@@ -448,14 +449,17 @@ def train(
     each rank on its shard of every batch; record loss, bytes sent and time per step.
 
     `network`: keyword arguments of `SlowNetwork` (bandwidth, latency) to emulate a slow link
-    while training; `options` go to `build_ddp`."""
+    while training; `wait_s` then records the part of each step spent waiting for it (the
+    emulated network time beyond the real transfer); `options` go to `build_ddp`."""
     model = build_ddp(models.MLP(sizes).to(device()), method, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     run = Run(method)
     p, r = world_size(), rank()
-    with SlowNetwork(**network) if network is not None else nullcontext():
+    net = SlowNetwork(**network) if network is not None else None
+    with net if net is not None else nullcontext():
         for x, y in batches:
             x, y = shard(x, r, p).to(device()), shard(y, r, p).to(device())
+            waited = net.waited if net is not None else 0.0
             start = time.perf_counter()
             with CommCounter() as counter:
                 optimizer.zero_grad(set_to_none=True)
@@ -463,6 +467,7 @@ def train(
                 loss.backward()  # the comm hook runs in here
                 optimizer.step()
             run.step_s.append(time.perf_counter() - start)
+            run.wait_s.append(net.waited - waited if net is not None else 0.0)
             run.losses.append(loss.item())
             run.bytes_sent.append(counter.bytes_sent)
     run.params = {n: t.detach().cpu().clone() for n, t in model.module.named_parameters()}

@@ -25,6 +25,7 @@ from course_lib.compression import (
     dequantize,
     error_bound,
     fp32_all_reduce_bytes,
+    latency_steps,
     powersgd_bytes,
     quantize,
     quantized_all_reduce,
@@ -227,3 +228,25 @@ def test_bytes_per_step_match_formula(pool4, method):
     expected = bytes_per_step(method, shapes, P, topk_fraction=0.1)
     for sent in pool4.launch(_bytes_of, method, timeout=60):
         assert sent == [expected] * 3
+
+
+def _step_and_wait(method, network):
+    run = train(method, batches(3), sizes=SIZES, network=network)
+    return run.step_s, run.wait_s
+
+
+@pytest.mark.parametrize("method", ["fp32", "int8"])
+def test_train_records_the_network_wait_of_each_step(pool4, method):
+    """With no bandwidth limit a step's emulated network time is its latencies: the recorded
+    wait is that less what the step spent in the real calls, so at most that, most of it on
+    average, and part of the step; without a network it is 0."""
+    latency = 0.05
+    expected = latency_steps(method, P) * latency
+    network = {"bandwidth": math.inf, "latency": latency}
+    for step_s, wait_s in pool4.launch(_step_and_wait, method, network, timeout=60):
+        assert len(wait_s) == len(step_s) == 3
+        for step, wait in zip(step_s, wait_s, strict=True):
+            assert 0 <= wait <= min(step, expected + 1e-6)
+        assert sum(wait_s) >= 0.5 * 3 * expected
+    for _, wait_s in pool4.launch(_step_and_wait, method, None, timeout=60):
+        assert wait_s == [0.0] * 3
