@@ -24,12 +24,46 @@ def fail(check: str, message: str) -> NoReturn:
     raise CheckFailed(f"{check}: {message}")
 
 
+# The lectures' own implementations live in these course_lib modules. Several would answer an
+# assignment as they are (the lecture's ring all-reduce, push-sum step, tensor-parallel layers),
+# so a check refuses an answer that is one of them: the assignments ask for your own code.
+LECTURE_MODULES = frozenset(
+    f"course_lib.{name}"
+    for name in (
+        "collectives",
+        "compression",
+        "data_parallel",
+        "gossip",
+        "pipeline",
+        "planner",
+        "sharding",
+        "tensor_parallel",
+    )
+)
+
+
+def reject_lecture_code(check: str, *answers: Any) -> None:
+    """Fail if an answer handed to a check is a function or class from a lecture module."""
+    __tracebackhide__ = True
+    for answer in answers:
+        module = getattr(answer, "__module__", None)
+        if callable(answer) and module in LECTURE_MODULES:
+            name = getattr(answer, "__qualname__", repr(answer))
+            fail(
+                check,
+                f"you handed in {module}.{name}, the lecture's own implementation; the "
+                "assignment asks you to write it yourself in the notebook",
+            )
+
+
 def run_on_ranks(
     check: str, fn: Callable, *args: Any, world_size: int, timeout: float, what: str
 ) -> list:
     """`launch(fn, *args)` on `world_size` ranks; any failure becomes a CheckFailed that
-    names `what` (e.g. "your dist_ping_pong")."""
+    names `what` (e.g. "your dist_ping_pong"). An answer among `args` that is the lectures'
+    own code fails at once."""
     __tracebackhide__ = True
+    reject_lecture_code(check, *args)
     try:
         return launch(fn, *args, world_size=world_size, timeout=timeout)
     except RankError as error:

@@ -39,7 +39,7 @@ from torch import nn
 
 from course_lib import comm, compare, data, models
 from course_lib.comm import CommCounter
-from course_lib.grading._harness import fail, run_on_ranks
+from course_lib.grading._harness import fail, reject_lecture_code, run_on_ranks
 from course_lib.grading.data_parallel import SGD_LR, make_optimizer
 from course_lib.launch import launch
 from course_lib.memory import storage_bytes
@@ -114,6 +114,7 @@ def check_process_grid(
     A tp_size that does not divide world_size raises ValueError."""
     __tracebackhide__ = True
     check = "check_process_grid"
+    reject_lecture_code(check, process_grid)
     for world, tp in cases:
         call = f"process_grid({world}, {tp})"
         try:
