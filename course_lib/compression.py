@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from matplotlib.figure import Figure
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
@@ -35,11 +36,10 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from course_lib import models
+from course_lib import models, plots
 from course_lib.comm import CommCounter
 from course_lib.data import shard
 from course_lib.network import SlowNetwork
-from course_lib.plots import NotebookFigure
 from course_lib.runtime import device, rank, world_size
 
 LEVELS = 127  # int8 values -127..127: symmetric, so 0 is exact and no value is wasted
@@ -488,20 +488,16 @@ def plot_curves(
     ylabel: str = "training loss",
     title: str = "",
     logy: bool = True,
-) -> NotebookFigure:
-    """One line per label: y against x (loss against step or against seconds)."""
-    fig = NotebookFigure(figsize=(6.5, 3.6), layout="constrained")
-    ax = fig.add_subplot()
-    for label, (x, y) in curves.items():
-        ax.plot(x, y, label=label, lw=1.5)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return fig
+) -> Figure:
+    """One line per label from {label: (x, y)}, as `loss_curves` gives them."""
+    return plots.plot_curves(
+        {label: y for label, (_, y) in curves.items()},
+        xlabel,
+        ylabel,
+        title,
+        log_y=logy,
+        x_values={label: x for label, (x, _) in curves.items()},
+    )
 
 
 def loss_curves(runs: dict[str, Sequence[Run]], against: str = "step") -> dict:

@@ -649,34 +649,3 @@ class AsyncPushSum:
         stop = torch.zeros(self.x.numel() + 2, dtype=self.x.dtype)
         stop[-1] = 1
         self._send(stop, self.topology.all_out_neighbors(self.me))
-
-
-# --- 6. plots --------------------------------------------------------------------------------
-
-
-def plot_curves(
-    curves: dict[str, Sequence[float]],
-    xlabel: str,
-    ylabel: str,
-    title: str = "",
-    log_y: bool = False,
-    x_values: dict[str, Sequence[float]] | None = None,
-    ax=None,
-):
-    """One line per label; `x_values[label]` (default: 0, 1, 2, ...) gives its x axis."""
-    from course_lib.plots import NotebookFigure
-
-    if ax is None:
-        fig = NotebookFigure(figsize=(6.5, 3.6), layout="constrained")
-        ax = fig.add_subplot()
-    for label, values in curves.items():
-        xs = (x_values or {}).get(label, range(len(values)))
-        ax.plot(list(xs), list(values), label=label)
-    if log_y:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return ax.figure

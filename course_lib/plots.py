@@ -235,3 +235,29 @@ def show_ranks(per_rank: Sequence[Mapping[str, Any]]) -> None:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("   ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def plot_curves(
+    curves: Mapping[str, Sequence[float]],
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    log_y: bool = False,
+    x_values: Mapping[str, Sequence[float]] | None = None,
+    ax: Axes | None = None,
+) -> Figure:
+    """One line per label (loss curves, say); `x_values[label]` (default: 0, 1, 2, ...) is
+    its x axis. Draws on `ax`, or on a new figure."""
+    if ax is None:
+        ax = NotebookFigure(figsize=(6.5, 3.6), layout="constrained").add_subplot()
+    for label, values in curves.items():
+        xs = (x_values or {}).get(label, range(len(values)))
+        ax.plot(list(xs), list(values), label=label)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ax.figure
