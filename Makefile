@@ -75,10 +75,13 @@ release: install
 	@for a in $(ASSIGNMENT_SOURCES); do \
 	    $(BIN)/nbgrader generate_assignment "$$a" --force || exit 1; done
 
-# Grade every notebook in submitted/<student>/<assignment>/ and write grades.csv.
+# Grade every notebook in submitted/<student>/<assignment>/ and write grades.csv. Each
+# submission runs in a sandbox (bubblewrap); SANDBOX=off grades without one, unprotected.
+SANDBOX ?= on
 autograde: release
 	@test -n "$(SUBMITTED)" || { echo "Nothing to grade: put submissions in submitted/<student>/<assignment>/"; exit 1; }
-	@for a in $(SUBMITTED); do $(BIN)/nbgrader autograde "$$a" --force || exit 1; done
+	@for a in $(SUBMITTED); do $(BIN)/nbgrader autograde "$$a" --force \
+	    $(if $(filter off,$(SANDBOX)),--GradeInSandbox.sandbox=False) || exit 1; done
 	$(BIN)/nbgrader export --to grades.csv
 	@echo "Grades written to grades.csv"
 

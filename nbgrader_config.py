@@ -21,3 +21,27 @@ c.Execute.kernel_name = "distcourse"
 c.Execute.timeout = 300
 
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
+
+# Autograding runs each submission in a sandbox and scores its test cells in a separate clean
+# process that never runs student code (course_lib/grading/autograde.py explains both). It
+# takes the place of nbgrader's own Execute step; the other steps are nbgrader's.
+from nbconvert.preprocessors import ClearMetadataPreprocessor  # noqa: E402
+from nbgrader.preprocessors import (  # noqa: E402
+    AssignLatePenalties,
+    CheckCellMetadata,
+    IgnorePattern,
+    LimitOutput,
+    SaveAutoGrades,
+)
+
+from course_lib.grading.autograde import GradeInSandbox  # noqa: E402
+
+c.Autograde.autograde_preprocessors = [
+    GradeInSandbox,
+    IgnorePattern,
+    ClearMetadataPreprocessor,
+    LimitOutput,
+    SaveAutoGrades,
+    AssignLatePenalties,
+    CheckCellMetadata,
+]

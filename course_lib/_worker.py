@@ -38,7 +38,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from course_lib import runtime
+from course_lib import _integrity, counted_group, runtime
 
 END_MARK = b"\x00course_lib:end:"
 PARENT_POLL_S = 0.2
@@ -57,6 +57,9 @@ def serve(spec: dict, conn: Connection) -> None:
     _become_worker(spec)
     _join_process_group(spec)
     baseline = _Baseline()
+    # Untrusted code (a submission being graded) may run here: take the fingerprint of the
+    # libraries before any of it has run, and check it after every call.
+    fingerprint = _integrity.Fingerprint() if spec.get("untrusted") else None
     conn.send_bytes(pickle.dumps(("ready", os.getpid(), threading.main_thread().ident)))
     while True:
         try:
@@ -66,7 +69,12 @@ def serve(spec: dict, conn: Connection) -> None:
         call_id, payload, context = message
         reply = _run_call(call_id, payload, context, spec)
         _end_call(call_id)
+        changed = fingerprint.changes() if fingerprint is not None else []
+        if changed:
+            reply = _tampering_reply(call_id, changed)
         conn.send_bytes(reply)
+        if changed:
+            os._exit(3)  # a process whose libraries were changed is not used again
         baseline.restore()
 
 
@@ -105,6 +113,12 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _join_process_group(spec: dict) -> None:
+    if spec.get("untrusted"):
+        # Everything the checks use is imported before any student code can run, and the
+        # default group is one that reports every call, whatever route the call took.
+        import course_lib.grading  # noqa: F401
+
+        counted_group.register()
     store = dist.TCPStore(
         spec["store_host"], spec["store_port"], is_master=False, timeout=timedelta(seconds=120)
     )
@@ -122,7 +136,8 @@ def _join_process_group(spec: dict) -> None:
             device_id=torch.device("cuda", rank),
         )
     else:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        backend = counted_group.BACKEND if spec.get("untrusted") else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 # --- one call -----------------------------------------------------------------------------
@@ -132,11 +147,15 @@ def _run_call(call_id: int, payload: bytes, context: dict, spec: dict) -> bytes:
     _apply_context(context, spec)
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
+        # Unpickling an Answer (grading: the student's code as source) imported its module.
+        answers = sys.modules.get("course_lib.grading.answers")
+        if answers is not None and answers.contains_answer((args, kwargs)):
+            args, kwargs = answers.resolve(args, kwargs)
         value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 (SystemExit from student code is an error too)
         return _error_reply(call_id, exc)
     try:
-        data = _dumps_result(value)
+        data = _dumps_safe(value) if spec.get("untrusted") else _dumps_result(value)
     except Exception as exc:  # noqa: BLE001
         return _error_reply(call_id, exc, "the function's return value cannot be sent back")
     broken = not dist.is_initialized()
@@ -183,6 +202,24 @@ def _dumps_result(value: object) -> bytes:
     buffer = io.BytesIO()
     _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     return buffer.getvalue()
+
+
+def _dumps_safe(value: object) -> bytes:
+    """The return value in torch.save's format, which the launcher reads back with
+    `torch.load(weights_only=True)`: tensors, numbers, strings and containers only, so a
+    rank running untrusted code cannot make the launcher run code of its choosing."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _tampering_reply(call_id: int, changed: list[str]) -> bytes:
+    shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+    message = (
+        f"code run on this rank changed {shown}. The checks measure with these, so changing "
+        "them is tampering with the grading: this part scores 0."
+    )
+    return pickle.dumps(("error", call_id, "TamperingDetected", message, message + "\n", None))
 
 
 def _end_call(call_id: int) -> None:

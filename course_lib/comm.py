@@ -181,26 +181,36 @@ def unwrapped(op: str) -> Callable:
     return _originals.get(op) or getattr(c10d, op)
 
 
+def record(op: str, args: dict, call: Callable[[], object]) -> object:
+    """Count one torch.distributed call and run it through the around hooks.
+
+    The entry point of the torch.distributed wrappers below and of `course_lib.counted_group`,
+    the process group of grading ranks, which reports every call whatever route it took. A
+    call made inside another (a collective built on send/recv, or a wrapper calling the
+    group) is counted once, by the outermost."""
+    depth = getattr(_depth, "value", 0)
+    if depth == 0 and (_active or _around) and not c10d._rank_not_in_group(args.get("group")):
+        sent, received = _volume(op, args)
+        for counter in list(_active):
+            counter.add(op, sent, received)
+        for hook in reversed(list(_around)):
+            call = functools.partial(hook, op, args, sent, received, call)
+    _depth.value = depth + 1
+    try:
+        return call()
+    finally:
+        _depth.value = depth
+
+
 def _wrap(op: str, original: Callable) -> Callable:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def counted(*args, **kwargs):
-        depth = getattr(_depth, "value", 0)
         call = functools.partial(original, *args, **kwargs)
-        if depth == 0 and (_active or _around):
-            bound = signature.bind(*args, **kwargs).arguments
-            if not c10d._rank_not_in_group(bound.get("group")):
-                sent, received = _volume(op, bound)
-                for counter in list(_active):
-                    counter.add(op, sent, received)
-                for hook in reversed(list(_around)):
-                    call = functools.partial(hook, op, bound, sent, received, call)
-        _depth.value = depth + 1
-        try:
+        if getattr(_depth, "value", 0) or not (_active or _around):
             return call()
-        finally:
-            _depth.value = depth
+        return record(op, signature.bind(*args, **kwargs).arguments, call)
 
     counted.__wrapped_by_course_lib__ = True
     return counted

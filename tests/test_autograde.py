@@ -20,11 +20,11 @@ import nbformat
 import pytest
 from nbgrader.api import Gradebook
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, require_sandbox
 
 # Grading every assignment's submissions takes minutes: the module fixture below does it once,
-# and its set-up counts against the first test's timeout.
-pytestmark = pytest.mark.timeout(1800)
+# and its set-up counts against the first test's timeout. `make autograde` grades in a sandbox.
+pytestmark = [pytest.mark.timeout(1800), require_sandbox]
 
 ASSIGNMENTS = sorted(p.name for p in (ROOT / "solutions").iterdir() if p.is_dir())
 VENV = Path(sys.executable).parent.parent

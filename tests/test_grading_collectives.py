@@ -290,7 +290,8 @@ def broadcast_never_sent(tensor, src):
 
 
 def broadcast_unseen(tensor, src):
-    """torch's broadcast through a name bound at import: no counter sees it."""
+    """torch's broadcast through a name bound at import: the grading ranks' process group
+    sees it all the same."""
     broadcast_unseen_by_counters(tensor, src)
 
 
@@ -365,7 +366,7 @@ WRONG = [
     (check_all_reduce, all_reduce_returns_new_tensor, {}, "it returned a new tensor instead"),
     (check_all_reduce, all_reduce_via_mean, {}, "int64 sums must be exact"),
     (check_broadcast, broadcast_from_zero, {}, "but src was 1: use the src argument"),
-    (check_broadcast, broadcast_unseen, {}, "no send or recv was seen on any rank"),
+    (check_broadcast, broadcast_unseen, {}, "called dist.broadcast; use send/recv only"),
     (check_broadcast, broadcast_not_implemented, {}, "raised NotImplementedError on rank 0"),
     (check_all_gather, all_gather_no_wait, {}, "never called wait() on the request"),
     (check_all_gather, all_gather_rebinds, {}, "tensor_list[0] was replaced by another"),

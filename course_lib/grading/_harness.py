@@ -7,21 +7,116 @@ says what happened, where, and what to try.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import re
 import traceback
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from course_lib.launch import LaunchTimeout, RankError, WorkerDied, launch
+from course_lib.launch import LaunchTimeout, RankError, WorkerDied, WorkerPool
+
+RESULT = "result"  # the property every part has: the answer is right
+MAX_SHOWN = 3  # failing cases shown per property
 
 
 class CheckFailed(AssertionError):
-    """A grading check found a problem in the student's code."""
+    """A grading check found a problem in the student's code.
+
+    `failed` names the properties that failed, `weights` the share of the part's points each
+    property is worth (the first, "result", gates the others: a wrong answer earns nothing
+    for being cheap). `score` is the share earned. `tampering` is set when the student's code
+    changed the libraries the check measures with."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        prop: str = RESULT,
+        weights: dict[str, float] | None = None,
+        failed: set[str] | None = None,
+        tampering: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.prop = prop
+        self.weights = weights or {RESULT: 1.0}
+        self.failed = set(failed) if failed is not None else {prop}
+        self.tampering = tampering
+
+    @property
+    def score(self) -> float:
+        return share(self.weights, self.failed)
 
 
-def fail(check: str, message: str) -> NoReturn:
+def share(weights: dict[str, float], failed: set[str]) -> float:
+    """The share of a part's points earned when the properties in `failed` failed."""
+    if not failed:
+        return 1.0
+    if RESULT in failed or not weights or set(failed) - set(weights):
+        return 0.0
+    return sum(w for prop, w in weights.items() if prop not in failed)
+
+
+def fail(check: str, message: str, prop: str = RESULT) -> NoReturn:
     __tracebackhide__ = True
-    raise CheckFailed(f"{check}: {message}")
+    raise CheckFailed(f"{check}: {message}", prop=prop)
+
+
+class Verdict:
+    """Collects what one call of a check finds, case after case, instead of stopping at the
+    first problem; `conclude` then prints one line of what was verified, or raises one
+    CheckFailed listing the first few failing cases of each failed property.
+
+        verdict = Verdict("check_x", {"result": 0.6, "bytes": 0.4})
+        for case in cases:
+            with verdict.case():
+                judge(case)        # fail(..., prop="bytes") books a failure to "bytes"
+        verdict.conclude("4 world sizes, 12 cases each")
+    """
+
+    def __init__(self, check: str, weights: dict[str, float] | None = None) -> None:
+        self.check = check
+        self.weights = weights or {RESULT: 1.0}
+        self.messages: dict[str, list[str]] = {}
+        self.counts: Counter = Counter()
+
+    @contextlib.contextmanager
+    def case(self) -> Iterator[None]:
+        try:
+            yield
+        except CheckFailed as error:
+            if error.tampering:
+                raise
+            self.add(error.prop, str(error))
+
+    def add(self, prop: str, message: str) -> None:
+        self.counts[prop] += 1
+        shown = self.messages.setdefault(prop, [])
+        if len(shown) < MAX_SHOWN:
+            shown.append(message.removeprefix(f"{self.check}: "))
+
+    def conclude(self, verified: str) -> None:
+        __tracebackhide__ = True
+        if not self.messages:
+            print(f"{self.check}: passed. Verified {verified}.")
+            return
+        failed = set(self.messages)
+        lines = []
+        for prop, shown in self.messages.items():
+            more = self.counts[prop] - len(shown)
+            lines.append(f"[{prop}] failed in {self.counts[prop]} case(s):")
+            lines += [f"  - {m}" for m in shown]
+            if more:
+                lines.append(f"  ... and {more} more")
+        if len(self.weights) > 1:
+            earned = share(self.weights, failed)
+            parts = ", ".join(
+                f"{prop} {'failed' if prop in failed else 'passed'} ({w:.0%})"
+                for prop, w in self.weights.items()
+            )
+            lines.append(f"Partial credit: {parts}: {earned:.0%} of this part's points.")
+        raise CheckFailed(f"{self.check}: " + "\n".join(lines), weights=self.weights, failed=failed)
 
 
 # The lectures' own implementations live in these course_lib modules. Several would answer an
@@ -56,20 +151,49 @@ def reject_lecture_code(check: str, *answers: Any) -> None:
             )
 
 
+_pool: WorkerPool | None = None
+
+
+def grading_pool(world_size: int) -> WorkerPool:
+    """The workers that run student code for the checks: gloo on the CPU, untrusted (see
+    `WorkerPool`), kept warm and apart from the pool `launch` uses."""
+    global _pool
+    if _pool is None or _pool.world_size != world_size:
+        if _pool is not None:
+            _pool.close()
+        _pool = WorkerPool(world_size, "gloo", untrusted=True)
+    return _pool
+
+
+def close_pool() -> None:
+    """Stop the grading workers."""
+    global _pool
+    if _pool is not None:
+        _pool.close()
+        _pool = None
+
+
 def run_on_ranks(
     check: str, fn: Callable, *args: Any, world_size: int, timeout: float, what: str
 ) -> list:
-    """`launch(fn, *args)` on `world_size` ranks; any failure becomes a CheckFailed that
+    """Run `fn(*args)` on `world_size` grading ranks; any failure becomes a CheckFailed that
     names `what` (e.g. "your dist_ping_pong"). An answer among `args` that is the lectures'
     own code fails at once."""
     __tracebackhide__ = True
     reject_lecture_code(check, *args)
     try:
-        return launch(fn, *args, world_size=world_size, timeout=timeout)
+        return grading_pool(world_size).launch(fn, *args, timeout=timeout)
     except RankError as error:
+        if error.exc_type == "TamperingDetected":
+            raise CheckFailed(
+                f"{check}: {what}: on rank {error.rank}, {error.remote_traceback.strip()}",
+                tampering=True,
+            ) from None
         fail(
             check,
-            f"{what} raised {error.exc_type} on rank {error.rank}:\n\n{error.remote_traceback}",
+            f"{what} raised {error.exc_type} on rank {error.rank}:\n\n"
+            + student_frames(error.remote_traceback)
+            + _hint_for(error.remote_traceback),
         )
     except LaunchTimeout as error:
         fail(
@@ -79,6 +203,34 @@ def run_on_ranks(
         )
     except WorkerDied as error:
         fail(check, f"{what} killed its process: {error}")
+
+
+_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line \d+, in .*$')
+_LIBRARY = re.compile(r"(/course_lib/|/site-packages/|/lib/python3\.\d+/|^<frozen )")
+
+
+def student_frames(text: str) -> str:
+    """A rank's traceback with the grader's, torch's and Python's own frames left out: the
+    student's lines and the error remain."""
+    out, keep = [], True
+    for line in text.splitlines():
+        match = _FRAME.match(line)
+        if match:
+            keep = not _LIBRARY.search(match.group("file"))
+        elif not line.startswith("    "):
+            keep = True  # the end of a frame: an exception line, a note, a header
+        if keep:
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def _hint_for(traceback_text: str) -> str:
+    if "Expected a value of type '__torch__.torch.classes.c10d.ProcessGroup" in traceback_text:
+        return (
+            "\nHint: this called a torch.distributed operator (torch.ops.c10d) directly; that "
+            "route is not open here. Use the torch.distributed functions the part allows.\n"
+        )
+    return ""
 
 
 # --- running functions in child processes (inside a launched worker) ----------------------

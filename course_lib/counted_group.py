@@ -1,0 +1,169 @@
+"""A gloo process group that reports every call to `course_lib.comm`, whatever route it took.
+
+`CommCounter` and the around hooks of `course_lib.comm` wrap the functions of
+`torch.distributed`, so they miss a call made through a name bound before the wrapping
+(`from torch.distributed import all_reduce`), through the process-group object
+(`dist.group.WORLD.allreduce(...)`) or from C++ (DDP's reducer). Every one of those routes
+ends in a method of the process group, so a group whose methods report to `comm.record`
+sees them all.
+
+Grading ranks (`WorkerPool(..., untrusted=True)`) use this group as their default group, and
+every group they create with `dist.new_group` is one too: what the checks count is what the
+student's code really called. Underneath, each call runs on an ordinary gloo group.
+(`torch.ops.c10d` operators refuse a Python group outright, so that route fails loudly.)
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroupGloo
+
+from course_lib import comm
+
+BACKEND = "course_gloo"
+
+
+def _collective(method_name: str, op: str, describe):
+    """A group method that reports `op` with the arguments `describe(*args)` returns."""
+
+    def method(self, *args, **kwargs):
+        inner = getattr(self._inner, method_name)
+        details = describe(self, *args)
+        return comm.record(op, {"group": self, **details}, lambda: inner(*args, **kwargs))
+
+    method.__name__ = method_name
+    return method
+
+
+def _root(opts) -> int:
+    return opts.rootRank
+
+
+class CountedGroup(dist.ProcessGroup):
+    """A process group whose every call passes through `course_lib.comm.record`."""
+
+    def __init__(self, inner: dist.ProcessGroup, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self._inner = inner
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return BACKEND
+
+    @property
+    def name(self) -> str:
+        return BACKEND
+
+    def send(self, tensors, dst, tag=0):
+        args = {"tensor": tensors[0], "group": self, "group_dst": dst}
+        return comm.record("send", args, lambda: self._inner.send(tensors, dst, tag))
+
+    def recv(self, tensors, src, tag=0):
+        args = {"tensor": tensors[0], "group": self, "group_src": src}
+        return comm.record("recv", args, lambda: self._inner.recv(tensors, src, tag))
+
+    def recv_anysource(self, tensors, tag=0):
+        args = {"tensor": tensors[0], "group": self, "group_src": None}
+        return comm.record("recv", args, lambda: self._inner.recv_anysource(tensors, tag))
+
+    allreduce = _collective("allreduce", "all_reduce", lambda g, ts, *a: {"tensor": ts[0]})
+    allreduce_coalesced = _collective(
+        "allreduce_coalesced", "all_reduce", lambda g, ts, *a: {"tensor": _flat(ts)}
+    )
+    broadcast = _collective(
+        "broadcast",
+        "broadcast",
+        lambda g, ts, opts, *a: {"tensor": ts[0], "group_src": _root(opts)},
+    )
+    reduce = _collective(
+        "reduce", "reduce", lambda g, ts, opts, *a: {"tensor": ts[0], "group_dst": _root(opts)}
+    )
+    allgather = _collective("allgather", "all_gather", lambda g, outs, ins, *a: {"tensor": ins[0]})
+    allgather_coalesced = _collective(
+        "allgather_coalesced", "all_gather", lambda g, outs, ins, *a: {"tensor": _flat(ins)}
+    )
+    _allgather_base = _collective(
+        "_allgather_base", "all_gather_into_tensor", lambda g, out, inp, *a: {"input_tensor": inp}
+    )
+    all_gather_single = _collective(
+        "all_gather_single", "all_gather_into_tensor", lambda g, out, inp, *a: {"input_tensor": inp}
+    )
+    all_gather_single_coalesced = _collective(
+        "all_gather_single_coalesced",
+        "all_gather_into_tensor",
+        lambda g, outs, ins, *a: {"input_tensor": _flat(ins)},
+    )
+    allgather_into_tensor_coalesced = _collective(
+        "allgather_into_tensor_coalesced",
+        "all_gather_into_tensor",
+        lambda g, outs, ins, *a: {"input_tensor": _flat(ins)},
+    )
+    reduce_scatter = _collective(
+        "reduce_scatter", "reduce_scatter", lambda g, outs, ins, *a: {"output": outs[0]}
+    )
+    _reduce_scatter_base = _collective(
+        "_reduce_scatter_base", "reduce_scatter_tensor", lambda g, out, inp, *a: {"output": out}
+    )
+    reduce_scatter_single = _collective(
+        "reduce_scatter_single", "reduce_scatter_tensor", lambda g, out, inp, *a: {"output": out}
+    )
+    reduce_scatter_single_coalesced = _collective(
+        "reduce_scatter_single_coalesced",
+        "reduce_scatter_tensor",
+        lambda g, outs, ins, *a: {"output": _flat(outs)},
+    )
+    reduce_scatter_tensor_coalesced = _collective(
+        "reduce_scatter_tensor_coalesced",
+        "reduce_scatter_tensor",
+        lambda g, outs, ins, *a: {"output": _flat(outs)},
+    )
+    alltoall = _collective(
+        "alltoall",
+        "all_to_all",
+        lambda g, outs, ins, *a: {"output_tensor_list": outs, "input_tensor_list": ins},
+    )
+    alltoall_base = _collective(
+        "alltoall_base",
+        "all_to_all_single",
+        lambda g, out, inp, *a: {"output": out, "input": inp},
+    )
+    all_to_all_single = _collective(
+        "all_to_all_single",
+        "all_to_all_single",
+        lambda g, out, inp, *a: {"output": out, "input": inp},
+    )
+    gather = _collective(
+        "gather",
+        "gather",
+        lambda g, outs, ins, opts, *a: {"tensor": ins[0], "group_dst": _root(opts)},
+    )
+    scatter = _collective(
+        "scatter",
+        "scatter",
+        lambda g, outs, ins, opts, *a: {"tensor": outs[0], "group_src": _root(opts)},
+    )
+    barrier = _collective("barrier", "barrier", lambda g, *a: {})
+    monitored_barrier = _collective("monitored_barrier", "barrier", lambda g, *a: {})
+
+
+def _flat(tensors) -> torch.Tensor:
+    """One tensor as large as all of `tensors` together (for counting bytes only)."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    return torch.empty(total, dtype=torch.uint8, device="meta")
+
+
+def _create(store, rank: int, size: int, timeout: timedelta) -> CountedGroup:
+    inner = dist.ProcessGroup(store, rank, size)
+    gloo = ProcessGroupGloo(store, rank, size, timeout)
+    gloo_type = dist.ProcessGroup.BackendType.GLOO
+    inner._register_backend(torch.device("cpu"), gloo_type, gloo)
+    inner._set_default_backend(gloo_type)
+    return CountedGroup(inner, rank, size)
+
+
+def register() -> None:
+    """Make `init_process_group("course_gloo", ...)` and `new_group` build counted groups."""
+    if not hasattr(dist.Backend, BACKEND.upper()):
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])

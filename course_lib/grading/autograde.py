@@ -1,0 +1,206 @@
+"""How `nbgrader autograde` runs a submission here: sandboxed, and judged by a clean process.
+
+`nbgrader_config.py` puts `GradeInSandbox` in place of nbgrader's `Execute`. For each
+submitted notebook it
+
+1. runs the student's cells (all but the test cells) in a kernel inside the sandbox
+   (`course_lib.grading.sandbox`), so the feedback shows their outputs: the kernel cannot read
+   the course folder, other submissions, the solutions or the gradebook, and has limits on
+   processes, memory, file size and time;
+2. grades the test cells in a separate sandboxed process, `course_lib.grading.judge`, which
+   imports the checks and never runs student code: the student's answer cells are executed
+   only on the grading ranks. Its verdict becomes each test cell's outputs, from which
+   nbgrader reads the score as usual (an error: 0; a number: partial credit).
+
+Without a working sandbox, grading stops with an error that says why; `make autograde
+SANDBOX=off` (`GradeInSandbox.sandbox = False`) grades anyway, unsandboxed, with a warning on
+every notebook. Tampering found by the judge is logged and written to the cell's metadata
+(`course_lib.tampering`), which `python -m course_lib.grading.report` lists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import nbformat
+from jupyter_client.manager import AsyncKernelManager
+from nbgrader.preprocessors import Execute
+from nbgrader.utils import is_grade, is_locked, is_solution
+from traitlets import Bool, Float, Unicode
+
+from course_lib.grading import sandbox
+
+NO_SANDBOX = (
+    "cannot grade in a sandbox: {why}. Student code would run with your rights (it could read "
+    "the solutions and other submissions and write the gradebook). Install bubblewrap, or "
+    "grade anyway with `make autograde SANDBOX=off` (GradeInSandbox.sandbox = False)."
+)
+
+
+def role(cell: nbformat.NotebookNode) -> str | None:
+    """ "setup", "answer" or "test" for the code cells the judge needs, else None."""
+    if cell.cell_type != "code":
+        return None
+    if is_grade(cell) and not is_solution(cell):
+        return "test"
+    if is_solution(cell):
+        return "answer"
+    if is_locked(cell):
+        return "setup"
+    return None
+
+
+class SandboxedKernelManager(AsyncKernelManager):
+    """A kernel started inside the sandbox, talking to nbgrader over Unix sockets in a
+    scratch folder (the sandbox has no network but loopback of its own)."""
+
+    scratch = Unicode()
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.transport = "ipc"
+        self.connection_file = os.path.join(self.scratch, "kernel.json")
+        self.ip = os.path.join(self.scratch, "kernel-ipc")
+        self.limits = sandbox.Limits()
+        self.guard: sandbox.Guard | None = None
+
+    def format_kernel_cmd(self, extra_arguments=None) -> list[str]:
+        argv = super().format_kernel_cmd(extra_arguments)
+        # A signal would reach bwrap, not the kernel: interrupt with a message instead.
+        self.kernel_spec.interrupt_mode = "message"
+        work = os.path.join(self.scratch, "work")
+        return sandbox.command(
+            argv, limits=self.limits, shared=[self.scratch], chdir=work, env=sandbox.environment()
+        )
+
+    async def _async_launch_kernel(self, kernel_cmd, **kw) -> None:
+        self.guard = sandbox.Guard(self.limits)
+        kw["preexec_fn"] = self.guard.preexec
+        await super()._async_launch_kernel(kernel_cmd, **kw)
+        self.guard.watch(self.provisioner.process.pid)
+
+    async def _async_shutdown_kernel(self, *args, **kwargs) -> None:
+        try:
+            await super()._async_shutdown_kernel(*args, **kwargs)
+        finally:
+            if self.guard is not None:
+                self.guard.close()
+
+
+class GradeInSandbox(Execute):
+    """nbgrader's Execute, with the student's code sandboxed and the tests judged apart."""
+
+    sandbox = Bool(True, help="Run submissions in the sandbox (False: unsandboxed).").tag(
+        config=True
+    )
+    judge_timeout = Float(1800.0, help="Seconds the judge may take for one notebook.").tag(
+        config=True
+    )
+
+    def preprocess(self, nb, resources):
+        ok, why = sandbox.available()
+        if not ok and self.sandbox:
+            raise RuntimeError(NO_SANDBOX.format(why=why))
+        self._sandboxed = ok and self.sandbox
+        if not self._sandboxed:
+            self.log.warning("GRADING WITHOUT A SANDBOX: %s", why or "switched off")
+        scratch = tempfile.mkdtemp(prefix="course_lib-grade-")
+        try:
+            if self._sandboxed:
+                self._prepare_scratch(scratch, resources)
+                self.kernel_manager_class = type(
+                    "ScratchKernelManager", (SandboxedKernelManager,), {"scratch": Unicode(scratch)}
+                )
+            nb, resources = super().preprocess(nb, resources)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        self._judge(nb)
+        return nb, resources
+
+    def _prepare_scratch(self, scratch: str, resources) -> None:
+        """The kernel's working folder: a copy of the submission's other files. (The sandbox's
+        user is this user outside, so it may write here; nobody else may.)"""
+        work = os.path.join(scratch, "work")
+        source = resources.get("metadata", {}).get("path") or "."
+        shutil.copytree(source, work, ignore=shutil.ignore_patterns("*.ipynb"))
+
+    def preprocess_cell(self, cell, resources, index):
+        if role(cell) == "test":
+            return cell, self.resources  # judged apart, in a clean process
+        return super().preprocess_cell(cell, resources, index)
+
+    # --- the judge ---
+
+    def _judge(self, nb) -> None:
+        tests = {cell.id: cell for cell in nb.cells if role(cell) == "test"}
+        if not tests:
+            return
+        cells = [
+            {
+                "id": cell.id,
+                "role": role(cell),
+                "source": cell.source,
+                "points": cell.metadata.get("nbgrader", {}).get("points", 0),
+            }
+            for cell in nb.cells
+            if role(cell)
+        ]
+        token = secrets.token_hex(16)
+        request = json.dumps({"token": token, "cells": cells})
+        argv = [sys.executable, "-m", "course_lib.grading.judge"]
+        if self._sandboxed:
+            limits = sandbox.Limits(seconds=self.judge_timeout)
+            code, out, err, killed = sandbox.run(argv, input=request, limits=limits)
+        else:
+            code, out, err, killed = _run_plain(argv, request, self.judge_timeout)
+        verdicts = {}
+        for line in out.splitlines():
+            if line.startswith(token):
+                verdict = json.loads(line[len(token) :])
+                verdicts[verdict["id"]] = verdict
+        for cell_id, cell in tests.items():
+            verdict = verdicts.get(cell_id)
+            if verdict is None:
+                why = killed or f"the grader stopped (exit code {code}): {err.strip()[-800:]}"
+                self.log.error("test cell %s was not graded: %s", cell_id, why)
+                verdict = _not_graded(cell_id, why)
+            cell.outputs = [nbformat.from_dict(o) for o in verdict["outputs"]]
+            cell.execution_count = None
+            cell.metadata["course_lib"] = {
+                "score": verdict.get("score", 0),
+                "tampering": verdict.get("tampering", []),
+            }
+            for what in verdict.get("tampering", []):
+                self.log.warning("TAMPERING in test cell %s: %s", cell_id, what)
+
+
+def _not_graded(cell_id: str, why: str) -> dict:
+    return {
+        "id": cell_id,
+        "score": 0,
+        "tampering": [],
+        "outputs": [
+            {
+                "output_type": "error",
+                "ename": "NotGraded",
+                "evalue": why,
+                "traceback": [f"NotGraded: {why}"],
+            }
+        ],
+    }
+
+
+def _run_plain(argv: list[str], request: str, timeout: float) -> tuple[int, str, str, None]:
+    try:
+        result = subprocess.run(
+            argv, input=request, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as error:
+        return -9, error.stdout or "", f"ran longer than {timeout:g} s", None
+    return result.returncode, result.stdout, result.stderr, None

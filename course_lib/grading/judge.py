@@ -1,0 +1,164 @@
+"""Grade a submission's test cells in a process that never runs the student's code.
+
+    python -m course_lib.grading.judge  < request.json
+
+The request holds the notebook's cells, each with a role: "setup" (the instructor's locked
+set-up cell), "answer" (a student's answer cell) and "test" (the instructor's test cell,
+hidden tests included). This process imports the checks, runs the set-up cells, binds each
+name the answer cells define to an `Answer` (their source code, which only the grading
+ranks execute), then runs every test cell statement by statement and turns what the checks
+report into the cell's outputs and score. Student code never runs here, so it cannot rebind
+a check, patch the judging code or fake a result: the ranks send back data only, and a rank
+whose libraries were changed fails the part (`course_lib._integrity`).
+
+The answer is one JSON line on stdout, after the request's token: lines the ranks print go to
+stdout too, and they cannot know the token. `course_lib.grading.autograde` starts this
+process inside the sandbox and reads that line.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import ctypes
+import io
+import json
+import sys
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from course_lib.grading._harness import RESULT, CheckFailed, close_pool, share
+from course_lib.grading.answers import Answer, defined_names
+
+PR_SET_DUMPABLE = 4
+
+
+@dataclass
+class CellVerdict:
+    """What the judge found for one test cell."""
+
+    id: str
+    points: float
+    failed: set[str] = field(default_factory=set)
+    weights: dict[str, float] = field(default_factory=lambda: {RESULT: 1.0})
+    errors: list[dict] = field(default_factory=list)  # {"ename", "evalue"}
+    tampering: list[str] = field(default_factory=list)
+    output: str = ""
+
+    @property
+    def score(self) -> float:
+        if self.tampering or any(e["ename"] != "CheckFailed" for e in self.errors):
+            return 0.0
+        return round(self.points * share(self.weights, self.failed), 4)
+
+    def outputs(self) -> list[dict]:
+        """The cell's outputs as nbformat dicts, from which nbgrader reads the score: an error
+        scores 0, a number is partial credit, anything else is full marks."""
+        text = self.output
+        if self.tampering:
+            text += "TAMPERING DETECTED: " + "; ".join(self.tampering) + "\n"
+        outputs = [{"output_type": "stream", "name": "stdout", "text": text}] if text else []
+        score = self.score
+        if score >= self.points:
+            return outputs
+        if score > 0:
+            summary = f"{score:g} of {self.points:g} points"
+            outputs.append({"output_type": "stream", "name": "stdout", "text": summary + "\n"})
+            return outputs + [
+                {
+                    "output_type": "execute_result",
+                    "data": {"text/plain": f"{score:g}"},
+                    "metadata": {},
+                    "execution_count": None,
+                }
+            ]
+        first = self.errors[0] if self.errors else {"ename": "CheckFailed", "evalue": ""}
+        if self.tampering:
+            first = {"ename": "TamperingDetected", "evalue": "; ".join(self.tampering)}
+        return outputs + [
+            {
+                "output_type": "error",
+                "ename": first["ename"],
+                "evalue": first["evalue"],
+                "traceback": [f"{first['ename']}: {first['evalue']}"],
+            }
+        ]
+
+
+def grade(cells: list[dict]) -> Iterator[CellVerdict]:
+    """Run the test cells against the answer cells; one verdict per test cell, as each is
+    done."""
+    namespace: dict = {"__name__": "__main__"}
+    setup_names: set[str] = set()
+    for cell in cells:
+        if cell["role"] == "setup":
+            exec(compile(cell["source"], f"<cell {cell['id']}>", "exec"), namespace)  # noqa: S102
+            setup_names |= set(defined_names(cell["source"]))
+    answer_cells = tuple((c["id"], c["source"]) for c in cells if c["role"] in ("setup", "answer"))
+    rebound: dict[str, str] = {}
+    for cell in cells:
+        if cell["role"] != "answer":
+            continue
+        for name in defined_names(cell["source"]):
+            if name in setup_names:
+                rebound[name] = cell["id"]  # the set-up cell's binding stays
+            else:
+                namespace[name] = Answer(name, answer_cells)
+    for cell in cells:
+        if cell["role"] == "test":
+            yield _run_test(cell, dict(namespace), rebound)
+
+
+def _run_test(cell: dict, namespace: dict, rebound: dict[str, str]) -> CellVerdict:
+    verdict = CellVerdict(cell["id"], float(cell["points"]))
+    tree = ast.parse(cell["source"])
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    for name in sorted(used & set(rebound)):
+        verdict.tampering.append(
+            f"answer cell {rebound[name]!r} rebinds {name}, which this test uses"
+        )
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+        for statement in tree.body:
+            code = compile(ast.Module([statement], []), f"<cell {cell['id']}>", "exec")
+            try:
+                exec(code, namespace)  # noqa: S102 (the instructor's test cell)
+            except CheckFailed as error:
+                if error.tampering:
+                    verdict.tampering.append(str(error))
+                verdict.failed |= error.failed
+                verdict.weights = error.weights if len(error.weights) > 1 else verdict.weights
+                verdict.errors.append({"ename": "CheckFailed", "evalue": str(error)})
+                print(f"CheckFailed: {error}")
+            except Exception as error:  # noqa: BLE001 (reported in the cell, scores 0)
+                verdict.failed.add(RESULT)
+                verdict.errors.append({"ename": type(error).__name__, "evalue": str(error)})
+                print("".join(traceback.format_exception_only(type(error), error)), end="")
+    verdict.output = captured.getvalue()
+    return verdict
+
+
+def _not_dumpable() -> None:
+    """Keep the ranks (same user, same sandbox) out of this process: no ptrace, no reading
+    its memory or its file descriptors through /proc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+def main() -> None:
+    _not_dumpable()
+    request = json.loads(sys.stdin.read())
+    sys.stdin.close()
+    token = request["token"]
+    # One line per test cell as soon as it is graded: if the sandbox is stopped later (a
+    # limit reached), the cells graded so far keep their scores.
+    for v in grade(request["cells"]):
+        line = {"id": v.id, "score": v.score, "outputs": v.outputs(), "tampering": v.tampering}
+        sys.stdout.write("\n" + token + json.dumps(line) + "\n")
+        sys.stdout.flush()
+    close_pool()
+
+
+if __name__ == "__main__":
+    main()
