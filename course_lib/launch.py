@@ -560,6 +560,11 @@ class _Call:
                 self.results[rank] = (_load_data if self.untrusted else pickle.loads)(reply[2])
             except Exception as exc:  # noqa: BLE001
                 note = "its return value cannot be unpickled in the launching process"
+                if self.untrusted:
+                    note = (
+                        "an untrusted rank may return only tensors, numbers, strings, None and "
+                        "lists, tuples and dicts of them"
+                    )
                 self._failed(rank, ("raised", type(exc).__name__, f"{note}: {exc}", ""))
             self.broken = self.broken or reply[3]
         else:

@@ -24,7 +24,7 @@ def _sandbox_marker() -> pytest.MarkDecorator:
 
     ok, why = sandbox.available()
     if ok or os.environ.get("COURSE_REQUIRE_SANDBOX") == "1":
-        return pytest.mark.usefixtures()
+        return pytest.mark.skipif(False, reason="the sandbox works here")
     return pytest.mark.skip(reason=f"no sandbox for autograding: {why}")
 
 

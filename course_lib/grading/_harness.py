@@ -151,26 +151,23 @@ def reject_lecture_code(check: str, *answers: Any) -> None:
             )
 
 
-_pool: WorkerPool | None = None
+_pools: dict[int, WorkerPool] = {}
 
 
 def grading_pool(world_size: int) -> WorkerPool:
     """The workers that run student code for the checks: gloo on the CPU, untrusted (see
-    `WorkerPool`), kept warm and apart from the pool `launch` uses."""
-    global _pool
-    if _pool is None or _pool.world_size != world_size:
-        if _pool is not None:
-            _pool.close()
-        _pool = WorkerPool(world_size, "gloo", untrusted=True)
-    return _pool
+    `WorkerPool`), apart from the pool `launch` uses. One warm pool per world size, since a
+    check tries several one after the other."""
+    if world_size not in _pools:
+        _pools[world_size] = WorkerPool(world_size, "gloo", untrusted=True)
+    return _pools[world_size]
 
 
 def close_pool() -> None:
     """Stop the grading workers."""
-    global _pool
-    if _pool is not None:
-        _pool.close()
-        _pool = None
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
 
 
 def run_on_ranks(

@@ -132,6 +132,8 @@ def environment(extra: dict[str, str] | None = None) -> dict[str, str]:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "PYTHONDONTWRITEBYTECODE": "1",
         "LANG": "C.UTF-8",
+        # c10d warns on every rank that a sandbox's loopback has no host name: harmless.
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
     }
     return {**env, **(extra or {})}
 
