@@ -115,11 +115,10 @@ def main() -> None:
     # CPU). Neither import starts a thread, so forking stays safe.
     import torch._dynamo  # noqa: F401
 
-    from course_lib import _worker
-
     # What grading ranks import before any student code runs (`_worker._join_process_group`),
     # imported once here: a few hundred milliseconds less for every grading worker.
     import course_lib.grading  # noqa: F401
+    from course_lib import _worker
 
     while os.getppid() == parent:
         _report_exits(sock)

@@ -24,7 +24,6 @@ import threading
 import types
 from collections.abc import Iterable
 
-
 # Instructions the compiler may pick differently for the same source (method calls, jumps).
 _SAME = {"LOAD_METHOD": "LOAD_ATTR", "PRECALL": None, "JUMP_BACKWARD": "JUMP", "CACHE": None}
 
