@@ -27,7 +27,7 @@ LAB_ARGS ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: install lab test lint format bench clean release autograde feedback
+.PHONY: install lab test lint format bench clean release autograde feedback student
 
 install: $(STAMP)
 
@@ -84,6 +84,12 @@ autograde: release
 	    $(if $(filter off,$(SANDBOX)),--GradeInSandbox.sandbox=False) || exit 1; done
 	$(BIN)/nbgrader export --to grades.csv
 	@echo "Grades written to grades.csv"
+
+# The student edition: the folder to give students instead of this repository (no solutions,
+# no hidden tests, no tests that hold answers; see tools/student_edition.py).
+STUDENT_DIR ?= student-edition
+student:
+	$(PYTHON) tools/student_edition.py "$(STUDENT_DIR)"
 
 # HTML feedback for every autograded submission, in feedback/<student>/<assignment>/.
 feedback: install

@@ -1,0 +1,126 @@
+"""Build the student edition of the course: what students get instead of this repository.
+
+    python tools/student_edition.py DEST        (or: make student)
+
+DEST receives the committed lectures, assignments (the generated student versions), the
+library and the tests that hold no answers, with a README and a Makefile cut to what students
+use. Left out: `solutions/` (answers and hidden tests), the tests that carry right
+implementations or grade solutions (`tests/test_grading_*.py`, `tests/test_autograde.py`, the
+cheat suite), `bench/` (it runs the solutions), the instructors' tools and CI. A test
+(`tests/test_student_edition.py`) builds it and checks that no solution region and no hidden
+test is in it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Paths (relative to the repository) that never go to students.
+EXCLUDED = (
+    re.compile(r"^solutions/"),
+    re.compile(r"^tests/test_grading_.*\.py$"),
+    re.compile(r"^tests/test_autograde\.py$"),
+    re.compile(r"^tests/test_cheats\.py$"),
+    re.compile(r"^tests/test_student_edition\.py$"),
+    re.compile(r"^tests/cheats/"),
+    re.compile(r"^bench/"),
+    re.compile(r"^tools/"),
+    re.compile(r"^\.ci/"),
+    re.compile(r"^nbgrader_config\.py$"),
+)
+
+STUDENT_NBGRADER_CONFIG = '''"""nbgrader settings for students: Validate runs a notebook with the course's kernel."""
+
+c = get_config()  # noqa: F821 (nbgrader provides get_config)
+
+c.CourseDirectory.course_id = "distributed-training"
+c.Execute.kernel_name = "distcourse"
+c.Execute.timeout = 300
+'''
+
+NOTICE = (
+    "> This is the **student edition** of the course: lectures, assignments and the library. "
+    "Write your answers in `assignments/`; the test cells check them as you go.\n\n"
+)
+
+
+def committed_files() -> list[str]:
+    listing = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return [path for path in listing.stdout.splitlines() if path]
+
+
+def shipped(path: str) -> bool:
+    return not any(pattern.search(path) for pattern in EXCLUDED)
+
+
+def _drop_sections(text: str, headings: tuple[str, ...]) -> str:
+    """Markdown without the `## ` sections whose heading starts with one of `headings`."""
+    out, skipping = [], False
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## "):
+            skipping = line[3:].startswith(headings)
+        if not skipping:
+            out.append(line)
+    return "".join(out)
+
+
+def student_readme(text: str) -> str:
+    text = _drop_sections(text, ("For instructors", "Development"))
+    kept = [
+        line
+        for line in text.splitlines(keepends=True)
+        if not line.startswith(("solutions/", "tools/", "bench/"))
+    ]
+    title, _, rest = "".join(kept).partition("\n\n")
+    return f"{title}\n\n{NOTICE}{rest}"
+
+
+def student_makefile(text: str) -> str:
+    """The Makefile without the instructors' targets and the benchmarks."""
+    text = re.sub(r"\n# --- instructors:.*?(?=\nclean:)", "\n", text, flags=re.S)
+    text = re.sub(r"\nbench: install\n(\t.*\n)+", "\n", text)
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    return text.replace(" bench clean release autograde feedback student", " clean")
+
+
+def build(dest: Path) -> list[str]:
+    """Write the student edition into `dest` (emptied first); return the files written."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    written = []
+    for path in committed_files():
+        if not shipped(path):
+            continue
+        source, target = ROOT / path, dest / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if path == "README.md":
+            target.write_text(student_readme(source.read_text()))
+        elif path == "Makefile":
+            target.write_text(student_makefile(source.read_text()))
+        else:
+            shutil.copy2(source, target)
+        written.append(path)
+    (dest / "nbgrader_config.py").write_text(STUDENT_NBGRADER_CONFIG)
+    return [*written, "nbgrader_config.py"]
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tools/student_edition.py DEST")
+    dest = Path(sys.argv[1]).resolve()
+    if dest == ROOT or ROOT in dest.parents and dest.name in ("", "."):
+        sys.exit("DEST must be a new folder, not the repository")
+    files = build(dest)
+    print(f"Student edition: {len(files)} files in {dest}")
+
+
+if __name__ == "__main__":
+    main()
