@@ -76,3 +76,13 @@ def run_script(tmp_path: Path) -> Callable[..., subprocess.Popen]:
         )
 
     return start
+
+
+@pytest.fixture(scope="session")
+def graded_course(tmp_path_factory) -> tuple[Path, float]:
+    """One course folder, released, with every test submission autograded through `make
+    autograde` (see tests/grading_course.py); and how long grading took."""
+    from tests import grading_course
+
+    course = tmp_path_factory.mktemp("course")
+    return course, grading_course.build(course)

@@ -6,7 +6,7 @@ independent reference, and raises `CheckFailed` (an AssertionError) saying what 
 One module per assignment topic.
 """
 
-from course_lib.grading._harness import CheckFailed
+from course_lib.grading._harness import CheckFailed, install_ipython_display
 from course_lib.grading.capstone import check_2d_training, check_process_grid
 from course_lib.grading.collectives import (
     check_all_gather,
@@ -66,3 +66,5 @@ __all__ = [
     "check_zero2",
     "check_zero3",
 ]
+
+install_ipython_display()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import re
+import textwrap
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -39,6 +40,9 @@ class CheckFailed(AssertionError):
         tampering: bool = False,
     ) -> None:
         super().__init__(message)
+        # Raised while handling a launcher error: the message already says what happened, so
+        # the launcher's exception is not shown again below it.
+        self.__suppress_context__ = True
         self.prop = prop
         self.weights = weights or {RESULT: 1.0}
         self.failed = set(failed) if failed is not None else {prop}
@@ -47,6 +51,44 @@ class CheckFailed(AssertionError):
     @property
     def score(self) -> float:
         return share(self.weights, self.failed)
+
+
+def _show_check_failed(shell, etype, value, tb, tb_offset=None):
+    """IPython's display of a CheckFailed: the student's cell, then the message, without the
+    grader's frames in between."""
+    keep = []
+    while tb is not None:
+        if not _LIBRARY.search(tb.tb_frame.f_code.co_filename):
+            keep.append(tb)
+        tb = tb.tb_next
+    for this, following in zip(keep, [*keep[1:], None], strict=True):
+        this.tb_next = following
+    # Lines short enough for `nbgrader validate`, which cuts longer ones at 90 characters.
+    shown = CheckFailed(_wrap(str(value), DISPLAY_WIDTH))
+    shell.showtraceback((etype, shown, keep[0] if keep else None), tb_offset=tb_offset)
+
+
+DISPLAY_WIDTH = 80
+
+
+def _wrap(text: str, width: int) -> str:
+    lines = []
+    for line in text.splitlines():
+        indent = line[: len(line) - len(line.lstrip())]
+        lines += textwrap.wrap(
+            line, width, subsequent_indent=indent + "  ", break_long_words=False
+        ) or [""]
+    return "\n".join(lines)
+
+
+def install_ipython_display() -> None:
+    """In a notebook, show a failing check as the student's line and the message only."""
+    import sys
+
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is not None:
+        shell.set_custom_exc((CheckFailed,), _show_check_failed)
 
 
 def share(weights: dict[str, float], failed: set[str]) -> float:

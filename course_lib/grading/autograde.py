@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 import nbformat
 from jupyter_client.manager import AsyncKernelManager
@@ -110,6 +111,11 @@ class GradeInSandbox(Execute):
         self._sandboxed = ok and self.sandbox
         if not self._sandboxed:
             self.log.warning("GRADING WITHOUT A SANDBOX: %s", why or "switched off")
+        # The judge needs only the cells' sources: it runs while the kernel runs the notebook.
+        judged: dict = {}
+        cells = _judge_cells(nb)
+        judge = threading.Thread(target=lambda: judged.update(self._run_judge(cells)), daemon=True)
+        judge.start()
         scratch = tempfile.mkdtemp(prefix="course_lib-grade-")
         try:
             if self._sandboxed:
@@ -120,7 +126,8 @@ class GradeInSandbox(Execute):
             nb, resources = super().preprocess(nb, resources)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        self._judge(nb)
+            judge.join()
+        self._apply_verdicts(nb, judged)
         return nb, resources
 
     def _prepare_scratch(self, scratch: str, resources) -> None:
@@ -137,20 +144,11 @@ class GradeInSandbox(Execute):
 
     # --- the judge ---
 
-    def _judge(self, nb) -> None:
-        tests = {cell.id: cell for cell in nb.cells if role(cell) == "test"}
-        if not tests:
-            return
-        cells = [
-            {
-                "id": cell.id,
-                "role": role(cell),
-                "source": cell.source,
-                "points": cell.metadata.get("nbgrader", {}).get("points", 0),
-            }
-            for cell in nb.cells
-            if role(cell)
-        ]
+    def _run_judge(self, cells: list[dict]) -> dict:
+        """Run the judge on the cells; its verdicts by cell id, plus why it stopped under the
+        key None if it did not grade every test cell."""
+        if not any(cell["role"] == "test" for cell in cells):
+            return {}
         token = secrets.token_hex(16)
         request = json.dumps({"token": token, "cells": cells})
         argv = [sys.executable, "-m", "course_lib.grading.judge"]
@@ -159,15 +157,22 @@ class GradeInSandbox(Execute):
             code, out, err, killed = sandbox.run(argv, input=request, limits=limits)
         else:
             code, out, err, killed = _run_plain(argv, request, self.judge_timeout)
-        verdicts = {}
+        verdicts: dict = {None: killed or f"the grader stopped (exit code {code}): {err[-800:]}"}
         for line in out.splitlines():
             if line.startswith(token):
                 verdict = json.loads(line[len(token) :])
                 verdicts[verdict["id"]] = verdict
-        for cell_id, cell in tests.items():
+        return verdicts
+
+    def _apply_verdicts(self, nb, verdicts: dict) -> None:
+        """The judge's verdicts become the test cells' outputs, from which nbgrader scores."""
+        for cell in nb.cells:
+            if role(cell) != "test":
+                continue
+            cell_id = cell.id
             verdict = verdicts.get(cell_id)
             if verdict is None:
-                why = killed or f"the grader stopped (exit code {code}): {err.strip()[-800:]}"
+                why = verdicts.get(None, "the grader did not run")
                 self.log.error("test cell %s was not graded: %s", cell_id, why)
                 verdict = _not_graded(cell_id, why)
             cell.outputs = [nbformat.from_dict(o) for o in verdict["outputs"]]
@@ -178,6 +183,20 @@ class GradeInSandbox(Execute):
             }
             for what in verdict.get("tampering", []):
                 self.log.warning("TAMPERING in test cell %s: %s", cell_id, what)
+
+
+def _judge_cells(nb) -> list[dict]:
+    """What the judge gets: the set-up, answer and test cells, in notebook order."""
+    return [
+        {
+            "id": cell.id,
+            "role": role(cell),
+            "source": cell.source,
+            "points": cell.metadata.get("nbgrader", {}).get("points", 0),
+        }
+        for cell in nb.cells
+        if role(cell)
+    ]
 
 
 def _not_graded(cell_id: str, why: str) -> dict:

@@ -17,7 +17,12 @@ rebinding a check or patching a module) gets a notebook of its own.
 
 from __future__ import annotations
 
+import copy
+import importlib
+import textwrap
 from dataclasses import dataclass
+
+import nbformat
 
 
 @dataclass(frozen=True)
@@ -38,3 +43,59 @@ class Alternative:
     name: str
     cell: str
     source: str
+
+
+# --- turning them into submissions ----------------------------------------------------------
+
+
+def load(assignment: str) -> tuple[list[Cheat], list[Alternative]]:
+    """The cheats and alternatives of one assignment (none if it has no module here)."""
+    try:
+        module = importlib.import_module(f"tests.cheats.{assignment}")
+    except ModuleNotFoundError:
+        return [], []
+    return list(getattr(module, "CHEATS", [])), list(getattr(module, "ALTERNATIVES", []))
+
+
+def groups(items: list) -> list[list]:
+    """Items in as few notebooks as possible: never two rewriting the same cell in one, and a
+    cheat marked `alone` in a notebook of its own."""
+    out: list[list] = []
+    for item in items:
+        if getattr(item, "alone", False):
+            out.append([item])
+            continue
+        for group in out:
+            if not getattr(group[0], "alone", False) and item.cell not in {i.cell for i in group}:
+                group.append(item)
+                break
+        else:
+            out.append([item])
+    return out
+
+
+def planted(nb: nbformat.NotebookNode, items: list) -> nbformat.NotebookNode:
+    nb = copy.deepcopy(nb)
+    for item in items:
+        cell = next((c for c in nb.cells if c.id == item.cell), None)
+        assert cell is not None, f"{item.name}: no cell {item.cell!r}"
+        cell.source = textwrap.dedent(item.source).strip("\n")
+    return nb
+
+
+def students(assignment: str) -> dict[str, list]:
+    """Student id -> the cheats (or alternatives) planted in that student's notebook."""
+    cheats, alternatives = load(assignment)
+    found = {f"cheater{i}": group for i, group in enumerate(groups(cheats), 1)}
+    found.update({f"alternative{i}": g for i, g in enumerate(groups(alternatives), 1)})
+    return found
+
+
+def submissions(release, solution, assignment: str):
+    """(student id, notebook) for every cheat and alternative notebook of `assignment`: the
+    solved release with the items planted."""
+    from tests.grading_course import solved
+
+    base = solved(release, solution)
+    for student, items in students(assignment).items():
+        yield student, planted(base, items)

@@ -1,0 +1,219 @@
+"""One course folder graded end to end, shared by test_autograde.py and test_cheats.py.
+
+Everything runs in a temporary course folder through the Makefile targets (`make release`,
+`make autograde`, `make feedback`), as an instructor would; scores are read from the
+gradebook, not from logs. Grading takes minutes, so it happens once per test session
+(the `graded_course` fixture in conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbgrader.api import Gradebook
+
+from tests import cheats
+from tests.conftest import ROOT
+
+ASSIGNMENTS = sorted(p.name for p in (ROOT / "solutions").iterdir() if p.is_dir())
+VENV = Path(sys.executable).parent.parent
+
+# Bugs planted in a correct submission: (cell id, text, replacement, tests expected to fail).
+BUG = {
+    "a0_processes": (
+        "ping_pong",
+        "conn.send(conn.recv() + 1)",
+        "conn.send(conn.recv())",
+        {"test_ping_pong"},
+    ),
+    "a1_collectives": (
+        "ring_all_reduce",
+        "incoming += received",
+        "incoming.copy_(received)",
+        {"test_ring_all_reduce"},
+    ),
+    "a2_data_parallel": (
+        "sync_gradients",
+        "p.grad /= world_size()",
+        "p.grad /= 1",
+        {"test_sync_gradients"},
+    ),
+    "a3_communication": (
+        "powersgd",
+        "M = grad + self.error",
+        "M = grad",
+        {"test_powersgd"},
+    ),
+    "a4_zero": (
+        "zero2",
+        "param.grad = None  # the full gradient is gone as soon as its shard exists",
+        "pass",
+        {"test_zero2"},
+    ),
+    "a5_model_parallel": (
+        "pipeline_step",
+        'warmup = n_micro if schedule == "gpipe" else min(P - r - 1, n_micro)',
+        "warmup = n_micro",
+        {"test_1f1b"},
+    ),
+    "a6_capstone": (
+        "train_step",
+        "p.grad /= dp_size",
+        "p.grad /= 1",
+        {"test_train_2d"},
+    ),
+}
+DEADLOCK = {  # rank 1 never replies, so rank 0 waits in recv forever
+    "a0_processes": (
+        "dist_ping_pong",
+        "dist.send(buffer + 1, dst=0)",
+        "pass",
+        {"test_dist_ping_pong"},
+    ),
+}
+# (d) and (e) need one assignment only: they test nbgrader and the launcher, not the checks.
+TAMPERED = {"a0_processes"}  # the planted bug, plus the failing test cell emptied
+# A submission that tries to overwrite the gradebook, another student's submission and the
+# solution, from its kernel and from its grading ranks (its answer cell runs in both).
+HOSTILE = ("a0_processes", "ping_pong")
+OVERWRITTEN = "overwritten by a hostile submission"
+
+
+def targets(course: Path) -> list[Path]:
+    a = HOSTILE[0]
+    return [
+        course / "gradebook.db",
+        course / "submitted" / "solver" / a / f"{a}.ipynb",
+        course / "solutions" / a / f"{a}.ipynb",
+    ]
+
+
+def hostile_code(course: Path) -> str:
+    paths = [str(p) for p in targets(course)]
+    return (
+        f"for _path in {paths!r}:\n"
+        "    try:\n"
+        f"        open(_path, 'w').write({OVERWRITTEN!r})\n"
+        "    except OSError:\n"
+        "        pass\n\n"
+    )
+
+
+MARKERS = (
+    "### BEGIN SOLUTION",
+    "### END SOLUTION",
+    "### BEGIN HIDDEN TESTS",
+    "### END HIDDEN TESTS",
+)
+
+
+def make(course: Path, *targets: str, timeout: float = 1500) -> float:
+    """Run make targets in the course folder; return the seconds they took."""
+    start = time.monotonic()
+    result = subprocess.run(
+        ["make", "-s", f"VENV={VENV}", *targets],
+        cwd=course,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return time.monotonic() - start
+
+
+def notebooks(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.ipynb"))
+
+
+def cell_regions(source: str, begin: str, end: str) -> list[str]:
+    """The lines between begin and end markers, skipping ones too short to tell (")")."""
+    lines, inside = [], False
+    for line in source.splitlines():
+        if begin in line:
+            inside = True
+        elif end in line:
+            inside = False
+        elif inside and len(line.strip()) >= 8:
+            lines.append(line.strip())
+    return lines
+
+
+def solved(release: Path, solution: Path) -> nbformat.NotebookNode:
+    """The release notebook with every answer cell filled in as the solution has it."""
+    nb = nbformat.read(release, as_version=4)
+    answers = {c.id: c.source for c in nbformat.read(solution, as_version=4).cells}
+    for cell in nb.cells:
+        if cell.metadata.get("nbgrader", {}).get("solution"):
+            cell.source = "\n".join(
+                line
+                for line in answers[cell.id].splitlines()
+                if "### BEGIN SOLUTION" not in line and "### END SOLUTION" not in line
+            )
+    return nb
+
+
+def edit(nb: nbformat.NotebookNode, cell_id: str, old: str, new: str) -> None:
+    cell = next(c for c in nb.cells if c.id == cell_id)
+    assert old in cell.source, f"{old!r} not in cell {cell_id}"
+    cell.source = cell.source.replace(old, new)
+
+
+def submit(course: Path, student: str, assignment: str, nb: nbformat.NotebookNode, name: str):
+    folder = course / "submitted" / student / assignment
+    folder.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(folder / name))
+
+
+def scores(course: Path, assignment: str, student: str) -> dict[str, tuple[float, float]]:
+    """grade id -> (score, max score), from the gradebook."""
+    out = {}
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        for notebook in gradebook.find_assignment(assignment).notebooks:
+            submission = gradebook.find_submission_notebook(notebook.name, assignment, student)
+            out.update({g.name: (g.score, g.max_score) for g in submission.grades})
+    return out
+
+
+def build(course: Path) -> float:
+    """A course folder with a fresh release, graded submissions (the solution, the blank
+    release, planted bugs, a deadlock, a tampered test, and the cheats and alternatives of
+    `tests/cheats/`) and feedback; returns how long `make autograde` took."""
+    for name in ("Makefile", "pyproject.toml", "nbgrader_config.py"):
+        shutil.copy2(ROOT / name, course / name)  # copy2 keeps mtimes: no reinstall
+    shutil.copytree(ROOT / "solutions", course / "solutions")
+    make(course, "release")
+    for assignment in ASSIGNMENTS:
+        for release in notebooks(course / "assignments" / assignment):
+            solution = course / "solutions" / assignment / release.name
+            submit(course, "solver", assignment, solved(release, solution), release.name)
+            submit(course, "blank", assignment, nbformat.read(release, 4), release.name)
+            if assignment in BUG:
+                nb = solved(release, solution)
+                edit(nb, *BUG[assignment][:3])
+                submit(course, "buggy", assignment, nb, release.name)
+                if assignment in TAMPERED:
+                    # The same bug, plus the student "fixing" the failing test by emptying it.
+                    failing = sorted(BUG[assignment][3])[0]
+                    next(c for c in nb.cells if c.id == failing).source = "pass"
+                    submit(course, "tamperer", assignment, nb, release.name)
+            if assignment in DEADLOCK:
+                nb = solved(release, solution)
+                edit(nb, *DEADLOCK[assignment][:3])
+                submit(course, "deadlocked", assignment, nb, release.name)
+            if assignment == HOSTILE[0]:
+                nb = solved(release, solution)
+                cell = next(c for c in nb.cells if c.id == HOSTILE[1])
+                cell.source = hostile_code(course) + cell.source
+                submit(course, "hostile", assignment, nb, release.name)
+            for student, nb in cheats.submissions(release, solution, assignment):
+                submit(course, student, assignment, nb, release.name)
+    seconds = make(course, "autograde")
+    make(course, "feedback")
+    return seconds

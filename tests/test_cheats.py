@@ -1,0 +1,52 @@
+"""Cheats score 0 on what they target; right-but-different answers keep full marks.
+
+Each assignment's cheats and alternatives (tests/cheats/<assignment>.py) are planted in
+copies of its solution and graded with every other test submission through `make autograde`
+(the session's `graded_course`): the sandbox, the judge and the checks, as for a real class.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import cheats
+from tests.conftest import require_sandbox
+from tests.grading_course import ASSIGNMENTS, scores
+
+pytestmark = [pytest.mark.timeout(2400), require_sandbox]
+
+CHEATERS = [(a, s) for a in ASSIGNMENTS for s in cheats.students(a) if s.startswith("cheater")]
+ALTERNATIVES = [(a, s) for a in ASSIGNMENTS for s in cheats.students(a) if s.startswith("alt")]
+
+
+def _ids(pairs):
+    return [f"{a}-{s}" for a, s in pairs]
+
+
+@pytest.mark.parametrize("assignment, student", CHEATERS, ids=_ids(CHEATERS))
+def test_each_cheat_scores_zero_on_its_target_and_nothing_else_changes(
+    graded_course, assignment, student
+):
+    course, _ = graded_course
+    grades = scores(course, assignment, student)
+    planted = cheats.students(assignment)[student]
+    targeted = set().union(*(cheat.fails for cheat in planted))
+    for cheat in planted:
+        passed = {t: grades[t] for t in cheat.fails if grades[t][0] > 0}
+        assert not passed, f"cheat '{cheat.name}' earned points: {passed}"
+    untouched = {t: g for t, g in grades.items() if t not in targeted and g[0] < g[1]}
+    assert not untouched, f"parts no cheat targeted lost points: {untouched}"
+
+
+@pytest.mark.parametrize("assignment, student", ALTERNATIVES, ids=_ids(ALTERNATIVES))
+def test_right_but_different_answers_keep_full_marks(graded_course, assignment, student):
+    course, _ = graded_course
+    grades = scores(course, assignment, student)
+    names = [a.name for a in cheats.students(assignment)[student]]
+    lost = {t: g for t, g in grades.items() if g[0] < g[1]}
+    assert not lost, f"alternatives {names} lost points: {lost}"
+
+
+def test_every_assignment_has_cheats_and_alternatives():
+    missing = [a for a in ASSIGNMENTS if not all(cheats.load(a))]
+    assert not missing, f"no cheats or no alternatives for {missing}"
