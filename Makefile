@@ -84,6 +84,7 @@ autograde: release
 	    $(if $(filter off,$(SANDBOX)),--GradeInSandbox.sandbox=False) || exit 1; done
 	$(BIN)/nbgrader export --to grades.csv
 	@echo "Grades written to grades.csv"
+	@$(BIN)/python -m course_lib.grading.report autograded
 
 # The student edition: the folder to give students instead of this repository (no solutions,
 # no hidden tests, no tests that hold answers; see tools/student_edition.py).

@@ -50,3 +50,16 @@ def test_right_but_different_answers_keep_full_marks(graded_course, assignment, 
 def test_every_assignment_has_cheats_and_alternatives():
     missing = [a for a in ASSIGNMENTS if not all(cheats.load(a))]
     assert not missing, f"no cheats or no alternatives for {missing}"
+
+
+def test_tampering_is_reported_for_cheaters_only(graded_course):
+    """`make autograde` ends with the tampering report: it names cheaters, never an honest
+    submission."""
+    from course_lib.grading.report import findings
+
+    course, _ = graded_course
+    rows = findings(course / "autograded")
+    assert rows, "no tampering found, yet some cheats rebind checks or patch course_lib"
+    honest = {r["student"] for r in rows if not r["student"].startswith(("cheater", "hostile"))}
+    assert not honest, f"tampering reported for honest submissions: {honest}"
+    assert (course / "tampering.csv").read_text().count("\n") == len(rows) + 1

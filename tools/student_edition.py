@@ -35,7 +35,7 @@ EXCLUDED = (
     re.compile(r"^nbgrader_config\.py$"),
 )
 
-STUDENT_NBGRADER_CONFIG = '''"""nbgrader settings for students: Validate runs a notebook with the course's kernel."""
+STUDENT_NBGRADER_CONFIG = '''"""nbgrader for students: Validate uses the course's kernel."""
 
 c = get_config()  # noqa: F821 (nbgrader provides get_config)
 
