@@ -1,0 +1,261 @@
+"""The machinery that makes grades trustworthy: answers as source, the judge, untrusted ranks,
+the counted process group, the integrity fingerprint, provenance, and partial credit."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+from nbformat import from_dict
+from nbgrader.utils import determine_grade
+
+import course_lib.collectives
+from course_lib import CommCounter, WorkerPool, rank, world_size
+from course_lib.grading import _harness, judge
+from course_lib.grading._harness import CheckFailed, Verdict, fail, share, student_frames
+from course_lib.grading.answers import Answer, AnswerCellError, defined_names, resolve
+from course_lib.grading.provenance import Provenance
+from course_lib.launch import RankError
+
+SETUP = "import torch\nimport torch.distributed as dist\nfrom course_lib import rank, world_size\n"
+SETUP += "from course_lib.grading import check_broadcast\n"
+BROADCAST = """
+def broadcast(tensor, src):
+    if rank() == src:
+        for peer in range(world_size()):
+            if peer != src:
+                dist.send(tensor, dst=peer)
+    else:
+        dist.recv(tensor, src=src)
+"""
+TEST = "check_broadcast(broadcast, world_sizes=(2,), dtypes=(torch.float64,), shapes=((3,),))"
+
+
+def cells(answer: str, test: str = TEST, points: float = 2) -> list[dict]:
+    return [
+        {"id": "setup", "role": "setup", "source": SETUP, "points": 0},
+        {"id": "broadcast", "role": "answer", "source": textwrap.dedent(answer), "points": 0},
+        {"id": "test_broadcast", "role": "test", "source": test, "points": points},
+    ]
+
+
+# --- answers --------------------------------------------------------------------------------
+
+
+def test_defined_names_are_what_a_cell_binds_at_top_level():
+    source = (
+        "import torch.nn as nn\nfrom x import y as z\ndef f(): w = 1\nclass C: pass\na, b = 1, 2\n"
+    )
+    assert defined_names(source) == ["nn", "z", "f", "C", "a", "b"]
+
+
+def test_resolve_runs_the_cells_once_and_hands_over_what_they_define():
+    source = "calls = []\ncalls.append(1)\ndef f():\n    return len(calls)\nclass K: pass\n"
+    cells_ = (("c", source),)
+    (f, k), kwargs = resolve((Answer("f", cells_), Answer("K", cells_)), {"g": Answer("f", cells_)})
+    assert f() == 1 and kwargs["g"] is f and isinstance(k(), k)
+
+
+def test_an_answer_cell_that_needs_another_cell_says_why_it_fails():
+    with pytest.raises(AnswerCellError, match="graded alone.*must not use names defined"):
+        resolve((Answer("f", (("cell1", "x = helper_from_a_try_cell()"),)),), {})
+
+
+def test_an_answer_never_runs_where_the_check_runs():
+    answer = Answer("broadcast", (("c", BROADCAST),))
+    assert answer.__name__ == "broadcast" and callable(answer)
+    with pytest.raises(RuntimeError, match="runs it on a rank, never here"):
+        answer(torch.zeros(1), 0)
+
+
+# --- partial credit and reports -------------------------------------------------------------
+
+
+def test_share_gates_on_the_result():
+    weights = {"result": 0.6, "bytes": 0.4}
+    assert share(weights, set()) == 1.0
+    assert share(weights, {"bytes"}) == pytest.approx(0.6)
+    assert share(weights, {"result"}) == 0.0
+    assert share(weights, {"result", "bytes"}) == 0.0
+
+
+def test_a_verdict_reports_every_failing_case_and_the_credit(capsys):
+    verdict = Verdict("check_x", {"result": 0.5, "bytes": 0.5})
+    for case in range(5):
+        with verdict.case():
+            if case % 2:
+                fail("check_x", f"case {case}: too many bytes", prop="bytes")
+    with pytest.raises(CheckFailed) as error:
+        verdict.conclude("5 cases")
+    text = str(error.value)
+    assert "[bytes] failed in 2 case(s)" in text and "case 1:" in text and "case 3:" in text
+    assert "50% of this part's points" in text and error.value.score == pytest.approx(0.5)
+    passing = Verdict("check_y")
+    with passing.case():
+        pass
+    passing.conclude("3 world sizes")
+    assert capsys.readouterr().out == "check_y: passed. Verified 3 world sizes.\n"
+
+
+@pytest.mark.parametrize("share_earned, expected", [(1.0, 4.0), (0.5, 2.0), (0.0, 0.0)])
+def test_nbgrader_reads_the_judges_outputs_as_the_intended_score(share_earned, expected):
+    verdict = judge.CellVerdict("t", points=4.0, weights={"result": 0.5, "bytes": 0.5})
+    if share_earned < 1:
+        verdict.failed = {"bytes"} if share_earned else {"result"}
+        verdict.errors = [{"ename": "CheckFailed", "evalue": "..."}]
+    cell = from_dict(
+        {
+            "cell_type": "code",
+            "source": "",
+            "metadata": {"nbgrader": {"grade": True, "points": 4, "grade_id": "t"}},
+            "outputs": verdict.outputs(),
+        }
+    )
+    assert determine_grade(cell) == (expected, 4.0)
+
+
+def test_student_frames_leave_out_the_graders_and_torchs():
+    text = (
+        "Traceback (most recent call last):\n"
+        '  File "/x/course_lib/grading/collectives.py", line 3, in run\n    fn()\n'
+        '  File "<cell ring>", line 2, in ring\n    dist.all_reduce(t)\n'
+        '  File "/v/lib/python3.11/site-packages/torch/distributed/c.py", line 9, in f\n'
+        "    work.wait()\nRuntimeError: boom\n"
+    )
+    assert student_frames(text) == (
+        "Traceback (most recent call last):\n"
+        '  File "<cell ring>", line 2, in ring\n    dist.all_reduce(t)\nRuntimeError: boom\n'
+    )
+
+
+# --- the judge, end to end (a few launches) -------------------------------------------------
+
+
+def test_the_judge_gives_full_marks_to_a_right_answer():
+    (verdict,) = list(judge.grade(cells(BROADCAST)))
+    assert verdict.score == 2.0 and not verdict.tampering, verdict.output
+
+
+def test_the_judge_ignores_and_reports_an_answer_cell_that_rebinds_a_check():
+    (verdict,) = list(judge.grade(cells(BROADCAST + "\ncheck_broadcast = lambda *a, **k: None\n")))
+    assert verdict.score == 0 and "rebinds check_broadcast" in verdict.tampering[0]
+
+
+def test_a_rank_that_patches_the_checks_code_scores_zero_as_tampering():
+    patch = "\nimport course_lib.comm\ncourse_lib.comm._volume = lambda op, args: (0, 0)\n"
+    (verdict,) = list(judge.grade(cells(BROADCAST + patch)))
+    assert verdict.score == 0
+    assert any("changed course_lib.comm._volume" in t for t in verdict.tampering)
+
+
+def test_a_wrong_answer_scores_zero_with_the_checks_message():
+    wrong = BROADCAST.replace("dist.recv(tensor, src=src)", "pass")
+    (verdict,) = list(judge.grade(cells(wrong)))
+    assert verdict.score == 0 and not verdict.tampering
+    assert verdict.outputs()[-1]["ename"] == "CheckFailed"
+
+
+# --- untrusted ranks ------------------------------------------------------------------------
+
+
+class _Boom:
+    def __reduce__(self):
+        return (open, ("/tmp/course_lib_untrusted_boom", "w"))
+
+
+def _return_a_trap():
+    return _Boom()
+
+
+def _patch_dist():
+    dist.all_reduce = lambda *args, **kwargs: None
+    return "patched"
+
+
+def _prebound_all_reduce_counted():
+    from torch.distributed import all_reduce as prebound
+
+    t = torch.ones(4)
+    with CommCounter() as counter:
+        prebound(t)
+        dist.group.WORLD.allreduce([t]).wait()
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+        model(torch.ones(2, 3)).sum().backward()
+    try:
+        torch.ops.c10d.allreduce_(
+            [t], dist.distributed_c10d._get_default_group(), dist.ReduceOp.SUM, None, False, -1
+        )
+        ops_route = "open"
+    except RuntimeError:
+        ops_route = "refused"
+    return {"calls": dict(counter.calls), "ops_route": ops_route}
+
+
+def test_an_untrusted_rank_cannot_make_the_launcher_run_code(tmp_path):
+    import os
+
+    marker = "/tmp/course_lib_untrusted_boom"
+    if os.path.exists(marker):
+        os.remove(marker)
+    with WorkerPool(1, "gloo", untrusted=True) as pool:
+        with pytest.raises(RankError, match="may return only tensors, numbers, strings"):
+            pool.launch(_return_a_trap, timeout=60)
+    assert not os.path.exists(marker)
+
+
+def test_a_rank_that_changes_torch_distributed_fails_and_is_replaced():
+    with WorkerPool(2, "gloo", untrusted=True) as pool:
+        with pytest.raises(RankError) as error:
+            pool.launch(_patch_dist, timeout=60)
+        assert error.value.exc_type == "TamperingDetected"
+        assert "torch.distributed.all_reduce" in str(error.value)
+        assert pool.launch(world_size, timeout=60) == [2, 2]  # fresh, untainted workers
+
+
+def test_grading_ranks_count_every_route_to_a_collective():
+    with WorkerPool(2, "gloo", untrusted=True) as pool:
+        results = pool.launch(_prebound_all_reduce_counted, timeout=60)
+    for result in results:
+        # the pre-bound name, the group object, and DDP's C++ reducer (plus its broadcast)
+        assert result["calls"].get("all_reduce", 0) >= 3, result
+        assert result["ops_route"] == "refused"
+
+
+# --- provenance -----------------------------------------------------------------------------
+
+
+def test_provenance_sees_the_lectures_code_called_wrapped_or_pasted():
+    forbidden = ["course_lib.collectives.ring_all_reduce"]
+    source = inspect.getsource(course_lib.collectives.ring_all_reduce)
+    pasted = re.sub(r"\btensor\b", "t", source.replace("def ring_all_reduce", "def mine"))
+    namespace = dict(vars(course_lib.collectives))
+    exec(pasted, namespace)  # noqa: S102
+
+    def wrapper(t):
+        return course_lib.collectives.ring_all_reduce(t)
+
+    for answer in (wrapper, namespace["mine"]):
+        with Provenance(forbidden) as seen:
+            answer(torch.ones(3))  # one rank, world of 1: the ring does nothing
+        assert seen.hits == forbidden and "course's own implementation" in seen.complaint()
+    with Provenance(forbidden) as seen:
+        torch.ones(3).sum()
+    assert seen.complaint() is None
+
+
+def test_provenance_notices_when_it_is_switched_off():
+    import sys
+
+    with Provenance(["course_lib.collectives.ring_all_reduce"]) as seen:
+        sys.setprofile(None)
+    assert "switched off" in seen.complaint()
+
+
+def test_the_harness_pools_are_untrusted():
+    pool = _harness.grading_pool(1)
+    assert pool.untrusted and pool.backend == "gloo"
+    assert pool.launch(rank, timeout=60) == [0]
