@@ -105,6 +105,31 @@ def hostile_code(course: Path) -> str:
     )
 
 
+# A wrong broadcast, plus a cell the student labelled as a locked set-up cell that makes the
+# check pass: if the judge ran it, the part would score.
+FORGED = ("a1_collectives", "broadcast", "test_broadcast")
+FORGED_CELL = (
+    "import course_lib.grading, course_lib.grading.collectives\n"
+    "course_lib.grading.check_broadcast = lambda *args, **kwargs: None\n"
+    "course_lib.grading.collectives.check_broadcast = lambda *args, **kwargs: None\n"
+)
+
+
+def forged(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    cell = nbformat.v4.new_code_cell(FORGED_CELL)
+    cell.metadata["nbgrader"] = {
+        "grade": False,
+        "grade_id": "forged_setup",
+        "locked": True,
+        "schema_version": 3,
+        "solution": False,
+    }
+    nb.cells.insert(0, cell)
+    answer = next(c for c in nb.cells if c.id == FORGED[1])
+    answer.source = "def broadcast(tensor, src):\n    pass\n"
+    return nb
+
+
 MARKERS = (
     "### BEGIN SOLUTION",
     "### END SOLUTION",
@@ -212,6 +237,8 @@ def build(course: Path) -> float:
                 cell = next(c for c in nb.cells if c.id == HOSTILE[1])
                 cell.source = hostile_code(course) + cell.source
                 submit(course, "hostile", assignment, nb, release.name)
+            if assignment == FORGED[0]:
+                submit(course, "forger", assignment, forged(solved(release, solution)), release.name)
             for student, nb in cheats.submissions(release, solution, assignment):
                 submit(course, student, assignment, nb, release.name)
     seconds = make(course, "autograde")

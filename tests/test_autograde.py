@@ -18,6 +18,7 @@ from tests.grading_course import (
     ASSIGNMENTS,
     BUG,
     DEADLOCK,
+    FORGED,
     HOSTILE,
     MARKERS,
     OVERWRITTEN,
@@ -134,3 +135,9 @@ def test_a_hostile_submission_cannot_touch_the_gradebook_or_other_files(course):
     grades = scores(course, HOSTILE[0], "solver")
     assert grades and all(score == top for score, top in grades.values()), grades
     assert scores(course, HOSTILE[0], "hostile")  # and it was graded like any other
+
+
+def test_a_cell_forged_as_locked_does_not_run_where_tests_are_judged(course):
+    """The judge takes set-up and test cells from the gradebook, not from the submission."""
+    grades = scores(course, FORGED[0], "forger")
+    assert grades[FORGED[2]][0] == 0, grades

@@ -31,6 +31,7 @@ import threading
 
 import nbformat
 from jupyter_client.manager import AsyncKernelManager
+from nbgrader.api import Gradebook
 from nbgrader.preprocessors import Execute
 from nbgrader.utils import is_grade, is_locked, is_solution
 from traitlets import Bool, Float, Unicode
@@ -113,7 +114,7 @@ class GradeInSandbox(Execute):
             self.log.warning("GRADING WITHOUT A SANDBOX: %s", why or "switched off")
         # The judge needs only the cells' sources: it runs while the kernel runs the notebook.
         judged: dict = {}
-        cells = _judge_cells(nb)
+        cells = _judge_cells(nb, resources)
         judge = threading.Thread(target=lambda: judged.update(self._run_judge(cells)), daemon=True)
         judge.start()
         scratch = tempfile.mkdtemp(prefix="course_lib-grade-")
@@ -169,7 +170,7 @@ class GradeInSandbox(Execute):
         for cell in nb.cells:
             if role(cell) != "test":
                 continue
-            cell_id = cell.id
+            cell_id = cell.metadata.get("nbgrader", {}).get("grade_id", cell.id)
             verdict = verdicts.get(cell_id)
             if verdict is None:
                 why = verdicts.get(None, "the grader did not run")
@@ -185,18 +186,46 @@ class GradeInSandbox(Execute):
                 self.log.warning("TAMPERING in test cell %s: %s", cell_id, what)
 
 
-def _judge_cells(nb) -> list[dict]:
-    """What the judge gets: the set-up, answer and test cells, in notebook order."""
-    return [
-        {
-            "id": cell.id,
-            "role": role(cell),
-            "source": cell.source,
-            "points": cell.metadata.get("nbgrader", {}).get("points", 0),
-        }
-        for cell in nb.cells
-        if role(cell)
-    ]
+def _judge_cells(nb, resources) -> list[dict]:
+    """What the judge gets: the set-up, answer and test cells, in the notebook's order.
+
+    The judge runs set-up and test cells itself, so their code comes from the gradebook (the
+    instructor's source, hidden tests included), never from the submission: a cell the
+    student added or relabelled as locked is not run there. Answer cells are the student's
+    (the judge only ships them to the ranks)."""
+    info = resources.get("nbgrader", {})
+    if "db_url" not in info:  # outside `nbgrader autograde`: trust the notebook's own cells
+        return [
+            _cell(cell.id, role(cell), cell.source, _points(cell))
+            for cell in nb.cells
+            if role(cell)
+        ]
+    with Gradebook(info["db_url"]) as gradebook:
+        source = gradebook.find_notebook(info["notebook"], info["assignment"])
+        originals = {c.name: c for c in source.source_cells}
+        points = {c.name: c.max_score for c in source.grade_cells}
+        answers = {c.name for c in source.solution_cells}
+        cells = []
+        for cell in nb.cells:
+            grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+            original = originals.get(grade_id)
+            if original is None or original.cell_type != "code":
+                continue
+            if grade_id in answers:
+                cells.append(_cell(grade_id, "answer", cell.source, 0))
+            elif grade_id in points:
+                cells.append(_cell(grade_id, "test", original.source, points[grade_id]))
+            elif original.locked:
+                cells.append(_cell(grade_id, "setup", original.source, 0))
+    return cells
+
+
+def _cell(cell_id: str, cell_role: str, source: str, points: float) -> dict:
+    return {"id": cell_id, "role": cell_role, "source": source, "points": points}
+
+
+def _points(cell) -> float:
+    return cell.metadata.get("nbgrader", {}).get("points", 0)
 
 
 def _not_graded(cell_id: str, why: str) -> dict:
