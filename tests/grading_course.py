@@ -238,7 +238,8 @@ def build(course: Path) -> float:
                 cell.source = hostile_code(course) + cell.source
                 submit(course, "hostile", assignment, nb, release.name)
             if assignment == FORGED[0]:
-                submit(course, "forger", assignment, forged(solved(release, solution)), release.name)
+                nb = forged(solved(release, solution))
+                submit(course, "forger", assignment, nb, release.name)
             for student, nb in cheats.submissions(release, solution, assignment):
                 submit(course, student, assignment, nb, release.name)
     seconds = make(course, "autograde")
