@@ -80,8 +80,10 @@ release: install
 SANDBOX ?= on
 autograde: release
 	@test -n "$(SUBMITTED)" || { echo "Nothing to grade: put submissions in submitted/<student>/<assignment>/"; exit 1; }
-	@for a in $(SUBMITTED); do $(BIN)/nbgrader autograde "$$a" --force \
-	    $(if $(filter off,$(SANDBOX)),--GradeInSandbox.sandbox=False) || exit 1; done
+	@failed=""; for a in $(SUBMITTED); do $(BIN)/nbgrader autograde "$$a" --force \
+	    $(if $(filter off,$(SANDBOX)),--GradeInSandbox.sandbox=False) || failed="$$failed $$a"; \
+	done; test -z "$$failed" || echo "WARNING: some submissions of$$failed could not be graded \
+	(nbgrader's log above names them; they score 0). The others were graded."
 	$(BIN)/nbgrader export --to grades.csv
 	@echo "Grades written to grades.csv"
 	@$(BIN)/python -m course_lib.grading.report autograded

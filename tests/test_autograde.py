@@ -138,6 +138,8 @@ def test_a_hostile_submission_cannot_touch_the_gradebook_or_other_files(course):
 
 
 def test_a_cell_forged_as_locked_does_not_run_where_tests_are_judged(course):
-    """The judge takes set-up and test cells from the gradebook, not from the submission."""
+    """nbgrader rejects the forged cell's metadata and that submission scores 0, while the
+    rest of the class is graded; the judge would not have run the cell either (it takes
+    set-up and test cells from the gradebook, not from the submission)."""
     grades = scores(course, FORGED[0], "forger")
     assert grades[FORGED[2]][0] == 0, grades
