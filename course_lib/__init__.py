@@ -8,7 +8,10 @@ The machinery: `launch` (workers from a notebook cell), `runtime` (who am I), `c
 bytes), `network` (an emulated slow network and stragglers), `magic` (the `%%distributed` cell
 magic), `torchrun` (the same functions on a cluster), `models` and `data` (seeded toy models and
 data), `compare` (single-process references, parameter-by-parameter comparison), `plots`
-(figures and widgets), `grading` (the assignments' checks).
+(figures and widgets), `grading` (the assignments' checks, and how autograding runs them: a
+judge that never runs student code, a sandbox), `counted_group` (the process group of grading
+ranks, which reports every call to `comm`), `_integrity` (has a rank's code changed the
+libraries the checks measure with?).
 
 The lectures' plumbing, one module each:
 - `pipes` (1): message costs over pipes and gloo;
