@@ -12,7 +12,9 @@ from Python, so it is counted with the per-rank volume of the textbook algorithm
 broadcast, reduce, gather and scatter), the volume the lectures' formulas describe.
 
 Calls made through a name bound before the counter started (`from torch.distributed import
-send`) and calls made from C++ (DistributedDataParallel's reducer) are not seen.
+send`), through the process-group object, or from C++ (DistributedDataParallel's reducer) are
+not seen by these wrappers. On grading ranks they are: there the default process group is a
+`course_lib.counted_group.CountedGroup`, which reports every call to `record` below.
 
 Other modules hook the same wrapped calls with `add_around_hook` (the emulated network in
 `course_lib.network` does), so the two never wrap each other.
