@@ -1,94 +1,212 @@
-"""Assignment 2's checks accept right implementations and reject wrong ones."""
+"""Assignment 2's checks accept right implementations and reject wrong ones, with the hint
+and the partial credit each mistake deserves."""
 
 from __future__ import annotations
 
+import inspect
+import sys
 import time
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import all_reduce as prebound_all_reduce
 
+import course_lib.data_parallel as lecture
 from course_lib import rank, world_size
 from course_lib.grading import CheckFailed, check_ddp, check_sync_gradients
+from course_lib.grading._harness import grading_pool
 from course_lib.grading.data_parallel import (
+    BUCKET_ELEMENTS,
+    FORBIDDEN,
     MB,
+    AllReduceLog,
     ProbeModel,
+    Run,
     bucket_layout,
     buckets,
+    draw_shard,
+    shard_sizes,
 )
+from course_lib.grading.provenance import Provenance
 
 # --- sync_gradients -----------------------------------------------------------------------
 
 
-def sync_gradients(model):
+def sync_gradients(model, num_samples):
+    """Right: learn the total, weight this rank's gradient by its share, sum."""
+    total = torch.tensor(num_samples)
+    dist.all_reduce(total)
     for p in model.parameters():
         if p.grad is not None:
+            p.grad *= num_samples / total.item()
             dist.all_reduce(p.grad)
-            p.grad /= world_size()
 
 
-def sync_gradients_flat(model):
-    """Right, in another style: one all-reduce of all gradients flattened into one buffer."""
+def sync_weights_in_float32(model, num_samples):
+    """Right in float32; in float64 its float32 weight rounds the gradient."""
+    total = torch.tensor(float(num_samples))
+    dist.all_reduce(total)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad *= num_samples / total
+            dist.all_reduce(p.grad)
+
+
+def sync_gradients_flat(model, num_samples):
+    """Right, in another style: one all-reduce of the weighted gradients with the count
+    appended, then divide by the total (through a name bound at import)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world_size()
+    flat = torch.cat([*(num_samples * g.reshape(-1) for g in grads), grads[0].new_ones(1)])
+    flat[-1] = num_samples
+    prebound_all_reduce(flat)
+    flat /= flat[-1].clone()
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
-def sync_sum(model):
+def sync_gradients_gathered_counts(model, num_samples):
+    """Right, in another style: all-gather the counts, average through the group object."""
+    counts = torch.zeros(world_size(), dtype=torch.float64)
+    dist.all_gather_into_tensor(counts, torch.tensor([float(num_samples)], dtype=torch.float64))
+    share = num_samples / counts.sum().item()
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad *= share
+            dist.group.WORLD.allreduce([p.grad]).wait()
+
+
+def sync_plain_average(model, num_samples):
+    """The lecture's rule: right for equal shards only."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size()
+
+
+def sync_weighted_sum(model, num_samples):
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad *= num_samples
+            dist.all_reduce(p.grad)
+
+
+def sync_sum(model, num_samples):
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad)
 
 
-def sync_rank0_only(model):
+def sync_rank0_only(model, num_samples):
+    total = torch.tensor(float(num_samples))
+    dist.all_reduce(total)
     for p in model.parameters():
         if p.grad is not None:
+            p.grad *= num_samples
             dist.all_reduce(p.grad)
             if rank() == 0:
-                p.grad /= world_size()
+                p.grad /= total
 
 
-def sync_nothing(model):
+def sync_nothing(model, num_samples):
     pass
 
 
-def sync_no_none_check(model):
+def sync_no_none_check(model, num_samples):
     for p in model.parameters():
         dist.all_reduce(p.grad)
-        p.grad /= world_size()
+
+
+_first_total = {}
+
+
+def sync_total_of_first_step(model, num_samples):
+    """Learns the total once and keeps it; the shards change sizes every step."""
+    if "total" not in _first_total:
+        total = torch.tensor(float(num_samples))
+        dist.all_reduce(total)
+        _first_total["total"] = total
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad *= num_samples / _first_total["total"]
+            dist.all_reduce(p.grad)
+
+
+def sync_with_lecture_code(model, num_samples):
+    """Weights right, then the lecture's allreduce_gradients does the rest."""
+    total = torch.tensor(float(num_samples))
+    dist.all_reduce(total)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad *= num_samples * world_size() / total
+    lecture.allreduce_gradients(model)
+
+
+def sync_with_pasted_lecture_code(model, num_samples):
+    """Weights right, then the lecture's allreduce_gradients pasted under another name (made
+    from its source on the rank)."""
+    source = inspect.getsource(lecture.allreduce_gradients)
+    source = source.replace("def allreduce_gradients", "def average_gradients")
+    namespace = dict(vars(lecture))
+    exec(source, namespace)  # noqa: S102
+    total = torch.tensor(num_samples)
+    dist.all_reduce(total)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad *= num_samples * world_size() / total.item()
+    namespace["average_gradients"](model)
+
+
+def sync_from_the_stack(model, num_samples):
+    """A cheat: recompute the gradient from whatever samples the callers hold, without
+    communicating. They hold this rank's own samples only."""
+    frame = sys._getframe(1)
+    while frame is not None and not {"x", "y"} <= set(frame.f_locals):
+        frame = frame.f_back
+    x, y = frame.f_locals["x"], frame.f_locals["y"]
+    model.zero_grad()
+    (model(x) - y).pow(2).mean().backward()
 
 
 def not_implemented(*args, **kwargs):
     raise NotImplementedError()
 
 
-@pytest.mark.parametrize("fn", [sync_gradients, sync_gradients_flat])
+@pytest.mark.parametrize(
+    "fn", [sync_gradients, sync_gradients_flat, sync_gradients_gathered_counts]
+)
 @pytest.mark.parametrize(
     "options",
     [
         {},
         {"world_size": 1},
-        {"world_size": 3, "batch_size": 10},  # uneven shards: 4, 3, 3
+        {"world_size": 3, "batch_size": 10, "seed": 2},
         {"world_size": 2, "dtype": torch.float64, "seed": 5},
     ],
 )
-def test_sync_gradients_accepts_right_implementations(fn, options):
+def test_sync_gradients_accepts_right_implementations(fn, options, capsys):
     check_sync_gradients(fn, **options)
+    out = capsys.readouterr().out
+    assert out.startswith("check_sync_gradients: passed. Verified 4 training run(s)")
 
 
 @pytest.mark.parametrize(
     "fn, message",
     [
-        (sync_sum, "did you divide the all-reduced sum by the world size, on every rank?"),
+        (sync_plain_average, "it is the plain average of the ranks' gradients"),
+        (sync_weighted_sum, "it is sum_r n_r g_r: divide it by the total number of samples"),
+        (sync_sum, "it is the sum of the ranks' gradients"),
         (sync_rank0_only, "rank 1, step 0"),
-        (sync_nothing, "no dist.all_reduce call was seen"),
+        (sync_nothing, "no collective call was seen during the step; it is still this rank's"),
+        (sync_from_the_stack, "no collective call was seen during the step"),
         (sync_no_none_check, "raised AttributeError on rank 0"),
+        (sync_total_of_first_step, ", step 2 ("),
+        (sync_with_lecture_code, "runs course_lib.data_parallel.allreduce_gradients"),
+        (sync_with_pasted_lecture_code, "runs course_lib.data_parallel.allreduce_gradients"),
         (not_implemented, "raised NotImplementedError"),
     ],
 )
@@ -97,18 +215,60 @@ def test_sync_gradients_rejects_wrong_implementations(fn, message):
         check_sync_gradients(fn, timeout=10)
     assert str(info.value).startswith("check_sync_gradients: ")
     assert message in str(info.value)
+    assert info.value.score == 0
+    assert "bucket" not in str(info.value)  # part 1 has none
 
 
-def test_sync_gradients_failure_names_rank_step_parameter_and_tolerance():
+def test_float32_weights_fail_in_float64_with_their_own_hint():
+    check_sync_gradients(sync_weights_in_float32, world_size=2)
+    with pytest.raises(CheckFailed, match="it is right up to float32 rounding"):
+        check_sync_gradients(sync_weights_in_float32, world_size=2, dtype=torch.float64, seed=5)
+
+
+def test_sync_gradients_failure_lists_every_failing_run_with_rank_step_and_tolerance():
     with pytest.raises(CheckFailed) as info:
-        check_sync_gradients(sync_sum, models=("mlp",), optimizers=("sgd",))
+        check_sync_gradients(sync_plain_average)
     text = str(info.value)
-    assert "rank 0, step 0 (mlp model, SGD, float32, seed 0, batch of 16 on 4 ranks)" in text
-    assert "'layers.0.weight' differs: max abs error" in text
+    assert "[result] failed in 4 case(s):" in text  # mlp and probe, SGD and AdamW
+    sizes = shard_sizes(Run(), 4, 0)
+    where = "(mlp model, SGD, float32, seed 0, batches of 16 (the last 12) on 4 ranks)"
+    assert f"rank 0, step 0 {where}" in text
+    assert f"the shards here hold {sizes} samples" in text
     assert "(allowed atol=1e-06 + rtol=1e-05 * |expected|)" in text
 
 
+def test_the_default_shards_are_uneven_and_change_every_step():
+    for ranks, batch in ((4, 16), (3, 10), (2, 16)):
+        run = Run(batch_size=batch)
+        splits = [shard_sizes(run, ranks, s) for s in range(3)]
+        assert [sum(sizes) for sizes in splits] == [batch, batch, 3 * batch // 4]
+        assert all(min(sizes) >= 1 and len(set(sizes)) > 1 for sizes in splits), splits
+        assert len({tuple(sizes) for sizes in splits}) == 3, splits
+    assert shard_sizes(Run(batch_size=4, steps=1), 4, 0) == [1, 1, 1, 1]
+
+
+def test_every_rank_draws_samples_nobody_can_predict():
+    x1, _ = draw_shard(Run(), 3)
+    x2, _ = draw_shard(Run(), 3)
+    assert x1.shape == (3, 8) and not torch.equal(x1, x2)
+
+
 # --- DDP ----------------------------------------------------------------------------------
+
+
+def rule_buckets(params, cap_bytes, order="reverse", new_at=lambda size, cap: size > cap):
+    """The notebook's bucket rule, or a variant of it: lists of parameters. (Written apart
+    from the grader's `buckets`, which answers would be refused for running.)"""
+    out, size = [[]], 0
+    trainable = [p for p in params if p.requires_grad]
+    for p in reversed(trainable) if order == "reverse" else trainable:
+        n = p.numel() * p.element_size()
+        if out[-1] and new_at(size + n, cap_bytes):
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += n
+    return [b for b in out if b]
 
 
 class DDP(nn.Module):
@@ -127,11 +287,12 @@ class DDP(nn.Module):
                 p.register_post_accumulate_grad_hook(self.grad_ready)
 
     def broadcast_state(self):
-        for t in [*self.module.parameters(), *self.module.buffers()]:
-            dist.broadcast(t.data, src=0)
+        with torch.no_grad():
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                dist.broadcast(t, src=0)
 
     def make_buckets(self, bucket_cap_mb):
-        return buckets(list(self.module.parameters()), bucket_cap_mb * MB, close_at_cap=False)
+        return rule_buckets(self.module.parameters(), bucket_cap_mb * MB)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -175,9 +336,17 @@ class DDP(nn.Module):
         self.ready = [0] * len(self.buckets)
 
 
-class DDPTorchRule(nn.Module):
-    """Right, in another style: torch's bucketing rule (close a bucket once it reaches the
-    cap), one preallocated flat buffer per bucket, ReduceOp.AVG, readiness by sets."""
+class DDPGradersBuckets(DDP):
+    """Forms its buckets with the grader's own rule."""
+
+    def make_buckets(self, bucket_cap_mb):
+        return buckets(list(self.module.parameters()), bucket_cap_mb * MB)
+
+
+class DDPOtherStyle(nn.Module):
+    """Right, in another style: the same buckets, but each flat buffer preallocated and laid
+    out first-registered first, ReduceOp.AVG through a name bound at import, readiness by
+    sets, and incomplete buckets flushed last one first."""
 
     def __init__(self, module, bucket_cap_mb=25.0):
         super().__init__()
@@ -185,10 +354,9 @@ class DDPTorchRule(nn.Module):
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t, src=0)
-        params = list(module.parameters())
-        self.buckets = buckets(params, bucket_cap_mb * MB, close_at_cap=True)
-        sizes = [sum(p.numel() for p in bucket) for bucket in self.buckets]
-        self.buffers = [torch.zeros(n, dtype=params[0].dtype) for n in sizes]
+        layout = rule_buckets(module.parameters(), bucket_cap_mb * MB)
+        self.buckets = [list(reversed(bucket)) for bucket in layout]
+        self.buffers = [torch.cat([p.detach().reshape(-1) for p in b]) for b in self.buckets]
         self.waiting = [set(map(id, b)) for b in self.buckets]
         self.works = [None] * len(self.buckets)
         for i, bucket in enumerate(self.buckets):
@@ -209,11 +377,11 @@ class DDPTorchRule(nn.Module):
             view = self.buffers[i][offset : offset + p.numel()]
             view.copy_(p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(view))
             offset += p.numel()
-        self.works[i] = dist.all_reduce(self.buffers[i], op=dist.ReduceOp.AVG, async_op=True)
+        self.works[i] = prebound_all_reduce(self.buffers[i], op=dist.ReduceOp.AVG, async_op=True)
 
     def finish_gradient_synchronization(self):
-        for i, work in enumerate(self.works):
-            if work is None:
+        for i in reversed(range(len(self.buckets))):
+            if self.works[i] is None:
                 self._send(i)
         for i, bucket in enumerate(self.buckets):
             self.works[i].wait()
@@ -226,9 +394,16 @@ class DDPTorchRule(nn.Module):
         self.waiting = [set(map(id, b)) for b in self.buckets]
 
 
+class DDPGroupObject(DDP):
+    """Right: launches through the process-group object, which returns a Work at once."""
+
+    def launch(self, i):
+        flat = self.flatten(i)
+        self.pending[i] = (dist.group.WORLD.allreduce([flat]), flat)
+
+
 class TorchDDP(nn.parallel.DistributedDataParallel):
-    """A thin adapter around torch's own DDP: right numbers, but its all-reduces happen in
-    C++ where the check cannot see them."""
+    """torch's own DDP behind the assignment's interface: not the student's work."""
 
     def __init__(self, module, bucket_cap_mb=25.0):
         super().__init__(module, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=True)
@@ -255,12 +430,23 @@ class DDPNoBroadcast(DDP):
 
 class DDPParamsOnlyBroadcast(DDP):
     def broadcast_state(self):
-        for p in self.module.parameters():
-            dist.broadcast(p.data, src=0)
+        with torch.no_grad():
+            for p in self.module.parameters():
+                dist.broadcast(p, src=0)
 
 
 class DDPAllAtTheEnd(DDP):
-    """Waits for backward to end before sending anything: no overlap."""
+    """Right buckets, but all sent after backward: no overlap."""
+
+    def grad_ready(self, param):
+        pass
+
+
+class DDPOneCallAtTheEnd(DDP):
+    """One all-reduce of everything after backward: neither buckets nor overlap."""
+
+    def make_buckets(self, bucket_cap_mb):
+        return [[p for p in reversed(list(self.module.parameters())) if p.requires_grad]]
 
     def grad_ready(self, param):
         pass
@@ -271,9 +457,39 @@ class DDPPerParameter(DDP):
         return [[p] for p in reversed(list(self.module.parameters())) if p.requires_grad]
 
 
-class DDPOneBucket(DDP):
+class DDPForwardOrder(DDP):
     def make_buckets(self, bucket_cap_mb):
-        return [[p for p in reversed(list(self.module.parameters())) if p.requires_grad]]
+        return rule_buckets(self.module.parameters(), bucket_cap_mb * MB, order="forward")
+
+
+class DDPDecimalMegabyte(DDP):
+    def make_buckets(self, bucket_cap_mb):
+        return rule_buckets(self.module.parameters(), bucket_cap_mb * 1e6)
+
+
+class DDPNewBucketAtTheCap(DDP):
+    """Starts a new bucket when the next parameter would *reach* the cap (>=, not >)."""
+
+    def make_buckets(self, bucket_cap_mb):
+        at_cap = lambda size, cap: size >= cap
+        return rule_buckets(self.module.parameters(), bucket_cap_mb * MB, new_at=at_cap)
+
+
+def torch_rule_buckets(params, cap_bytes):
+    """torch's rule: add the parameter, close the bucket once it reaches the cap."""
+    out, size = [[]], 0
+    for p in reversed([p for p in params if p.requires_grad]):
+        out[-1].append(p)
+        size += p.numel() * p.element_size()
+        if size >= cap_bytes:
+            out.append([])
+            size = 0
+    return [b for b in out if b]
+
+
+class DDPTorchRule(DDP):
+    def make_buckets(self, bucket_cap_mb):
+        return torch_rule_buckets(self.module.parameters(), bucket_cap_mb * MB)
 
 
 class DDPNoWriteBack(DDP):
@@ -294,6 +510,12 @@ class DDPSynchronousInHook(DDP):
         flat = self.flatten(i)
         dist.all_reduce(flat)
         self.pending[i] = (_Done(), flat)
+
+
+class DDPWaitsInHook(DDP):
+    def launch(self, i):
+        super().launch(i)
+        self.pending[i][0].wait()
 
 
 class _Done:
@@ -330,39 +552,81 @@ class DDPBucketsFrozen(DDP):
             super().write_back(i, flat)
 
 
-def test_probe_model_has_what_the_ddp_check_needs():
-    model = ProbeModel()
-    sizes = [p.numel() for p in model.parameters()]
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    assert frozen == ["gain"] and len(set(sizes)) >= 6  # uneven sizes
-    model(torch.randn(3, 8)).sum().backward()
-    assert model.unused.weight.grad is None and model.gain.grad is None
-    assert model.inp.weight.grad is not None and len(list(model.buffers())) == 1
-    # The default cap (100 float32 elements) is smaller than the largest parameter, and the
-    # rule makes several buckets holding several parameters each.
-    layout = bucket_layout(model, 100 * 4 / MB)
-    assert layout == [
-        ["out.bias", "out.weight", "mid.bias"],
-        ["mid.weight"],
-        ["unused.weight", "inp.bias"],
-        ["inp.weight"],
-    ]
-    assert len(buckets(list(model.parameters()), 400, close_at_cap=True)) == 2
+class DDPZeroGradDoesNothing(DDP):
+    def zero_grad(self, set_to_none=True):
+        pass
 
 
-@pytest.mark.parametrize("cls", [DDP, DDPTorchRule])
+class DDPFakeBuckets(DDP):
+    """A cheat: all-reduces of zeros during backward for show, the real average in one
+    synchronous call afterwards."""
+
+    def launch(self, i):
+        flat = torch.zeros(sum(p.numel() for p in self.buckets[i]))
+        self.pending[i] = (dist.all_reduce(flat, async_op=True), flat)
+
+    def write_back(self, i, flat):
+        pass
+
+    def finish_gradient_synchronization(self):
+        super().finish_gradient_synchronization()  # waits for the show
+        self.average_for_real()
+
+    def average_for_real(self):
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= world_size()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+class DDPAveragesWithAllGather(DDPFakeBuckets):
+    """A cheat: the show all-reduces carry zeros; the gradients travel by all-gather, through
+    the group object."""
+
+    def average_for_real(self):
+        for p in self.module.parameters():
+            if p.grad is not None:
+                gathered = torch.zeros(world_size() * p.shape[0], *p.shape[1:], dtype=p.dtype)
+                dist.group.WORLD._allgather_base(gathered, p.grad.contiguous()).wait()
+                p.grad.copy_(gathered.view(world_size(), *p.shape).mean(dim=0))
+
+
+class DDPWithLectureCode(DDP):
+    """No buckets of its own: the lecture's allreduce_gradients after backward."""
+
+    def grad_ready(self, param):
+        pass
+
+    def finish_gradient_synchronization(self):
+        lecture.allreduce_gradients(self.module)
+
+
+class DDPNoCommunication(DDP):
+    """Each rank keeps its own gradients."""
+
+    def finish_gradient_synchronization(self):
+        pass
+
+
+@pytest.mark.parametrize("cls", [DDP, DDPOtherStyle, DDPGroupObject])
 @pytest.mark.parametrize(
     "options",
     [
         {},
         {"world_size": 1},
-        {"world_size": 2, "batch_size": 7, "seed": 3},  # uneven shards: 4, 3
+        {"world_size": 2, "batch_size": 7, "seed": 3},
         {"world_size": 3, "dtype": torch.float64},
         {"world_size": 2, "models": ("gpt",), "optimizers": ("sgd",), "steps": 2, "batch_size": 4},
+        {"world_size": 2, "models": ("mlp",), "bucket_cap_mb": 1024 / MB},
     ],
 )
-def test_ddp_accepts_right_implementations(cls, options):
+def test_ddp_accepts_right_implementations(cls, options, capsys):
     check_ddp(cls, **options)
+    assert capsys.readouterr().out.startswith("check_ddp: passed. Verified ")
 
 
 def test_ddp_float64_matches_to_1e10():
@@ -372,47 +636,69 @@ def test_ddp_float64_matches_to_1e10():
         check_ddp(DDPSum, dtype=torch.float64, world_size=2)
 
 
-def test_torch_ddp_adapter_is_right_but_its_reducer_is_invisible_to_the_overlap_check():
-    # Training matches (the numbers are checked before the communication), then the check
-    # says why it cannot accept torch's C++ reducer.
-    with pytest.raises(CheckFailed) as info:
-        check_ddp(TorchDDP, world_size=2)
-    assert "torch's DistributedDataParallel reduces from C++" in str(info.value)
-
-
 @pytest.mark.parametrize(
     "cls, message",
     [
         (DDPSum, "did you divide the all-reduced sum by the world size, on every rank?"),
         (DDPRank0Average, "rank 1, step 0"),
-        (DDPNoBroadcast, "broadcast rank 0's parameters and buffers at construction"),
+        (DDPNoBroadcast, "with torch.no_grad(): dist.broadcast(tensor, src=0)"),
         (DDPParamsOnlyBroadcast, "a buffer differs from rank 0's initial one: 'module.shift'"),
-        (DDPAllAtTheEnd, "no all-reduce had started when backward computed the input's"),
-        (DDPPerParameter, "7 all-reduce calls (one per parameter)"),
-        (DDPOneBucket, "1 all-reduce calls; with bucket_cap_mb="),
         (DDPNoWriteBack, "are the averaged values written back into each parameter's .grad?"),
         (DDPWaitsForEveryGradient, "'unused.weight' never gets a gradient"),
-        (DDPSynchronousInHook, "without async_op=True"),
         (DDPZeroGradForUnused, "'module.unused.weight' got no gradient in backward on any rank"),
-        (DDPBucketsFrozen, "the trainable parameters have 574 (each exactly once; frozen"),
+        (DDPBucketsFrozen, "the gradients of the trainable parameters are 2416 bytes"),
         (DDPHidesParameters, "named_parameters() gives [], expected ['module.gain', "),
+        (DDPZeroGradDoesNothing, "gradients accumulate across steps"),
+        (DDPFakeBuckets, "the all-reduces carried 4688 bytes"),
+        (DDPAveragesWithAllGather, "the step used all_gather_into_tensor"),
+        (DDPOneCallAtTheEnd, "all-reduces of [2416] bytes"),
+        (DDPNoCommunication, "it is still this rank's own gradient"),
+        (TorchDDP, "runs torch.nn.parallel.DistributedDataParallel, PyTorch's own"),
+        (DDPWithLectureCode, "runs course_lib.data_parallel.allreduce_gradients"),
+        (DDPGradersBuckets, "runs course_lib.grading.data_parallel.buckets, the course's own"),
         (not_implemented, "raised NotImplementedError"),
     ],
 )
-def test_ddp_rejects_wrong_implementations(cls, message):
+def test_ddp_gives_nothing_for_a_wrong_result_or_no_bucketed_overlap(cls, message):
     start = time.monotonic()
     with pytest.raises(CheckFailed) as info:
         check_ddp(cls, timeout=5)
     assert str(info.value).startswith("check_ddp: ")
     assert message in str(info.value)
+    assert info.value.score == 0
     assert time.monotonic() - start < 30  # the deadlock too fails within its timeout
+
+
+@pytest.mark.parametrize(
+    "cls, failed, message",
+    [
+        (DDPPerParameter, "buckets", "the rule gives 5 buckets of [48, 208, 240, 768, 1152] bytes"),
+        (DDPForwardOrder, "buckets", "Take the trainable parameters last registered first"),
+        (DDPDecimalMegabyte, "buckets", "1 MB = 2**20 bytes"),
+        (DDPNewBucketAtTheCap, "buckets", "(240 bytes) the rule gives 5 buckets"),
+        (DDPTorchRule, "buckets", "all-reduces of "),
+        (DDPAllAtTheEnd, "overlap", "were launched after backward"),
+        (DDPSynchronousInHook, "overlap", "backward waited for an all-reduce"),
+        (DDPWaitsInHook, "overlap", "backward waited for an all-reduce"),
+    ],
+)
+def test_ddp_gives_half_for_right_training_with_only_one_of_buckets_and_overlap(
+    cls, failed, message
+):
+    with pytest.raises(CheckFailed) as info:
+        check_ddp(cls)
+    text = str(info.value)
+    assert info.value.failed == {failed} and info.value.score == 0.5, text
+    assert message in text
+    assert f"{failed} failed (50%)" in text and "Partial credit: " in text
+    assert "50% of this part's points" in text
 
 
 def test_ddp_missing_broadcast_names_rank_and_parameter():
     with pytest.raises(CheckFailed) as info:
         check_ddp(DDPNoBroadcast, world_size=2)
     text = str(info.value)
-    assert "rank 1 (probe model, SGD, float32, seed 0, batch of 16 on 2 ranks)" in text
+    assert "rank 1 (probe model, SGD, float32, seed 0, batches of 16 (the last 12) on 2" in text
     assert "a parameter differs from rank 0's initial one: 'module.gain' differs" in text
 
 
@@ -420,7 +706,8 @@ def test_ddp_failure_on_gradients_names_step_and_tolerance():
     with pytest.raises(CheckFailed) as info:
         check_ddp(DDPSum, models=("mlp",), optimizers=("adamw",), world_size=2)
     text = str(info.value)
-    assert "rank 0, step 0 (mlp model, AdamW, float32, seed 0, batch of 16 on 2 ranks)" in text
+    where = "(mlp model, AdamW, float32, seed 0, batches of 16 (the last 12) on 2 ranks)"
+    assert f"rank 0, step 0 {where}" in text
     assert "the gradient after finish_gradient_synchronization differs" in text
     assert "(allowed atol=1e-06 + rtol=1e-05 * |expected|)" in text
 
@@ -434,3 +721,98 @@ def test_bad_arguments_are_refused_before_anything_runs():
         check_sync_gradients(sync_gradients, optimizers=("adam",))
     with pytest.raises(ValueError, match="dtype must be"):
         check_sync_gradients(sync_gradients, dtype=torch.float16)
+
+
+# --- the bucket rule and the probe model --------------------------------------------------
+
+
+def _sizes(groups):
+    return Counter(sum(p.numel() * p.element_size() for p in b) for b in groups)
+
+
+def test_probe_model_has_what_the_ddp_check_needs():
+    model = ProbeModel()
+    sizes = [p.numel() for p in model.parameters()]
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == ["gain"] and len(set(sizes)) >= 6  # uneven sizes
+    model(torch.randn(3, 8)).sum().backward()
+    assert model.unused.weight.grad is None and model.gain.grad is None
+    assert model.inp.weight.grad is not None and len(list(model.buffers())) == 1
+    cap = BUCKET_ELEMENTS["probe"] * 4  # bytes, float32
+    layout = bucket_layout(model, cap / MB)
+    assert layout == [
+        ["out.bias", "out.weight"],
+        ["mid.bias"],
+        ["mid.weight"],
+        ["unused.weight", "inp.bias"],  # 240 bytes: fills the cap exactly
+        ["inp.weight"],
+    ]
+
+
+def test_the_default_probe_cap_tells_every_other_bucket_rule_apart():
+    """The visible test catches the rules the notebook excludes: forward order, 1 MB =
+    10^6 bytes, a new bucket at the cap (>=) and torch's close-once-reached rule."""
+    params = list(ProbeModel().parameters())
+    cap = BUCKET_ELEMENTS["probe"] * 4
+    right = _sizes(buckets(params, cap))
+    assert right == _sizes(rule_buckets(params, cap))
+    variants = {
+        "forward": _sizes(rule_buckets(params, cap, order="forward")),
+        "1e6": _sizes(rule_buckets(params, cap * 10**6 / MB)),
+        ">=": _sizes(rule_buckets(params, cap, new_at=lambda size, cap: size >= cap)),
+        "torch": _sizes(torch_rule_buckets(params, cap)),
+    }
+    assert all(v != right for v in variants.values()), variants
+
+
+# --- AllReduceLog -------------------------------------------------------------------------
+
+
+def _every_route_logged():
+    from torch.distributed import all_reduce
+
+    with AllReduceLog() as log:
+        log.phase = "a"
+        all_reduce(torch.ones(3))  # a name bound before the log: synchronous
+        log.phase = "b"
+        dist.group.WORLD.allreduce([torch.ones(5)]).wait()  # the group object
+        log.phase = "c"
+        dist.all_reduce(torch.ones(2, dtype=torch.float64), async_op=True).wait()
+        dist.broadcast(torch.ones(1), src=0)
+        model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))  # C++ reducer
+        model(torch.ones(1, 2)).sum().backward()
+    restored = dist.Work.wait is log._saved[0][1]
+    calls = [[c.nbytes, c.async_op, c.phase] for c in log.calls]
+    others = [list(other) for other in log.others]
+    return {"calls": calls, "waits": log.waits, "others": others, "restored": restored}
+
+
+def test_all_reduce_log_sees_every_route_and_every_wait_on_grading_ranks():
+    result = grading_pool(2).launch(_every_route_logged, timeout=60)[0]
+    # The pre-bound all_reduce is seen at the process group, which hands torch's function a
+    # Work to wait for: it looks async there, but its wait is logged.
+    assert result["calls"][:3] == [[12, True, "a"], [20, True, "b"], [16, True, "c"]]
+    assert len(result["calls"]) >= 4  # and DDP's bucket, reduced from C++
+    assert result["waits"][:3] == ["a", "b", "c"]
+    assert ["broadcast", "c"] in result["others"]
+    assert result["restored"]
+
+
+# --- provenance ---------------------------------------------------------------------------
+
+
+def test_provenance_refuses_the_real_thing_but_not_idioms_or_context_managers():
+    model = nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    with Provenance(FORBIDDEN["ddp"]) as seen:
+        grads = [p.grad for p in model.parameters()]  # as in the lecture's `gradients`
+        torch.cat([g.reshape(-1) for g in grads])  # as in its `flat_gradients`
+        with torch.random.fork_rng(devices=[]):  # torch's DDP has @contextmanager methods
+            pass
+    assert seen.complaint() is None, seen.hits
+    with Provenance(FORBIDDEN["ddp"]) as seen:
+        lecture.flat_gradients(model)
+    assert "runs course_lib.data_parallel.flat_gradients" in seen.complaint()
+    with Provenance(FORBIDDEN["ddp"]) as seen:
+        buckets(list(model.parameters()), 100)
+    assert "course_lib.grading.data_parallel.buckets" in seen.complaint()

@@ -151,11 +151,14 @@ class Verdict:
             lines += [f"  - {m}" for m in shown]
             if more:
                 lines.append(f"  ... and {more} more")
-        if len(self.weights) > 1:
+        if len(self.weights) > 1 and RESULT in failed:
+            lines.append(f"No points for this part: its {RESULT} must be right first.")
+        elif len(self.weights) > 1:
             earned = share(self.weights, failed)
             parts = ", ".join(
                 f"{prop} {'failed' if prop in failed else 'passed'} ({w:.0%})"
                 for prop, w in self.weights.items()
+                if w  # a gate (weight 0) passed, or we would not be here
             )
             lines.append(f"Partial credit: {parts}: {earned:.0%} of this part's points.")
         raise CheckFailed(f"{self.check}: " + "\n".join(lines), weights=self.weights, failed=failed)

@@ -181,6 +181,7 @@ class GradeInSandbox(Execute):
             cell.metadata["course_lib"] = {
                 "score": verdict.get("score", 0),
                 "tampering": verdict.get("tampering", []),
+                "seconds": verdict.get("seconds"),
             }
             for what in verdict.get("tampering", []):
                 self.log.warning("TAMPERING in test cell %s: %s", cell_id, what)

@@ -24,6 +24,7 @@ import ctypes
 import io
 import json
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ class CellVerdict:
     errors: list[dict] = field(default_factory=list)  # {"ename", "evalue"}
     tampering: list[str] = field(default_factory=list)
     output: str = ""
+    seconds: float = 0.0  # how long the cell took to judge
 
     @property
     def score(self) -> float:
@@ -118,7 +120,7 @@ def _run_test(cell: dict, namespace: dict, rebound: dict[str, str]) -> CellVerdi
         verdict.tampering.append(
             f"answer cell {rebound[name]!r} rebinds {name}, which this test uses"
         )
-    captured = io.StringIO()
+    captured, start = io.StringIO(), time.perf_counter()
     with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
         for statement in tree.body:
             code = compile(ast.Module([statement], []), f"<cell {cell['id']}>", "exec")
@@ -136,6 +138,7 @@ def _run_test(cell: dict, namespace: dict, rebound: dict[str, str]) -> CellVerdi
                 verdict.errors.append({"ename": type(error).__name__, "evalue": str(error)})
                 print("".join(traceback.format_exception_only(type(error), error)), end="")
     verdict.output = captured.getvalue()
+    verdict.seconds = time.perf_counter() - start
     return verdict
 
 
@@ -154,7 +157,13 @@ def main() -> None:
     # One line per test cell as soon as it is graded: if the sandbox is stopped later (a
     # limit reached), the cells graded so far keep their scores.
     for v in grade(request["cells"]):
-        line = {"id": v.id, "score": v.score, "outputs": v.outputs(), "tampering": v.tampering}
+        line = {
+            "id": v.id,
+            "score": v.score,
+            "outputs": v.outputs(),
+            "tampering": v.tampering,
+            "seconds": round(v.seconds, 3),
+        }
         sys.stdout.write("\n" + token + json.dumps(line) + "\n")
         sys.stdout.flush()
     close_pool()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dis
 import importlib
+import inspect
 import sys
 import threading
 import types
@@ -70,15 +71,16 @@ class Provenance:
         self.names: dict[tuple, str] = {}
         for dotted in forbidden:
             target = _resolve(dotted)
-            functions = [target]
-            if isinstance(target, type):  # a class: every method it defines
-                functions = [
-                    getattr(v, "__func__", v) for v in vars(target).values() if callable(v)
-                ]
-            for fn in functions:
+            members = vars(target).values() if isinstance(target, type) else [target]
+            for member in members:
+                # A decorated function is known by its own code, not its decorator's (the
+                # wrapper of @contextmanager is the code of every context manager).
+                fn = inspect.unwrap(getattr(member, "__func__", member))
                 code = getattr(fn, "__code__", None)
-                if code is not None:
-                    for inner in _codes(code):
+                for inner in _codes(code) if code is not None else ():
+                    # Comprehensions and lambdas are idioms anyone writes
+                    # (`[g.reshape(-1) for g in grads]`), not a copy of the function.
+                    if not inner.co_name.startswith("<"):
                         self.names[_signature(inner)] = dotted
         self.hits: list[str] = []
         self.switched_off = False
@@ -108,6 +110,11 @@ class Provenance:
 
     def complaint(self) -> str | None:
         """What to tell the student, or None if the answer is their own."""
+        if self.hits and not any(hit.startswith("course_lib.") for hit in self.hits):
+            return (
+                f"your answer runs {', '.join(self.hits)}, PyTorch's own implementation; the "
+                "part asks for your code (subclassing, wrapping or pasting it does not count)"
+            )
         if self.hits:
             return (
                 f"your answer runs {', '.join(self.hits)}, the course's own implementation; the "
