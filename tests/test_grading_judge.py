@@ -159,6 +159,17 @@ def test_a_wrong_answer_scores_zero_with_the_checks_message():
     assert verdict.outputs()[-1]["ename"] == "CheckFailed"
 
 
+def test_a_failed_result_ends_the_test_cell_as_in_a_notebook():
+    """Later statements cannot change a 0, so the judge does not wait for them (a deadlocked
+    answer would otherwise time out once per check in the cell)."""
+    wrong = BROADCAST.replace("dist.recv(tensor, src=src)", "pass")
+    test = TEST + "\nprint('the next statement ran')\n"
+    (verdict,) = list(judge.grade(cells(wrong, test)))
+    assert verdict.score == 0 and "the next statement ran" not in verdict.output
+    (verdict,) = list(judge.grade(cells(BROADCAST, test)))
+    assert verdict.score == 2 and "the next statement ran" in verdict.output
+
+
 # --- untrusted ranks ------------------------------------------------------------------------
 
 

@@ -241,7 +241,7 @@ def run_on_ranks(
         fail(
             check,
             f"{what} did not finish within {timeout:g} s; is a rank waiting for a "
-            f"message that never comes?\n\n{error}",
+            f"message that never comes?\n\n{student_frames(str(error))}",
         )
     except WorkerDied as error:
         fail(check, f"{what} killed its process: {error}")

@@ -7,7 +7,9 @@ set-up cell), "answer" (a student's answer cell) and "test" (the instructor's te
 hidden tests included). This process imports the checks, runs the set-up cells, binds each
 name the answer cells define to an `Answer` (their source code, which only the grading
 ranks execute), then runs every test cell statement by statement and turns what the checks
-report into the cell's outputs and score. Student code never runs here, so it cannot rebind
+report into the cell's outputs and score. A statement that fails a part's result ends the
+cell, as in a notebook; a partial failure (bytes, say) lets the next checks run, since they
+may find more to deduct. Student code never runs here, so it cannot rebind
 a check, patch the judging code or fake a result: the ranks send back data only, and a rank
 whose libraries were changed fails the part (`course_lib._integrity`).
 
@@ -133,10 +135,13 @@ def _run_test(cell: dict, namespace: dict, rebound: dict[str, str]) -> CellVerdi
                 verdict.weights = error.weights if len(error.weights) > 1 else verdict.weights
                 verdict.errors.append({"ename": "CheckFailed", "evalue": str(error)})
                 print(f"CheckFailed: {error}")
+                if RESULT in error.failed:
+                    break  # the part scores 0: later checks cannot change that (a cell stops)
             except Exception as error:  # noqa: BLE001 (reported in the cell, scores 0)
                 verdict.failed.add(RESULT)
                 verdict.errors.append({"ename": type(error).__name__, "evalue": str(error)})
                 print("".join(traceback.format_exception_only(type(error), error)), end="")
+                break
     verdict.output = captured.getvalue()
     verdict.seconds = time.perf_counter() - start
     return verdict
