@@ -10,9 +10,10 @@ A module defines
     CHEATS = [Cheat(...), ...]          # must score 0 on `fails`
     ALTERNATIVES = [Alternative(...)]   # right answers the notebook allows: full marks
 
-Cheats that change only their own answer cell are graded together in one notebook (they
-target different parts); a cheat with `alone=True` (one that changes shared state, such as
-rebinding a check or patching a module) gets a notebook of its own.
+Cheats and alternatives that change only their own answer cell are graded together in one
+notebook when they rewrite different cells (a notebook takes ~15 s to grade); a cheat with
+`alone=True` (one that changes shared state, such as rebinding a check or patching a module)
+gets a notebook of its own.
 """
 
 from __future__ import annotations
@@ -57,11 +58,13 @@ def load(assignment: str) -> tuple[list[Cheat], list[Alternative]]:
     return list(getattr(module, "CHEATS", [])), list(getattr(module, "ALTERNATIVES", []))
 
 
-def groups(items: list) -> list[list]:
-    """Items in as few notebooks as possible: never two rewriting the same cell in one, and a
-    cheat marked `alone` in a notebook of its own."""
+def groups(cheats: list[Cheat], alternatives: list[Alternative] = ()) -> list[list]:
+    """Cheats and alternatives in as few notebooks as possible: never two rewriting the same
+    cell in one, and a cheat marked `alone` in a notebook of its own. An alternative may share
+    a notebook with cheats on other cells: the parts the cheats do not target, its own among
+    them, must keep full marks there anyway."""
     out: list[list] = []
-    for item in items:
+    for item in [*cheats, *alternatives]:
         if getattr(item, "alone", False):
             out.append([item])
             continue
@@ -84,10 +87,13 @@ def planted(nb: nbformat.NotebookNode, items: list) -> nbformat.NotebookNode:
 
 
 def students(assignment: str) -> dict[str, list]:
-    """Student id -> the cheats (or alternatives) planted in that student's notebook."""
-    cheats, alternatives = load(assignment)
-    found = {f"cheater{i}": group for i, group in enumerate(groups(cheats), 1)}
-    found.update({f"alternative{i}": g for i, g in enumerate(groups(alternatives), 1)})
+    """Student id -> the cheats and alternatives planted in that student's notebook:
+    "cheater<i>" if it holds a cheat, "alternative<i>" if only alternatives."""
+    found, counts = {}, {"cheater": 0, "alternative": 0}
+    for group in groups(*load(assignment)):
+        kind = "cheater" if any(isinstance(item, Cheat) for item in group) else "alternative"
+        counts[kind] += 1
+        found[f"{kind}{counts[kind]}"] = group
     return found
 
 
