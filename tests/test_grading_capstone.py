@@ -17,7 +17,7 @@ from course_lib import data, models
 from course_lib import tensor_parallel as tpl
 from course_lib.grading import CheckFailed, check_2d_training, check_process_grid
 from course_lib.grading.capstone import (
-    expected_grid,
+    _partners,
     formula,
     gather_dense,
     measure_configuration,
@@ -297,10 +297,10 @@ def not_implemented(*args, **kwargs):
 # --- the grid -----------------------------------------------------------------------------
 
 
-def test_expected_grid_is_picotrons_layout():
+def test_the_grid_rule_is_picotrons_layout():
     # TP innermost: [dp][tp] grid of ranks, as picotron's process-group manager builds it.
-    assert expected_grid(8, 2) == ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]])
-    assert expected_grid(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+    assert [_partners(8, 2, r) for r in (0, 5)] == [((0, 1), (0, 2, 4, 6)), ((4, 5), (1, 3, 5, 7))]
+    assert _partners(4, 4, 2) == ((0, 1, 2, 3), (2,))
 
 
 def test_process_grid_accepts_a_right_implementation():

@@ -39,7 +39,7 @@ from torch import nn
 
 from course_lib import comm, compare, data, models
 from course_lib.comm import CommCounter
-from course_lib.grading._harness import fail, reject_lecture_code, run_on_ranks
+from course_lib.grading._harness import fail, run_on_ranks
 from course_lib.grading.data_parallel import SGD_LR, make_optimizer
 from course_lib.launch import launch
 from course_lib.memory import storage_bytes
@@ -90,14 +90,15 @@ def gather_dense(shards: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Te
     return out
 
 
-def expected_grid(world: int, tp_size: int) -> tuple[list[list[int]], list[list[int]]]:
-    """The reference grid: TP groups of consecutive ranks, DP groups strided by tp_size."""
-    tp = [list(range(start, start + tp_size)) for start in range(0, world, tp_size)]
-    dp = [list(range(first, world, tp_size)) for first in range(tp_size)]
+def _partners(world: int, tp_size: int, r: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Rank r's TP partners (the ranks of its block of tp_size consecutive ranks) and DP
+    partners (the ranks at its position in every block), as the grid's rule defines them."""
+    tp = tuple(s for s in range(world) if s // tp_size == r // tp_size)
+    dp = tuple(s for s in range(world) if s % tp_size == r % tp_size)
     return tp, dp
 
 
-# --- check_process_grid (one process) ------------------------------------------------------
+# --- check_process_grid (on one rank) ------------------------------------------------------
 
 GRID_CASES = ((4, 2), (4, 1), (4, 4), (8, 2), (8, 4), (6, 3), (1, 1))
 
@@ -106,28 +107,53 @@ def _as_sets(groups) -> set[frozenset[int]]:
     return {frozenset(int(r) for r in g) for g in groups}
 
 
+def _grids_on_rank(process_grid: Callable, cases: list[tuple[int, int]]) -> list[dict]:
+    """Call the student's process_grid on each case; what happened, as plain data."""
+    out = []
+    for world, tp in cases:
+        try:
+            result = process_grid(world, tp)
+        except Exception as error:  # noqa: BLE001 (reported to the student)
+            out.append({"raised": type(error).__name__, "message": str(error)})
+            continue
+        try:
+            tp_groups, dp_groups = result
+            groups = [[[int(r) for r in g] for g in gs] for gs in (tp_groups, dp_groups)]
+            out.append({"groups": groups})
+        except (TypeError, ValueError):
+            out.append({"returned": repr(result)[:200]})
+    return out
+
+
 def check_process_grid(
     process_grid: Callable[[int, int], tuple], cases: tuple = GRID_CASES
 ) -> None:
     """`process_grid(world_size, tp_size)` returns (tp_groups, dp_groups) as lists of rank
     lists: TP groups are blocks of consecutive ranks, DP groups take one rank of each block.
-    A tp_size that does not divide world_size raises ValueError."""
+    A tp_size that does not divide world_size raises ValueError. (The student's function
+    runs on a grading rank, like every answer.)"""
     __tracebackhide__ = True
     check = "check_process_grid"
-    reject_lecture_code(check, process_grid)
-    for world, tp in cases:
+    bad = ((4, 3), (6, 4))
+    (outcomes,) = run_on_ranks(
+        check,
+        _grids_on_rank,
+        process_grid,
+        [*cases, *bad],
+        world_size=1,
+        timeout=30,
+        what="your process_grid",
+    )
+    for (world, tp), outcome in zip(cases, outcomes, strict=False):
         call = f"process_grid({world}, {tp})"
-        try:
-            result = process_grid(world, tp)
-        except Exception as error:  # noqa: BLE001 (reported to the student)
-            fail(check, f"{call} raised {type(error).__name__}: {error}")
-        try:
-            tp_groups, dp_groups = result
-            got_tp, got_dp = _as_sets(tp_groups), _as_sets(dp_groups)
-        except (TypeError, ValueError):
-            fail(check, f"{call} returned {result!r}; expected (tp_groups, dp_groups)")
-        grid = expected_grid(world, tp)
-        want_tp, want_dp = _as_sets(grid[0]), _as_sets(grid[1])
+        if "raised" in outcome:
+            fail(check, f"{call} raised {outcome['raised']}: {outcome['message']}")
+        if "returned" in outcome:
+            fail(check, f"{call} returned {outcome['returned']}; expected (tp_groups, dp_groups)")
+        tp_groups, dp_groups = outcome["groups"]
+        got_tp, got_dp = _as_sets(tp_groups), _as_sets(dp_groups)
+        want = [_partners(world, tp, r) for r in range(world)]
+        want_tp, want_dp = _as_sets(w[0] for w in want), _as_sets(w[1] for w in want)
         if got_tp == want_dp and got_dp == want_tp and got_tp != want_tp:
             fail(
                 check,
@@ -138,35 +164,34 @@ def check_process_grid(
         if got_tp != want_tp:
             fail(
                 check,
-                f"{call}: TP groups {_show(tp_groups)}, expected {grid[0]}"
-                " (blocks of tp_size consecutive ranks)",
+                f"{call}: TP groups {_show(tp_groups)}, expected {_show(want_tp)} (blocks "
+                "of tp_size consecutive ranks)",
             )
         if got_dp != want_dp:
             fail(
                 check,
-                f"{call}: DP groups {_show(dp_groups)}, expected {grid[1]}"
-                " (the ranks with the same position in each TP group)",
+                f"{call}: DP groups {_show(dp_groups)}, expected {_show(want_dp)} (the "
+                "ranks with the same position in each TP group)",
             )
-    for world, tp in ((4, 3), (6, 4)):
-        try:
-            result = process_grid(world, tp)
-        except ValueError:
+    for (world, tp), outcome in zip(bad, outcomes[len(cases) :], strict=True):
+        if outcome.get("raised") == "ValueError":
             continue
-        except Exception as error:  # noqa: BLE001
+        if "raised" in outcome:
             fail(
                 check,
-                f"process_grid({world}, {tp}) raised {type(error).__name__}: {error}; "
-                "raise ValueError when tp_size does not divide world_size",
+                f"process_grid({world}, {tp}) raised {outcome['raised']}: "
+                f"{outcome['message']}; raise ValueError when tp_size does not divide world_size",
             )
+        returned = outcome.get("returned") or outcome["groups"]
         fail(
             check,
-            f"process_grid({world}, {tp}) returned {result!r}, but {tp} does not divide "
+            f"process_grid({world}, {tp}) returned {returned}, but {tp} does not divide "
             f"{world}: raise ValueError saying so",
         )
 
 
 def _show(groups) -> str:
-    return str([sorted(int(r) for r in g) for g in groups])
+    return str(sorted(sorted(int(r) for r in g) for g in groups))
 
 
 # --- recording collectives with their groups -----------------------------------------------
@@ -278,7 +303,8 @@ def _train_on_rank(make_groups, model_2d, train_step, run: Run2D) -> dict:
             log.phase = "step"
             train_step(model, optimizer, x, y, dp_group)
             seen, inputs[:] = list(inputs), []
-            steps.append({"params": _snapshot(model), "seen": seen, "calls": log.take()})
+            calls = [vars(call) for call in log.take()]  # plain data for the trip back
+            steps.append({"params": _snapshot(model), "seen": seen, "calls": calls})
     return {"groups": groups, "initial": initial, "steps": steps}
 
 
@@ -302,11 +328,9 @@ def _reference(run: Run2D) -> dict:
 def _check_groups(check: str, run: Run2D, results: list[dict], where: str) -> None:
     __tracebackhide__ = True
     world = len(results)
-    tp_groups, dp_groups = expected_grid(world, run.tp_size)
     for r, result in enumerate(results):
-        want_tp = tuple(next(g for g in tp_groups if r in g))
-        want_dp = tuple(next(g for g in dp_groups if r in g))
-        got = result["groups"]
+        want_tp, want_dp = _partners(world, run.tp_size, r)
+        got = {kind: tuple(ranks) for kind, ranks in result["groups"].items()}
         if (got["tp"], got["dp"]) == (want_dp, want_tp) and want_tp != want_dp:
             fail(
                 check,
@@ -319,7 +343,7 @@ def _check_groups(check: str, run: Run2D, results: list[dict], where: str) -> No
                 fail(
                     check,
                     f"rank {r} ({where}): make_groups returned a {kind} group of ranks "
-                    f"{list(got[kind.lower()])}, expected {list(want)} (from process_grid)",
+                    f"{list(got[kind.lower()])}, expected {list(want)} (as process_grid)",
                 )
 
 
@@ -371,10 +395,8 @@ def _check_collectives(check: str, run: Run2D, results: list[dict], where: str) 
     """Forward talks only in the TP group; nothing talks outside the TP and DP groups."""
     __tracebackhide__ = True
     world = len(results)
-    tp_groups, dp_groups = expected_grid(world, run.tp_size)
     for r, result in enumerate(results):
-        want_tp = tuple(next(g for g in tp_groups if r in g))
-        want_dp = tuple(next(g for g in dp_groups if r in g))
+        want_tp, want_dp = _partners(world, run.tp_size, r)
         for s, step in enumerate(result["steps"]):
             at = f"rank {r}, step {s} ({where})"
             for call in step["calls"]:
@@ -516,6 +538,9 @@ def check_2d_training(
         timeout=timeout,
         what="your make_groups, GPT2D and train_step",
     )
+    for result in results:
+        for step in result["steps"]:
+            step["calls"] = [Collective(**{**c, "ranks": tuple(c["ranks"])}) for c in step["calls"]]
     where = run.describe(world_size)
     _check_groups(check, run, results, where)
     _check_batches(check, run, results, where)
@@ -639,7 +664,6 @@ __all__ = [
     "check_2d_training",
     "check_process_grid",
     "configuration_table",
-    "expected_grid",
     "formula",
     "gather_dense",
     "measure_configuration",
