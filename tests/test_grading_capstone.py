@@ -280,6 +280,18 @@ def train_step_same_batch(model, optimizer, x, y, dp_group):
     optimizer.step()
 
 
+def train_step_whole_batch_unseen(model, optimizer, x, y, dp_group):
+    """Shows the model its shard, then trains every rank on the whole batch by calling
+    forward directly (the check's hooks skipped): no DP all-reduce needed, if the whole
+    batch were real."""
+    shard_of = (dist.get_rank(dp_group), dist.get_world_size(dp_group))
+    with torch.no_grad():
+        model(data.shard(x, *shard_of))
+    optimizer.zero_grad()
+    models.lm_loss(type(model).forward(model, x), y).backward()
+    optimizer.step()
+
+
 def train_step_global_rank_shard(model, optimizer, x, y, dp_group):
     optimizer.zero_grad()
     xs, ys = data.shard(x, rank(), world_size()), data.shard(y, rank(), world_size())
@@ -292,6 +304,24 @@ def train_step_global_rank_shard(model, optimizer, x, y, dp_group):
 
 def not_implemented(*args, **kwargs):
     raise NotImplementedError()
+
+
+def process_grid_from_planner(world, tp):
+    """Right, but lecture 10's ProcessGrid does the work."""
+    from course_lib.planner import ProcessGrid
+
+    if world % tp:
+        raise ValueError("tp_size must divide world_size")
+    grid = ProcessGrid(tp, 1, world // tp)
+    return grid.groups("tp"), grid.groups("dp")
+
+
+def make_groups_from_planner(tp_size):
+    """Right, but lecture 10's new_groups does the work."""
+    from course_lib.planner import ProcessGrid, new_groups
+
+    mine = new_groups(ProcessGrid(tp_size, 1, world_size() // tp_size))
+    return mine["tp"], mine["dp"]
 
 
 # --- the grid -----------------------------------------------------------------------------
@@ -321,6 +351,12 @@ def test_process_grid_rejects_wrong_implementations(fn, message):
         check_process_grid(fn)
     assert str(info.value).startswith("check_process_grid: ")
     assert message in str(info.value)
+
+
+def test_process_grid_refuses_the_planners_grid():
+    with pytest.raises(CheckFailed) as info:
+        check_process_grid(process_grid_from_planner)
+    assert "course_lib.planner.ProcessGrid, the course's own implementation" in str(info.value)
 
 
 def test_process_grid_names_wrong_tp_groups():
@@ -404,8 +440,9 @@ def test_2d_training_accepts_right_implementations(impl, options):
             "the update is 2 (the DP size) times the full-batch one",
         ),
         ((make_groups, GPT2D, train_step_no_sync), "the update uses this DP rank's own"),
-        ((make_groups, GPT2D, train_step_same_batch), "every rank's model saw the same batch"),
+        ((make_groups, GPT2D, train_step_same_batch), "every rank's model saw the whole batch"),
         ((make_groups, GPT2D, train_step_global_rank_shard), "form a TP group but their"),
+        ((make_groups, GPT2D, train_step_whole_batch_unseen), "after train_step, "),
         (
             (make_groups, GPT2DNoRowReduce, train_step),
             "forward made 0 collective calls in the TP group",
@@ -416,6 +453,7 @@ def test_2d_training_accepts_right_implementations(impl, options):
         ),
         ((make_groups, GPT2DRenamed, train_step), "right after GPT2D(...), parameter names"),
         ((not_implemented, GPT2D, train_step), "raised NotImplementedError on rank 0"),
+        ((make_groups_from_planner, GPT2D, train_step), "course_lib.planner.new_groups"),
     ],
 )
 def test_2d_training_rejects_wrong_implementations(impl, message):

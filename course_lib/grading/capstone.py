@@ -30,6 +30,7 @@ configuration, measured and by formula, for the notebook.
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ from course_lib import comm, compare, data, models
 from course_lib.comm import CommCounter
 from course_lib.grading._harness import fail, run_on_ranks
 from course_lib.grading.data_parallel import SGD_LR, make_optimizer
+from course_lib.grading.provenance import Provenance
 from course_lib.launch import launch
 from course_lib.memory import storage_bytes
 from course_lib.runtime import world_size
@@ -107,22 +109,28 @@ def _as_sets(groups) -> set[frozenset[int]]:
     return {frozenset(int(r) for r in g) for g in groups}
 
 
-def _grids_on_rank(process_grid: Callable, cases: list[tuple[int, int]]) -> list[dict]:
+# Lecture 10's planner builds the same grid (ProcessGrid) and its groups (new_groups): an
+# answer that runs them, or a copy, is not the student's own.
+PLANNER = ("course_lib.planner.ProcessGrid", "course_lib.planner.new_groups")
+
+
+def _grids_on_rank(process_grid: Callable, cases: list[tuple[int, int]]) -> dict:
     """Call the student's process_grid on each case; what happened, as plain data."""
-    out = []
-    for world, tp in cases:
-        try:
-            result = process_grid(world, tp)
-        except Exception as error:  # noqa: BLE001 (reported to the student)
-            out.append({"raised": type(error).__name__, "message": str(error)})
-            continue
-        try:
-            tp_groups, dp_groups = result
-            groups = [[[int(r) for r in g] for g in gs] for gs in (tp_groups, dp_groups)]
-            out.append({"groups": groups})
-        except (TypeError, ValueError):
-            out.append({"returned": repr(result)[:200]})
-    return out
+    with Provenance(PLANNER) as seen:
+        outcomes = [_grid_outcome(process_grid, world, tp) for world, tp in cases]
+    return {"outcomes": outcomes, "copied": seen.complaint()}
+
+
+def _grid_outcome(process_grid: Callable, world: int, tp: int) -> dict:
+    try:
+        result = process_grid(world, tp)
+    except Exception as error:  # noqa: BLE001 (reported to the student)
+        return {"raised": type(error).__name__, "message": str(error)}
+    try:
+        tp_groups, dp_groups = result
+        return {"groups": [[[int(r) for r in g] for g in gs] for gs in (tp_groups, dp_groups)]}
+    except (TypeError, ValueError):
+        return {"returned": repr(result)[:200]}
 
 
 def check_process_grid(
@@ -135,7 +143,7 @@ def check_process_grid(
     __tracebackhide__ = True
     check = "check_process_grid"
     bad = ((4, 3), (6, 4))
-    (outcomes,) = run_on_ranks(
+    (found,) = run_on_ranks(
         check,
         _grids_on_rank,
         process_grid,
@@ -144,6 +152,9 @@ def check_process_grid(
         timeout=30,
         what="your process_grid",
     )
+    if found["copied"]:
+        fail(check, found["copied"])
+    outcomes = found["outcomes"]
     for (world, tp), outcome in zip(cases, outcomes, strict=False):
         call = f"process_grid({world}, {tp})"
         if "raised" in outcome:
@@ -289,9 +300,35 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def _secret_batches(run: Run2D) -> list[dict]:
+    """This rank's global batches: its DP replica's shard is real, drawn from a secret that
+    only its TP partners share; the other replicas' rows are noise drawn by this rank alone.
+    Right code trains on its shard only and never notices; code that trains every rank on
+    the whole batch, to skip the DP all-reduce, trains on noise."""
+    world, me, tp = dist.get_world_size(), dist.get_rank(), run.tp_size
+    dp, first = world // tp, me - me % tp
+    mine = None
+    for start in range(0, world, tp):  # the check's own TP groups; every rank makes each one
+        group = dist.new_group(list(range(start, start + tp)))
+        mine = group if start == first else mine
+    seed = torch.tensor([secrets.randbits(62)])
+    dist.broadcast(seed, src=first, group=mine)
+    n, c = run.batch_size // dp, CONFIG
+    rows = slice((me // tp) * n, (me // tp + 1) * n)
+    out = []
+    for s in range(run.steps):
+        xs, ys = data.tokens(n, c.seq_len, c.vocab_size, seed=int(seed) + s)
+        x, y = data.tokens(run.batch_size, c.seq_len, c.vocab_size, seed=secrets.randbits(62))
+        x[rows], y[rows] = xs, ys
+        out.append({"x": x, "y": y, "shard": (xs, ys)})
+    return out
+
+
 def _train_on_rank(make_groups, model_2d, train_step, run: Run2D) -> dict:
     """Train with the student's code on this rank; record groups, inputs, calls, params."""
-    tp_group, dp_group = make_groups(run.tp_size)
+    batches = _secret_batches(run)
+    with Provenance(PLANNER) as origin:
+        tp_group, dp_group = make_groups(run.tp_size)
     groups = {"tp": group_ranks(tp_group), "dp": group_ranks(dp_group)}
     model = model_2d(models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE), tp_group, dp_group)
     initial = _snapshot(model)
@@ -299,21 +336,38 @@ def _train_on_rank(make_groups, model_2d, train_step, run: Run2D) -> dict:
     steps, inputs = [], []
     with CollectiveLog() as log:
         watch_model(model, log, inputs)
-        for x, y in run.batches():
+        for batch in batches:
             log.phase = "step"
-            train_step(model, optimizer, x, y, dp_group)
+            train_step(model, optimizer, batch["x"], batch["y"], dp_group)
             seen, inputs[:] = list(inputs), []
             calls = [vars(call) for call in log.take()]  # plain data for the trip back
             steps.append({"params": _snapshot(model), "seen": seen, "calls": calls})
-    return {"groups": groups, "initial": initial, "steps": steps}
+    return {
+        "groups": groups,
+        "initial": initial,
+        "steps": steps,
+        "shards": [batch["shard"] for batch in batches],
+        "copied": origin.complaint(),
+    }
 
 
-def _reference(run: Run2D) -> dict:
+def _global_batches(run: Run2D, results: list[dict]) -> list[tuple[torch.Tensor, ...]]:
+    """The real global batches: every DP replica's shard, in DP order (from the first rank
+    of each TP group)."""
+    tp = run.tp_size
+    replicas = [results[first]["shards"] for first in range(0, len(results), tp)]
+    return [
+        tuple(torch.cat([shards[s][i] for shards in replicas]) for i in (0, 1))
+        for s in range(run.steps)
+    ]
+
+
+def _reference(run: Run2D, batches: list) -> dict:
     """Single-process training on whole batches: parameters before and after each step."""
     model = models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE)
     optimizer = make_optimizer("sgd", model.parameters())
     steps = []
-    for x, y in run.batches():
+    for x, y in batches:
         before = _snapshot(model)
         optimizer.zero_grad()
         models.lm_loss(model(x), y).backward()
@@ -347,12 +401,12 @@ def _check_groups(check: str, run: Run2D, results: list[dict], where: str) -> No
                 )
 
 
-def _check_batches(check: str, run: Run2D, results: list[dict], where: str) -> None:
+def _check_batches(check: str, run: Run2D, results: list[dict], where: str, batches) -> None:
     """TP partners see the same batch shard; DP rank d sees shard d of the global batch."""
     __tracebackhide__ = True
     world, tp = len(results), run.tp_size
     dp = world // tp
-    for s, (x, _) in enumerate(run.batches()):
+    for s, (x, _) in enumerate(batches):
         seen = []
         for r, result in enumerate(results):
             inputs = result["steps"][s]["seen"]
@@ -363,6 +417,13 @@ def _check_batches(check: str, run: Run2D, results: list[dict], where: str) -> N
                     "the token ids: call it as model(x_shard)",
                 )
             seen.append(torch.cat(inputs))
+        if dp > 1 and all(len(seen[r]) == len(x) for r in range(world)):
+            fail(
+                check,
+                f"step {s} ({where}): every rank's model saw the whole batch "
+                f"({tuple(seen[0].shape)} token ids). Each DP group must train on its own "
+                "shard: data.shard(x, dist.get_rank(dp_group), dist.get_world_size(dp_group))",
+            )
         for r in range(world):
             partner = r - r % tp  # the first rank of r's TP group
             if not torch.equal(seen[r], seen[partner]):
@@ -373,13 +434,6 @@ def _check_batches(check: str, run: Run2D, results: list[dict], where: str) -> N
                     "together on the same data: shard the batch by the rank in the DP group "
                     "(dist.get_rank(dp_group)), not by the global rank",
                 )
-        if dp > 1 and all(torch.equal(seen[r], seen[0]) for r in range(world)):
-            fail(
-                check,
-                f"step {s} ({where}): every rank's model saw the same batch "
-                f"({tuple(seen[0].shape)} token ids). Each DP group must train on its own "
-                "shard: data.shard(x, dist.get_rank(dp_group), dist.get_world_size(dp_group))",
-            )
         for r in range(world):
             want = data.shard(x, r // tp, dp)
             if not torch.equal(seen[r], want):
@@ -466,10 +520,10 @@ def _training_hint(run: Run2D, ref_step: dict, name: str, r: int, world: int, go
     return "the 2-D model must compute the dense TinyGPT's loss and gradients exactly"
 
 
-def _check_training(check: str, run: Run2D, results: list[dict], where: str) -> None:
+def _check_training(check: str, run: Run2D, results: list[dict], where: str, batches) -> None:
     __tracebackhide__ = True
     world, tp = len(results), run.tp_size
-    ref = _reference(run)
+    ref = _reference(run, batches)
     for r, result in enumerate(results):
         want = tp_shards(ref["initial"], r % tp, tp)
         problem = compare.find_mismatch(result["initial"], want, rtol=0.0, atol=0.0)
@@ -541,11 +595,14 @@ def check_2d_training(
     for result in results:
         for step in result["steps"]:
             step["calls"] = [Collective(**{**c, "ranks": tuple(c["ranks"])}) for c in step["calls"]]
-    where = run.describe(world_size)
+    for r, result in enumerate(results):
+        if result["copied"]:
+            fail(check, f"make_groups on rank {r}: {result['copied']}")
+    where, batches = run.describe(world_size), _global_batches(run, results)
     _check_groups(check, run, results, where)
-    _check_batches(check, run, results, where)
+    _check_batches(check, run, results, where, batches)
     _check_collectives(check, run, results, where)
-    _check_training(check, run, results, where)
+    _check_training(check, run, results, where, batches)
 
 
 # --- memory and communication per configuration (for the notebook) -------------------------

@@ -10,10 +10,10 @@ A module defines
     CHEATS = [Cheat(...), ...]          # must score 0 on `fails`
     ALTERNATIVES = [Alternative(...)]   # right answers the notebook allows: full marks
 
-Cheats and alternatives that change only their own answer cell are graded together in one
-notebook when they rewrite different cells (a notebook takes ~15 s to grade); a cheat with
-`alone=True` (one that changes shared state, such as rebinding a check or patching a module)
-gets a notebook of its own.
+Cheats that change only their own answer cell are graded together in one notebook when they
+rewrite different cells and fail different tests (a notebook takes ~15 s to grade), and so
+are alternatives; a cheat with `alone=True` (one that changes shared state, such as rebinding
+a check or patching a module) gets a notebook of its own.
 """
 
 from __future__ import annotations
@@ -58,20 +58,24 @@ def load(assignment: str) -> tuple[list[Cheat], list[Alternative]]:
     return list(getattr(module, "CHEATS", [])), list(getattr(module, "ALTERNATIVES", []))
 
 
-def groups(cheats: list[Cheat], alternatives: list[Alternative] = ()) -> list[list]:
-    """Cheats and alternatives in as few notebooks as possible: never two rewriting the same
-    cell in one, and a cheat marked `alone` in a notebook of its own. An alternative may share
-    a notebook with cheats on other cells: the parts the cheats do not target, its own among
-    them, must keep full marks there anyway."""
+def groups(items: list) -> list[list]:
+    """Items in as few notebooks as possible: never two rewriting the same cell in one, never
+    two cheats that fail a same test (one could hide that the other earned points), and a
+    cheat marked `alone` in a notebook of its own. Cheats and alternatives are grouped apart:
+    a cheat would hide whether an alternative judged by the same test keeps its points."""
     out: list[list] = []
-    for item in [*cheats, *alternatives]:
+    for item in items:
         if getattr(item, "alone", False):
             out.append([item])
             continue
         for group in out:
-            if not getattr(group[0], "alone", False) and item.cell not in {i.cell for i in group}:
-                group.append(item)
-                break
+            if getattr(group[0], "alone", False) or item.cell in {i.cell for i in group}:
+                continue
+            failing = {test for i in group for test in getattr(i, "fails", ())}
+            if failing & set(getattr(item, "fails", ())):
+                continue
+            group.append(item)
+            break
         else:
             out.append([item])
     return out
@@ -87,13 +91,10 @@ def planted(nb: nbformat.NotebookNode, items: list) -> nbformat.NotebookNode:
 
 
 def students(assignment: str) -> dict[str, list]:
-    """Student id -> the cheats and alternatives planted in that student's notebook:
-    "cheater<i>" if it holds a cheat, "alternative<i>" if only alternatives."""
-    found, counts = {}, {"cheater": 0, "alternative": 0}
-    for group in groups(*load(assignment)):
-        kind = "cheater" if any(isinstance(item, Cheat) for item in group) else "alternative"
-        counts[kind] += 1
-        found[f"{kind}{counts[kind]}"] = group
+    """Student id -> the cheats (or alternatives) planted in that student's notebook."""
+    cheats, alternatives = load(assignment)
+    found = {f"cheater{i}": group for i, group in enumerate(groups(cheats), 1)}
+    found.update({f"alternative{i}": g for i, g in enumerate(groups(alternatives), 1)})
     return found
 
 
