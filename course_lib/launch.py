@@ -565,7 +565,8 @@ class _Call:
                         "an untrusted rank may return only tensors, numbers, strings, None and "
                         "lists, tuples and dicts of them"
                     )
-                self._failed(rank, ("raised", type(exc).__name__, f"{note}: {exc}", ""))
+                text = f"{note}: {exc}"
+                self._failed(rank, ("raised", type(exc).__name__, text, f"{text}\n"))
             self.broken = self.broken or reply[3]
         else:
             self._failed(rank, ("raised", *reply[2:5]))

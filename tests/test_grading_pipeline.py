@@ -431,3 +431,65 @@ def test_optimal_partition_rejects_wrong_implementations(fn, message):
         check_optimal_partition(fn)
     assert str(info.value).startswith("check_optimal_partition: ")
     assert message in str(info.value)
+
+
+# --- answers that are not the student's own work ---------------------------------------------
+
+
+def partition_exhaustive(
+    layer_times, activation_sizes, n_machines, bandwidth=1.0, weight_sizes=None
+):
+    """Right, but exponential: every cut and every split of the machines."""
+    import itertools
+
+    n = len(layer_times)
+    weights = weight_sizes or [0.0] * n
+
+    def stage(i, j, k):
+        sync = sum(2 * w / bandwidth for w in weights[i:j]) if k > 1 else 0.0
+        return max(sum(layer_times[i:j]), sync) / k
+
+    best = (float("inf"), None)
+    for s in range(1, min(n, n_machines) + 1):
+        for cuts in itertools.combinations(range(1, n), s - 1):
+            bounds = (0, *cuts, n)
+            for split in itertools.combinations(range(1, n_machines), s - 1):
+                counts = [b - a for a, b in zip((0, *split), (*split, n_machines), strict=True)]
+                stages = [(bounds[t], bounds[t + 1], counts[t]) for t in range(s)]
+                slowest = max(
+                    [stage(*st) for st in stages]
+                    + [2 * activation_sizes[b - 1] / bandwidth for _, b, _ in stages[:-1]]
+                )
+                best = min(best, (slowest, stages), key=lambda pair: pair[0])
+    return best
+
+
+def partition_from_the_lecture(
+    layer_times, activation_sizes, n_machines, bandwidth=1.0, weight_sizes=None
+):
+    """Right: the lecture's dynamic program, its stages renumbered."""
+    from course_lib.pipeline import optimal_partition as lecture
+
+    found = lecture(layer_times, activation_sizes, n_machines, bandwidth, weight_sizes)
+    return found.time, [(s.first, s.last + 1, s.machines) for s in found.stages]
+
+
+def step_from_the_lecture(stage, inputs, targets, loss_fn, n_micro, schedule):
+    from course_lib import pipeline
+
+    return pipeline.pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule)
+
+
+def test_large_problems_take_a_dynamic_program_not_a_search():
+    check_optimal_partition(optimal_partition, seeds=(), large=(0, 1))
+    with pytest.raises(CheckFailed, match="exponential time; the dynamic program"):
+        check_optimal_partition(partition_exhaustive, seeds=(), large=(0,), large_timeout=3)
+    # The exhaustive search is right where it can finish: only its time is refused.
+    check_optimal_partition(partition_exhaustive, seeds=(0,))
+
+
+def test_the_lectures_implementations_are_refused():
+    with pytest.raises(CheckFailed, match="runs course_lib.pipeline.optimal_partition "):
+        check_optimal_partition(partition_from_the_lecture)
+    with pytest.raises(CheckFailed, match="runs course_lib.pipeline.pipeline_step[ ,]"):
+        check_pipeline_trainer(step_from_the_lecture, "gpipe", world_sizes=(2,), n_micro=(2,))

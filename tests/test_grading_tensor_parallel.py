@@ -20,7 +20,13 @@ from course_lib.grading import (
     check_parallel_mlp,
     check_row_parallel_linear,
 )
-from course_lib.grading.tensor_parallel import Case, dense_layer, expected_shards, head_rows
+from course_lib.grading.tensor_parallel import (
+    Case,
+    assemble,
+    dense_layer,
+    expected_shards,
+    head_rows,
+)
 
 # Fresh workers cannot import this test module: ship its classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -250,6 +256,74 @@ def not_implemented(*args, **kwargs):
     raise NotImplementedError()
 
 
+# --- cheats: right numbers without the work -----------------------------------------------
+
+
+class ColumnFullCopy(ColumnParallelLinear):
+    """gather_output=True without gathering: the other ranks' features come from a full copy
+    of the dense weights kept on the side (a dummy all-gather looks like the real one); this
+    rank's block is computed honestly, so the gradients are right."""
+
+    def __init__(self, linear, gather_output=False):
+        super().__init__(linear, gather_output)
+        self.full = [linear.weight.detach().clone(), linear.bias]  # a list: not registered
+
+    def forward(self, x):
+        y = F.linear(CopyToParallel.apply(x), self.weight, self.bias)
+        if not self.gather_output:
+            return y
+        GatherFromParallel.apply(torch.zeros(1, dtype=x.dtype))
+        weight, bias = self.full
+        full = F.linear(x.detach(), weight, None if bias is None else bias.detach())
+        n = y.shape[-1]
+        return torch.cat([full[..., : rank() * n], y, full[..., (rank() + 1) * n :]], dim=-1)
+
+
+class MLPFullCopy(ParallelMLP):
+    """The dense MLP, kept whole, computes the output: no communication needed. The shards
+    get Megatron's local gradients through a path whose value is zero, and all-reduces of
+    zeros in forward and backward look like Megatron's."""
+
+    def __init__(self, block):
+        super().__init__(block)
+        self.dense = [block]  # in a list: not registered, not a parameter
+
+    def forward(self, x):
+        fc, proj = self.fc, self.proj
+        local = F.linear(F.gelu(F.linear(x.detach(), fc.weight, fc.bias)), proj.weight)
+        local = local + proj.bias
+        dummy = CopyToParallel.apply(torch.zeros_like(x, requires_grad=True))
+        out = self.dense[0](x + dummy)
+        out = out + ReduceFromParallel.apply(torch.zeros_like(out)).detach()
+        return out + (local - local.detach())
+
+
+class ColumnLecture(nn.Module):
+    """The lecture's layer behind the interface."""
+
+    def __init__(self, linear, gather_output=False):
+        super().__init__()
+        import course_lib.tensor_parallel as lecture
+
+        self.layer = lecture.ColumnParallelLinear.from_dense(linear, gather_output=gather_output)
+        self.weight, self.bias = self.layer.weight, self.layer.bias
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+class RowAllGatherThenLocal(RowParallelLinear):
+    """Right numbers: gathers every rank's input block and the weight blocks, then computes
+    the whole product locally (an all-gather where one all-reduce is asked)."""
+
+    def forward(self, x):
+        xs = GatherFromParallel.apply(x)
+        weights = [torch.empty_like(self.weight) for _ in range(world_size())]
+        dist.all_gather(weights, self.weight.detach().contiguous())
+        weights[rank()] = self.weight
+        return F.linear(xs, torch.cat(weights, dim=1), self.bias)
+
+
 # --- tests --------------------------------------------------------------------------------
 
 
@@ -272,6 +346,20 @@ def test_shards_of_the_dense_layer_put_back_together_are_the_dense_layer():
                     assert sorted(order.tolist()) == list(range(48))
                 else:
                     assert torch.equal(torch.cat(parts), full), (kind, name, P)
+
+
+def test_assemble_writes_each_ranks_shard_back_in_its_place():
+    # The inverse of expected_shards: nudged shards land where they came from, nothing else.
+    for kind in ("column", "row", "mlp", "attention"):
+        case = Case(kind, in_features=16, out_features=24, n_heads=4)
+        params = {n: p.detach() for n, p in dense_layer(case).named_parameters()}
+        for P in (1, 2, 4):
+            shards = [expected_shards(case, params, r, P) for r in range(P)]
+            back = assemble(case, params, shards)
+            assert all(torch.equal(back[n], params[n]) for n in params), (kind, P)
+            nudged = [{n: t + 1 for n, t in shard.items()} for shard in shards]
+            moved = assemble(case, params, nudged)
+            assert all(torch.equal(moved[n], params[n] + 1) for n in params), (kind, P)
 
 
 def test_head_rows_are_the_q_k_v_rows_of_the_ranks_heads():
@@ -316,6 +404,10 @@ def test_parallel_attention_accepts_right_implementations(cls):
         (check_parallel_attention, AttentionChunkedQKV, "mixes queries, keys and values"),
         (check_parallel_attention, AttentionAllHeadsEverywhere, "forward output differs"),
         (check_parallel_attention, AttentionBiasOnEveryRank, "extra copies of the bias"),
+        (check_column_parallel_linear, ColumnFullCopy, "after the check changed the shards"),
+        (check_parallel_mlp, MLPFullCopy, "after the check changed the shards"),
+        (check_column_parallel_linear, ColumnLecture, "course_lib.tensor_parallel."),
+        (check_row_parallel_linear, RowAllGatherThenLocal, "expected {'all_reduce': 1}"),
     ],
 )
 def test_checks_reject_wrong_implementations(check, cls, message):

@@ -36,14 +36,38 @@ from torch import nn
 
 from course_lib import compare, data
 from course_lib.comm import POINT_TO_POINT, CommCounter
-from course_lib.grading._harness import fail, run_on_ranks
+from course_lib.grading._harness import CheckFailed, fail, run_on_ranks
 from course_lib.grading.data_parallel import make_optimizer
+from course_lib.grading.provenance import Provenance
 from course_lib.models import MLP, GPTConfig, TinyGPT, lm_loss
 from course_lib.runtime import rank, world_size
 
 DTYPE = torch.float64
 RTOL, ATOL = 1e-10, 1e-10  # float64; micro-batch sums differ from the whole batch by ~1e-16
 SCHEDULES = ("gpipe", "1f1b")
+# The lecture's pipeline module answers parts 5-7 as it stands (its trainer, simulator and
+# partition), and this module's schedule order and brute force would help: an answer that
+# runs any of them, or a copy, is not the student's own.
+FORBIDDEN = (
+    "course_lib.pipeline",
+    "course_lib.grading.pipeline.schedule_order",
+    "course_lib.grading.pipeline.in_flight_bound",
+    "course_lib.grading.pipeline.brute_force_partition",
+)
+
+
+def _watched(fn: Callable, *args) -> dict:
+    """fn(*args) on a rank, watched for the course's own implementations."""
+    with Provenance(FORBIDDEN) as seen:
+        result = fn(*args)
+    return {"result": result, "copied": seen.complaint()}
+
+
+def _unwatched(check: str, found: dict):
+    __tracebackhide__ = True
+    if found["copied"]:
+        fail(check, found["copied"])
+    return found["result"]
 
 
 # --- the schedules ------------------------------------------------------------------------
@@ -212,11 +236,15 @@ def _reference(run: PipelineRun) -> list[dict]:
 # --- what runs on each rank ---------------------------------------------------------------
 
 
-def _pipeline_on_rank(pipeline_step: Callable, schedule: str, runs: list[PipelineRun]) -> list:
-    return [_pipeline_run(pipeline_step, schedule, run) for run in runs]
+def _pipeline_on_rank(pipeline_step: Callable, schedule: str, runs: list[PipelineRun]) -> dict:
+    seen = Provenance(FORBIDDEN)  # watches the student's calls only, not the check's code
+    results = [_pipeline_run(pipeline_step, schedule, run, seen) for run in runs]
+    return {"result": results, "copied": seen.complaint()}
 
 
-def _pipeline_run(pipeline_step: Callable, schedule: str, run: PipelineRun) -> list[dict]:
+def _pipeline_run(
+    pipeline_step: Callable, schedule: str, run: PipelineRun, seen: Provenance
+) -> list[dict]:
     model = build_model(run)
     names = {id(p): n for n, p in model.named_parameters()}
     stage = stages(model, world_size())[rank()]
@@ -226,13 +254,13 @@ def _pipeline_run(pipeline_step: Callable, schedule: str, run: PipelineRun) -> l
     for x, y in global_batches(run):
         optimizer.zero_grad()
         probe.reset()
-        with CommCounter() as counter:
+        with CommCounter() as counter, seen:
             loss = pipeline_step(probe, x, y, loss_function(run), run.n_micro, schedule)
         grads = {names[id(p)]: _copy(p.grad) for p in stage.parameters()}
         optimizer.step()
         steps.append(
             {
-                "loss": float(loss) if isinstance(loss, torch.Tensor | float | int) else loss,
+                "loss": float(loss) if isinstance(loss, torch.Tensor | float | int) else repr(loss),
                 "grads": grads,
                 "params": {names[id(p)]: p.detach().clone() for p in stage.parameters()},
                 "events": list(probe.events),
@@ -372,6 +400,7 @@ def check_pipeline_trainer(
             timeout=timeout,
             what=f"your pipeline_step ({schedule}, {P} stages)",
         )
+        results = [_unwatched(check, found) for found in results]
         for i, run in enumerate(runs):
             for s, ref in enumerate(_reference(run)):
                 _compare_step(check, schedule, run, s, ref, [per_rank[i] for per_rank in results])
@@ -380,11 +409,13 @@ def check_pipeline_trainer(
 # --- simulated schedules ------------------------------------------------------------------
 
 
-def _simulate_cases(simulate_schedule: Callable, cases: list[tuple]) -> list:
-    return [
-        simulate_schedule(P, m, schedule, t_forward=f, t_backward=b)
-        for P, m, schedule, f, b in cases
-    ]
+def _simulate_cases(simulate_schedule: Callable, cases: list[tuple]) -> dict:
+    return _watched(
+        lambda: [
+            simulate_schedule(P, m, schedule, t_forward=f, t_backward=b)
+            for P, m, schedule, f, b in cases
+        ]
+    )
 
 
 def _check_timeline(check: str, case: tuple, result: object) -> None:
@@ -507,6 +538,7 @@ def check_simulate_schedule(
         timeout=timeout,
         what="your simulate_schedule",
     )[0]
+    results = _unwatched(check, results)
     for case, result in zip(all_cases, results, strict=True):
         _check_timeline(check, case, result)
 
@@ -521,6 +553,7 @@ class PartitionProblem:
     n_machines: int
     weight_sizes: tuple[float, ...] | None = None
     bandwidth: float = 1.0
+    label: str = ""  # how to name a problem too long to print
 
     def args(self) -> tuple:
         return (list(self.layer_times), list(self.activation_sizes), self.n_machines)
@@ -532,6 +565,8 @@ class PartitionProblem:
         }
 
     def describe(self) -> str:
+        if self.label:
+            return self.label
         return (
             f"optimal_partition({list(self.layer_times)}, {list(self.activation_sizes)}, "
             f"{self.n_machines}, bandwidth={self.bandwidth:g}, "
@@ -593,77 +628,132 @@ def partition_problems(seeds: tuple[int, ...]) -> list[PartitionProblem]:
     return problems
 
 
-def _solve_all(optimal_partition: Callable, problems: list[PartitionProblem]) -> list:
-    return [optimal_partition(*p.args(), **p.kwargs()) for p in problems]
+def large_partition_problems(seeds: tuple[int, ...]) -> list[PartitionProblem]:
+    """64 layers on 8 machines: the dynamic program takes well under a second, trying every
+    cut and split of the machines (about 10^9 of them) would take days."""
+    problems = []
+    for seed in seeds:
+        rng = random.Random(1000 + seed)
+        heavy = seed % 2 == 0  # weights slow to synchronize: a deep pipeline wins
+        n = 64
+        times = tuple(round(rng.uniform(0.5, 4.0), 2) for _ in range(n))
+        sizes = tuple(round(rng.uniform(0.5, 8.0), 2) for _ in range(n))
+        weights = tuple(
+            round(rng.uniform(0.5, 4.0) if heavy else rng.uniform(0, 0.3), 2) for _ in range(n)
+        )
+        label = f"optimal_partition on large problem {seed} ({n} layers, 8 machines)"
+        problems.append(PartitionProblem(times, sizes, 8, weights, 1.0, label))
+    return problems
+
+
+def _best_time(problem: PartitionProblem) -> float:
+    """The optimum of a large problem, from the lecture's dynamic program (which the tests
+    compare with `brute_force_partition` on small problems)."""
+    from course_lib.pipeline import optimal_partition
+
+    weights = None if problem.weight_sizes is None else list(problem.weight_sizes)
+    return optimal_partition(
+        list(problem.layer_times),
+        list(problem.activation_sizes),
+        problem.n_machines,
+        problem.bandwidth,
+        weights,
+    ).time
+
+
+def _solve_all(optimal_partition: Callable, problems: list[PartitionProblem]) -> dict:
+    return _watched(lambda: [optimal_partition(*p.args(), **p.kwargs()) for p in problems])
 
 
 def check_optimal_partition(
-    optimal_partition: Callable, *, seeds: tuple[int, ...] = (0,), timeout: float = 30.0
+    optimal_partition: Callable,
+    *,
+    seeds: tuple[int, ...] = (0,),
+    large: tuple[int, ...] = (),
+    timeout: float = 30.0,
+    large_timeout: float = 20.0,
 ) -> None:
     """`optimal_partition(layer_times, activation_sizes, n_machines, bandwidth=1.0,
     weight_sizes=None)` returns (slowest stage time, [(start, stop, machines), ...]) for a split
-    of the layers into contiguous stages using all n_machines; checked against brute force."""
+    of the layers into contiguous stages using all n_machines. Small problems are checked
+    against brute force; `large` ones (64 layers, 8 machines) against the lecture's dynamic
+    program, and all of them together must be solved within `large_timeout` seconds."""
     __tracebackhide__ = True
     check = "check_optimal_partition"
-    problems = partition_problems(seeds)
-    results = run_on_ranks(
-        check,
-        _solve_all,
-        optimal_partition,
-        problems,
-        world_size=1,
-        timeout=timeout,
-        what="your optimal_partition",
-    )[0]
-    for problem, result in zip(problems, results, strict=True):
-        at = problem.describe()
+    for problems, limit, best in (
+        (partition_problems(seeds), timeout, brute_force_partition),
+        (large_partition_problems(large), large_timeout, _best_time),
+    ):
+        if not problems:
+            continue
         try:
-            value, partition = result
-            value = float(value)
-            partition = [(int(a), int(b), int(k)) for a, b, k in partition]
-        except (TypeError, ValueError):
-            fail(
-                check, f"{at} returned {result!r}; expected (time, [(start, stop, machines), ...])"
-            )
-        n = len(problem.layer_times)
-        starts = [a for a, _, _ in partition]
-        stops = [b for _, b, _ in partition]
-        if (
-            not partition
-            or starts != [0, *stops[:-1]]
-            or stops[-1] != n
-            or any(b <= a for a, b in zip(starts, stops, strict=True))
-        ):
-            fail(
+            found = run_on_ranks(
                 check,
-                f"{at} returned stages {partition}; they must cover layers 0..{n - 1} "
-                "in order, each (start, stop) non-empty, stop of one = start of the next",
-            )
-        if (
-            any(k < 1 for _, _, k in partition)
-            or sum(k for _, _, k in partition) != problem.n_machines
-        ):
-            fail(
-                check,
-                f"{at} returned stages {partition}; every stage needs at least one "
-                f"machine and together they use all {problem.n_machines}",
-            )
-        achieved = partition_time(problem, partition)
-        if not math.isclose(value, achieved, rel_tol=1e-9):
-            fail(
-                check,
-                f"{at} returned time {value:g}, but its stages {partition} give "
-                f"{achieved:g} (the slowest of the stage times and 2 a_l / bandwidth at each "
-                "boundary)",
-            )
-        best = brute_force_partition(problem)
-        if not math.isclose(achieved, best, rel_tol=1e-9):
-            fail(
-                check,
-                f"{at} returned stages {partition} with time {achieved:g}; the best "
-                f"split takes {best:g}. The recurrence A(j, m) must try every last stage "
-                "(i+1..j) and every number of machines m' for it",
-            )
+                _solve_all,
+                optimal_partition,
+                problems,
+                world_size=1,
+                timeout=limit,
+                what="your optimal_partition",
+            )[0]
+        except CheckFailed as error:
+            if problems[0].label and "did not finish within" in str(error):
+                fail(
+                    check,
+                    f"your optimal_partition did not solve {len(problems)} problem(s) of 64 "
+                    f"layers on 8 machines within {limit:g} s. Trying every cut and every "
+                    "split of the machines takes exponential time; the dynamic program A(j, m) "
+                    "takes O(N^2 M^2) steps, well under a second here",
+                )
+            raise
+        for problem, result in zip(problems, _unwatched(check, found), strict=True):
+            _judge_partition(check, problem, result, best(problem))
+
+
+def _judge_partition(check: str, problem: PartitionProblem, result, best: float) -> None:
+    __tracebackhide__ = True
+    at = problem.describe()
+    try:
+        value, partition = result
+        value = float(value)
+        partition = [(int(a), int(b), int(k)) for a, b, k in partition]
+    except (TypeError, ValueError):
+        fail(check, f"{at} returned {result!r}; expected (time, [(start, stop, machines), ...])")
+    n = len(problem.layer_times)
+    starts = [a for a, _, _ in partition]
+    stops = [b for _, b, _ in partition]
+    if (
+        not partition
+        or starts != [0, *stops[:-1]]
+        or stops[-1] != n
+        or any(b <= a for a, b in zip(starts, stops, strict=True))
+    ):
+        fail(
+            check,
+            f"{at} returned stages {partition}; they must cover layers 0..{n - 1} "
+            "in order, each (start, stop) non-empty, stop of one = start of the next",
+        )
+    if any(k < 1 for _, _, k in partition) or sum(k for _, _, k in partition) != problem.n_machines:
+        fail(
+            check,
+            f"{at} returned stages {partition}; every stage needs at least one "
+            f"machine and together they use all {problem.n_machines}",
+        )
+    achieved = partition_time(problem, partition)
+    if not math.isclose(value, achieved, rel_tol=1e-9):
+        fail(
+            check,
+            f"{at} returned time {value:g}, but its stages {partition} give "
+            f"{achieved:g} (the slowest of the stage times and 2 a_l / bandwidth at each "
+            "boundary)",
+        )
+    if not math.isclose(achieved, best, rel_tol=1e-9):
+        fail(
+            check,
+            f"{at} returned stages {partition} with time {achieved:g}; the best "
+            f"split takes {best:g}. The recurrence A(j, m) must try every last stage "
+            "(i+1..j) and every number of machines m' for it",
+        )
 
 
 __all__ = [

@@ -25,6 +25,7 @@ Sharding (P ranks, rank r, "block r of n" = rows or columns r*n/P .. (r+1)*n/P -
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from torch import nn
 from course_lib import compare
 from course_lib.comm import CommCounter
 from course_lib.grading._harness import fail, run_on_ranks
+from course_lib.grading.provenance import Provenance
 from course_lib.models import CausalSelfAttention, GPTConfig, MLPBlock
 from course_lib.runtime import rank, world_size
 
@@ -104,46 +106,81 @@ def head_rows(d_model: int, r: int, ranks: int) -> torch.Tensor:
     return torch.cat([rows, rows + d_model, rows + 2 * d_model])
 
 
+def shard_index(case: Case, name: str, r: int, ranks: int) -> tuple | None:
+    """Where rank r's share of dense parameter `name` sits in it (`dense[index]`), or None
+    for a parameter every rank holds whole (a row-parallel bias)."""
+    if case.kind == "column":
+        return (block(case.out_features, r, ranks),)
+    if case.kind == "row":
+        return (slice(None), block(case.in_features, r, ranks)) if name == "weight" else None
+    if name == "proj.bias":
+        return None
+    inner = case.out_features if case.kind == "mlp" else case.in_features
+    if name == "proj.weight":
+        return (slice(None), block(inner, r, ranks))
+    if case.kind == "mlp":  # fc: a block of rows
+        return (torch.arange(case.out_features)[block(case.out_features, r, ranks)],)
+    return (head_rows(case.in_features, r, ranks),)  # qkv: this rank's heads' q, k, v rows
+
+
 def expected_shards(case: Case, dense: dict[str, torch.Tensor], r: int, ranks: int) -> dict:
     """Rank r's share of each dense tensor (weights, or their gradients), by name."""
-    if case.kind == "column":
-        rows = block(case.out_features, r, ranks)
-        return {name: t[rows] for name, t in dense.items()}
-    if case.kind == "row":
-        return {
-            name: t[:, block(case.in_features, r, ranks)] if name == "weight" else t
-            for name, t in dense.items()
-        }
-    d = case.in_features
-    first = "fc" if case.kind == "mlp" else "qkv"
-    if case.kind == "mlp":
-        first_rows = torch.arange(case.out_features)[block(case.out_features, r, ranks)]
-        inner = case.out_features
-    else:
-        first_rows, inner = head_rows(d, r, ranks), d
-    columns = block(inner, r, ranks)
-    return {
-        f"{first}.weight": dense[f"{first}.weight"][first_rows],
-        f"{first}.bias": dense[f"{first}.bias"][first_rows],
-        "proj.weight": dense["proj.weight"][:, columns],
-        "proj.bias": dense["proj.bias"],
-    }
+    out = {}
+    for name, t in dense.items():
+        index = shard_index(case, name, r, ranks)
+        out[name] = t if index is None else t[index]
+    return out
+
+
+def assemble(case: Case, dense: dict[str, torch.Tensor], shards: list[dict]) -> dict:
+    """The dense parameters with every rank's shard written back in its place (shared
+    tensors from rank 0): the layer the ranks compute together."""
+    out = {name: t.clone() for name, t in dense.items()}
+    for r, held in enumerate(shards):
+        for name in out:
+            index = shard_index(case, name, r, len(shards))
+            if index is not None:
+                out[name][index] = held[name]
+            elif r == 0:
+                out[name] = held[name].clone()
+    return out
 
 
 # --- what runs on each rank ---------------------------------------------------------------
 
 
-def _run_cases(cls: Callable, cases: list[Case]) -> list[dict]:
-    return [_run_case(cls, case) for case in cases]
+# The lecture's tensor-parallel module answers every part as it stands: an answer that runs
+# any of it, or a copy, is not the student's own.
+LECTURE_TP = ("course_lib.tensor_parallel",)
+
+
+def _run_cases(cls: Callable, cases: list[Case]) -> dict:
+    with Provenance(LECTURE_TP) as seen:
+        results = [_run_case(cls, case) for case in cases]
+    return {"cases": results, "copied": seen.complaint()}
 
 
 def _run_case(cls: Callable, case: Case) -> dict:
     """Build the student's layer from the dense one, run forward and backward, and record
-    the weights it holds, its output, the gradients and the collectives it called."""
+    the weights it holds, its output, the gradients and the collectives it called. Then
+    nudge every shard it holds by a secret amount and run forward and backward again: the
+    layer must compute with the shards the ranks hold, not with a copy of the dense layer."""
     r, ranks = rank(), world_size()
     dense = dense_layer(case)
     layer = cls(dense, gather_output=True) if case.gather_output else cls(dense)
     held = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    first = _forward_backward(case, layer, r, ranks)
+    grads = {name: _copy(p.grad) for name, p in layer.named_parameters()}
+    nudged = _nudge(case, layer, r, ranks)
+    second = _forward_backward(case, layer, r, ranks) if nudged is not None else None
+    return {"held": held, **first, "grads": grads, "nudged": nudged, "after_nudge": second}
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
+def _forward_backward(case: Case, layer: nn.Module, r: int, ranks: int) -> dict:
     x, grad = _data(case)
     if case.kind == "row":  # the input arrives split by features
         x = x[..., block(case.in_features, r, ranks)]
@@ -155,20 +192,35 @@ def _run_case(cls: Callable, case: Case) -> dict:
     with CommCounter() as backward_comm:
         out.backward(grad)
     return {
-        "held": held,
         "out": out.detach(),
         "x_grad": x.grad,
-        "grads": {name: p.grad for name, p in layer.named_parameters()},
         "forward_calls": dict(forward_comm.calls),
         "backward_calls": dict(backward_comm.calls),
     }
 
 
+def _nudge(case: Case, layer: nn.Module, r: int, ranks: int) -> dict | None:
+    """Add a secret random amount to each sharded parameter, in place, as an optimizer step
+    would; return the parameters after it (None if they are not the expected ones)."""
+    params = dict(layer.named_parameters())
+    if set(params) != {name for name, _ in dense_layer(case).named_parameters()}:
+        return None  # _compare_held reports it
+    g = torch.Generator().manual_seed(secrets.randbits(62))
+    with torch.no_grad():
+        for name, p in params.items():
+            if shard_index(case, name, r, ranks) is not None:
+                p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            p.grad = None
+    return {name: p.detach().clone() for name, p in params.items()}
+
+
 # --- the dense reference, in the checking process -----------------------------------------
 
 
-def _reference(case: Case) -> dict:
+def _reference(case: Case, params: dict | None = None) -> dict:
     dense = dense_layer(case)
+    if params is not None:
+        dense.load_state_dict(params)
     x, grad = _data(case)
     x.requires_grad_(True)
     out = dense(x)
@@ -239,12 +291,47 @@ def _output_hint(case: Case, got: torch.Tensor, want: torch.Tensor, ref: dict, P
     return "check which block of rows this rank holds and how the output is formed"
 
 
+def _rank_view(case: Case, ref: dict, r: int, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and input gradient rank r should have: the dense layer's, or its block."""
+    want_out, want_x = ref["out"], ref["x_grad"]
+    if case.kind == "column" and not case.gather_output:
+        want_out = want_out[..., block(case.out_features, r, P)]
+    if case.kind == "row":
+        want_x = want_x[..., block(case.in_features, r, P)]
+    return want_out, want_x
+
+
+def _compare_nudged(check: str, case: Case, results: list[dict], P: int) -> None:
+    """After every rank's shards were nudged, the layer must compute the dense layer that
+    those shards form: a layer that kept a copy of the dense weights does not."""
+    __tracebackhide__ = True
+    if any(res["nudged"] is None for res in results):
+        return
+    dense = {name: p.detach() for name, p in dense_layer(case).named_parameters()}
+    ref = _reference(case, assemble(case, dense, [res["nudged"] for res in results]))
+    for r, res in enumerate(results):
+        want_out, want_x = _rank_view(case, ref, r, P)
+        got = res["after_nudge"]
+        problem = compare.find_mismatch(
+            {"output": got["out"], "x.grad": got["x_grad"]},
+            {"output": want_out, "x.grad": want_x},
+            rtol=RTOL,
+            atol=ATOL,
+        )
+        if problem:
+            fail(
+                check,
+                f"rank {r} ({case.describe(P)}): after the check changed the shards your layer "
+                f"holds (its parameters, in place, as an optimizer step would), {problem}.\n"
+                "Hint: compute with the parameters the layer registers, and only with them: "
+                "no copy of the dense layer's weights, nothing cached from them at construction",
+            )
+
+
 def _compare_result(check: str, case: Case, ref: dict, result: dict, r: int, P: int) -> None:
     __tracebackhide__ = True
     at = f"rank {r} ({case.describe(P)})"
-    want_out = ref["out"]
-    if case.kind == "column" and not case.gather_output:
-        want_out = want_out[..., block(case.out_features, r, P)]
+    want_out, want_x = _rank_view(case, ref, r, P)
     problem = compare.find_mismatch(
         {"output": result["out"]}, {"output": want_out}, rtol=RTOL, atol=ATOL
     )
@@ -255,9 +342,6 @@ def _compare_result(check: str, case: Case, ref: dict, result: dict, r: int, P: 
             f"{at}: the forward output differs from the dense layer's: {problem}.\nHint: {hint}",
         )
 
-    want_x = ref["x_grad"]
-    if case.kind == "row":
-        want_x = want_x[..., block(case.in_features, r, P)]
     if result["x_grad"] is None:
         fail(check, f"{at}: the input got no gradient; is the output connected to x in autograd?")
     problem = compare.find_mismatch(
@@ -292,21 +376,51 @@ def _compare_result(check: str, case: Case, ref: dict, result: dict, r: int, P: 
             )
 
 
+# The collectives each layer makes when P > 1, forward and backward (gather_output=True adds
+# one all-gather to a column-parallel forward).
+COMMUNICATION = {
+    "column": ({}, {"all_reduce": 1}),
+    "row": ({"all_reduce": 1}, {}),
+    "mlp": ({"all_reduce": 1}, {"all_reduce": 1}),
+    "attention": ({"all_reduce": 1}, {"all_reduce": 1}),
+}
+_WHY = {
+    "column": "no communication in forward (all-gather only with gather_output=True); one "
+    "all-reduce of the input's gradient in backward",
+    "row": "one all-reduce of the partial outputs in forward; none in backward",
+    "mlp": "column-parallel in, row-parallel out, no gather in between: one all-reduce in "
+    "forward, one in backward",
+    "attention": "one all-reduce in forward (in proj), one in backward (on the input)",
+}
+
+
+def _calls(counted: dict) -> dict:
+    """Collective calls by kind, the all-gather variants as one."""
+    out: dict[str, int] = {}
+    for op, n in counted.items():
+        kind = "all_gather" if op.startswith("all_gather") else op
+        out[kind] = out.get(kind, 0) + n
+    return out
+
+
 def _compare_communication(check: str, case: Case, result: dict, r: int, P: int) -> None:
-    """Megatron's MLP and attention: one all-reduce in forward, one in backward."""
+    """The collectives of Megatron's layers, on every route (the grading ranks count them
+    at the process group)."""
     __tracebackhide__ = True
-    if P == 1 or case.kind not in ("mlp", "attention"):
+    if P == 1:
         return
     at = f"rank {r} ({case.describe(P)})"
-    for phase in ("forward", "backward"):
-        calls = result[f"{phase}_calls"]
-        if calls != {"all_reduce": 1}:
+    forward, backward = COMMUNICATION[case.kind]
+    if case.kind == "column" and case.gather_output:
+        forward = {"all_gather": 1}
+    for phase, want in (("forward", forward), ("backward", backward)):
+        calls = _calls(result[f"{phase}_calls"])
+        if calls != want:
             fail(
                 check,
-                f"{at}: the {phase} pass made these collective calls: {calls or 'none'}; the "
-                f"tensor-parallel {case.kind} needs exactly one all-reduce in {phase} "
-                "(column-parallel in, row-parallel out: no gather in between). Call collectives "
-                "as dist.all_reduce(...) so that the check can see them",
+                f"{at}: the {phase} pass made these collective calls: {calls or 'none'}, "
+                f"expected {want or 'none'}. The tensor-parallel {case.kind} layer makes "
+                f"{_WHY[case.kind]}",
             )
 
 
@@ -320,7 +434,7 @@ def _check(check: str, cls: Callable, cases: list[Case], world_sizes, timeout: f
     for P in world_sizes:
         if P not in WORLD_SIZES:
             raise ValueError(f"world sizes must divide the layer sizes: use 1, 2 or 4, got {P}")
-        results = run_on_ranks(
+        found = run_on_ranks(
             check,
             _run_cases,
             cls,
@@ -329,14 +443,18 @@ def _check(check: str, cls: Callable, cases: list[Case], world_sizes, timeout: f
             timeout=timeout,
             what=f"your {getattr(cls, '__name__', 'layer')}",
         )
+        if found[0]["copied"]:
+            fail(check, found[0]["copied"])
         for i, case in enumerate(cases):
             ref = _reference(case)
-            for r, per_rank in enumerate(results):
-                _compare_held(check, case, ref, per_rank[i], r, P)
-            for r, per_rank in enumerate(results):
-                _compare_result(check, case, ref, per_rank[i], r, P)
-            for r, per_rank in enumerate(results):
-                _compare_communication(check, case, per_rank[i], r, P)
+            results = [per_rank["cases"][i] for per_rank in found]
+            for r, result in enumerate(results):
+                _compare_held(check, case, ref, result, r, P)
+            for r, result in enumerate(results):
+                _compare_result(check, case, ref, result, r, P)
+            _compare_nudged(check, case, results, P)
+            for r, result in enumerate(results):
+                _compare_communication(check, case, result, r, P)
 
 
 def check_column_parallel_linear(
@@ -417,6 +535,8 @@ __all__ = [
     "check_parallel_mlp",
     "check_row_parallel_linear",
     "dense_layer",
+    "assemble",
     "expected_shards",
     "head_rows",
+    "shard_index",
 ]
