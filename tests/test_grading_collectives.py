@@ -147,6 +147,56 @@ def ring_all_reduce_batched(tensor):
             incoming += buffer
 
 
+def ring_padded(tensor):
+    """Right, another way: zero-padded chunks of ceil(N/P) elements, so all chunks are equal
+    (at N = 1 on 3 ranks it sends 4 chunks of one element: more than 2(P-1)/P * N)."""
+    p, me = world_size(), rank()
+    size = -(-tensor.numel() // p)
+    padded = torch.zeros(size * p, dtype=tensor.dtype)
+    padded[: tensor.numel()] = tensor.reshape(-1)
+    chunks = padded.view(p, size)
+    right, left = (me + 1) % p, (me - 1) % p
+    buffer = torch.empty(size, dtype=tensor.dtype)
+    for step in range(2 * (p - 1)):
+        send = dist.isend(chunks[(me - step) % p].clone(), right)
+        dist.recv(buffer, left)
+        send.wait()
+        incoming = chunks[(me - step - 1) % p]
+        incoming.add_(buffer) if step < p - 1 else incoming.copy_(buffer)
+    tensor.copy_(padded[: tensor.numel()].view_as(tensor))
+
+
+def ring_lecture_wrapped(tensor):
+    """The lecture's ring, called."""
+    import course_lib.collectives
+
+    course_lib.collectives.ring_all_reduce(tensor)
+
+
+def ring_prebound_far_peer(tensor):
+    """Right sums, but rank 0's messages go to a rank that is not its neighbour, through
+    names bound before the check wraps torch.distributed."""
+    from torch.distributed import recv as early_recv
+    from torch.distributed import send as early_send
+
+    p, me = world_size(), rank()
+    if p < 4:
+        return ring_all_reduce_batched(tensor)
+    total = tensor.clone()
+    for peer in range(p):  # everyone to everyone: not a ring
+        if peer != me:
+            if me < peer:
+                early_send(tensor, peer)
+                other = torch.empty_like(tensor)
+                early_recv(other, peer)
+            else:
+                other = torch.empty_like(tensor)
+                early_recv(other, peer)
+                early_send(tensor, peer)
+            total += other
+    tensor.copy_(total)
+
+
 @pytest.mark.parametrize(
     "check, fn",
     [
@@ -167,7 +217,7 @@ def test_checks_accept_right_implementations(check, fn):
     check(fn, shapes=UNEVEN)
 
 
-@pytest.mark.parametrize("fn", [SOLVED["ring_all_reduce"], ring_all_reduce_batched])
+@pytest.mark.parametrize("fn", [SOLVED["ring_all_reduce"], ring_all_reduce_batched, ring_padded])
 def test_ring_check_accepts_right_rings(fn):
     check_all_reduce(fn, bandwidth_optimal=True, shapes=UNEVEN, seeds=[0, 1])
 
@@ -422,7 +472,8 @@ def test_ring_check_rejects_a_ring_over_the_byte_budget():
     )
     # The first case over the budget: 3 ranks, 7 float32 (28 bytes), passed on twice.
     assert "world size 3, float32, shape (7,)" in text
-    assert "2(P-1)/P * N = 37.3333 bytes per rank (allowed 40 with rounding)" in text
+    assert "2(P-1)/P * N = 37.3333 bytes per rank" in text
+    assert "2(P-1) chunks of ceil(N/P) elements, 48 bytes" in text
 
 
 def test_ring_check_rejects_the_naive_all_reduce():
@@ -450,3 +501,24 @@ def test_failing_case_is_named_in_a_raising_rank_traceback():
 
 def test_bad_argument_is_a_clear_error():
     expect_failure(check_broadcast, "broadcast", "expected your function, got str")
+
+
+def test_the_lectures_ring_is_refused_even_wrapped():
+    expect_failure(
+        check_all_reduce,
+        ring_lecture_wrapped,
+        "runs course_lib.collectives.ring_all_reduce",
+        bandwidth_optimal=True,
+        world_sizes=(2,),
+    )
+
+
+def test_peers_are_seen_on_every_route():
+    expect_failure(
+        check_all_reduce,
+        ring_prebound_far_peer,
+        "rank 0 called dist.send with rank 2",
+        bandwidth_optimal=True,
+        world_sizes=(4,),
+        dtypes=(torch.float64,),
+    )

@@ -28,8 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from course_lib import comm
 from course_lib.comm import CommCounter
 from course_lib.grading._harness import fail, run_on_ranks
+from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank
 
 POINT_TO_POINT = ("send", "recv", "isend", "irecv")
@@ -109,6 +111,9 @@ class _PeerLog:
     def __enter__(self) -> _PeerLog:
         self.peers: list[tuple[str, int | None]] = []
         self.requests: list[_Request] = []
+        # Peers from course_lib.comm's hook: on grading ranks it sees every route (a name
+        # bound before the check, the group object); wait() only on dist's own functions.
+        comm.add_around_hook(self._peer)
         self._saved = {op: getattr(dist, op) for op in POINT_TO_POINT}
         for op, inner in self._saved.items():
             wrapper = self._wrap(op, inner)
@@ -117,7 +122,15 @@ class _PeerLog:
             setattr(c10d, op, wrapper)
         return self
 
+    def _peer(self, op, args, sent, received, call):
+        if op in POINT_TO_POINT:
+            names = ("dst", "group_dst") if op in ("send", "isend") else ("src", "group_src")
+            peer = next((args[n] for n in names if args.get(n) is not None), None)
+            self.peers.append((op, peer))
+        return call()
+
     def __exit__(self, exc_type: type | None, *rest: object) -> None:
+        comm.remove_around_hook(self._peer)
         for op, inner in self._saved.items():
             setattr(dist, op, inner)
             setattr(c10d, op, inner)
@@ -137,7 +150,6 @@ class _PeerLog:
         def logged(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs).arguments
             peer = next((bound[n] for n in peer_names if bound.get(n) is not None), None)
-            self.peers.append((op, peer))
             work = inner(*args, **kwargs)
             if op in ("isend", "irecv") and work is not None:
                 work = _Request(work, op, peer)
@@ -268,8 +280,14 @@ def _run_cases(kind: str, fn: Callable, cases: list[Case]) -> list[dict]:
     # An outer counter keeps torch.distributed wrapped for the whole run (installing the
     # wrappers costs about a millisecond); each case counts only the student's calls with a
     # counter of its own. What the outer one counts is not used.
-    with CommCounter():
-        return [_RUNNERS[kind](fn, case) for case in cases]
+    with CommCounter(), Provenance(LECTURE) as seen:
+        results = [_RUNNERS[kind](fn, case) for case in cases]
+    return {"cases": results, "copied": seen.complaint()}
+
+
+# Lecture 2's module holds working collectives built from send and recv (naive, tree,
+# butterfly and ring all-reduces): an answer that runs them, or a copy, is not the student's.
+LECTURE = ("course_lib.collectives",)
 
 
 # --- in the calling process: judge what the ranks reported -------------------------------
@@ -320,6 +338,9 @@ def _check(
             timeout=timeout,
             what=f"your {name} (world size {p}, {len(cases)} cases)",
         )
+        if results[0]["copied"]:
+            fail(spec.check, results[0]["copied"])
+        results = [found["cases"] for found in results]
         for i, case in enumerate(cases):
             _judge(spec, name, case, [results[r][i] for r in range(p)], point_to_point_only)
 
@@ -343,9 +364,7 @@ def _judge(spec: _Spec, name: str, case: Case, records: list[dict], p2p_only: bo
         fail(
             spec.check,
             f"{where}: no send or recv was seen on any rank, yet the result needs data from "
-            "other ranks. Build it from dist.send, dist.recv, dist.isend and dist.irecv (a "
-            "collective called through a name imported from torch.distributed is not seen, "
-            "and not allowed either).",
+            "other ranks. Build it from dist.send, dist.recv, dist.isend and dist.irecv.",
         )
     if sent != received:
         fail(
@@ -405,18 +424,18 @@ def _judge_bytes(spec: _Spec, case: Case, records: list[dict]) -> None:
     __tracebackhide__ = True
     p, numel = case.world_size, _numel(case.shape)
     itemsize = torch.empty((), dtype=case.dtype).element_size()
-    # 2(P-1)/P * N elements, plus what P uneven chunks (sizes differing by one) can add.
-    allowed = (2 * (p - 1) * (numel + 1) // p) * itemsize
+    # 2(P-1) steps of one chunk each; a chunk may be padded up to ceil(N/P) elements.
+    allowed = 2 * (p - 1) * -(-numel // p) * itemsize
     for r, record in enumerate(records):
         if record["sent"] > allowed:
             fail(
                 spec.check,
                 f"{case}: rank {r} sent {record['sent']} bytes; a ring all-reduce of "
                 f"N = {numel} elements ({numel * itemsize} bytes) sends at most "
-                f"2(P-1)/P * N = {2 * (p - 1) * numel * itemsize / p:g} bytes per rank (allowed "
-                f"{allowed} with rounding). Does each step send one chunk of about N/P "
-                "elements, not the whole tensor? Are your P chunks nearly equal "
-                "(torch.tensor_split)?",
+                f"2(P-1)/P * N = {2 * (p - 1) * numel * itemsize / p:g} bytes per rank, and "
+                f"at most 2(P-1) chunks of ceil(N/P) elements, {allowed} bytes, when chunks "
+                "are padded. Does each step send one chunk of about N/P elements, not the "
+                "whole tensor?",
             )
 
 
