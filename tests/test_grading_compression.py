@@ -178,9 +178,7 @@ def test_quantized_all_reduce_rejects_wrong_implementations(fns, message):
 
 def test_bytes_by_kind_books_each_call_by_dtype():
     def run():
-        from course_lib import CommCounter
-
-        with CommCounter() as counter, BytesByKind(counter) as kinds:
+        with BytesByKind() as kinds:
             dist.all_reduce(torch.zeros(100, dtype=torch.int8))
             dist.all_reduce(torch.zeros(10))
         return dict(kinds.sent)
@@ -334,3 +332,19 @@ def test_reference_matches_torch_powersgd_hook(seed, rank_r):
     # And the approximation is really lossy here, so the agreement is not trivial.
     mean = (grads[0][warmup] + grads[1][warmup]) / 2
     assert (want[0] - mean).abs().max() > 0.1
+
+
+def lecture_quantized_all_reduce(tensor):
+    """The lecture's 8-bit all-reduce, called."""
+    from course_lib import compression
+
+    return compression.quantized_all_reduce(tensor)
+
+
+def test_the_lectures_quantized_all_reduce_is_refused():
+    expect_failure(
+        check_quantized_all_reduce,
+        (quantize, dequantize, lecture_quantized_all_reduce),
+        "runs course_lib.compression.quantized_all_reduce",
+        timeout=10,
+    )

@@ -105,6 +105,26 @@ def not_implemented(*args):
     raise NotImplementedError()
 
 
+def push_sum_all_gather(x, w, out_neighbors, in_neighbors):
+    """Right numbers from an all-gather of every rank's x, w and out-degree: every rank
+    hears from everyone, and keeps what its in-neighbours would have sent."""
+    p = dist.get_world_size()
+    mine = torch.cat([x.double(), w.double().reshape(1), torch.tensor([len(out_neighbors)])])
+    everyone = [torch.empty_like(mine) for _ in range(p)]
+    dist.all_gather(everyone, mine)
+    new = mine[:-1] / (len(out_neighbors) + 1)
+    for j in in_neighbors:
+        new = new + everyone[j][:-1] / (everyone[j][-1] + 1)
+    return new[:-1].to(x.dtype), new[-1].to(w.dtype).reshape(w.shape)
+
+
+def push_sum_lecture(x, w, out_neighbors, in_neighbors):
+    """The lecture's step, called."""
+    from course_lib import gossip
+
+    return gossip.push_sum_step(x, w, out_neighbors, in_neighbors)
+
+
 @pytest.mark.parametrize(
     "fn, message",
     [
@@ -114,8 +134,19 @@ def not_implemented(*args):
         (push_sum_returns_z, "expected a pair (x_new, w_new)"),
         (not_implemented, "raised NotImplementedError"),
         (push_sum_recv_first, "did not finish within 5 s"),
+        (push_sum_all_gather, "called all_gather; push-sum uses point-to-point messages only"),
+        (push_sum_lecture, "runs course_lib.gossip.push_sum_step"),
     ],
-    ids=["no-own-share", "reversed", "no-weights", "returns-z", "not-implemented", "deadlock"],
+    ids=[
+        "no-own-share",
+        "reversed",
+        "no-weights",
+        "returns-z",
+        "not-implemented",
+        "deadlock",
+        "all-gather",
+        "lecture",
+    ],
 )
 def test_push_sum_rejects_wrong_implementations(fn, message):
     with pytest.raises(CheckFailed) as info:

@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
-from course_lib.comm import COLLECTIVE_MODEL, POINT_TO_POINT, CommCounter
+from course_lib import comm
+from course_lib.comm import CommCounter
 from course_lib.grading._harness import fail, run_on_ranks
+from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank
 
 EIGHT_BIT = (torch.int8, torch.uint8)
@@ -75,45 +76,28 @@ def all_reduce_bound(abs_max_sum: float, world_size: int) -> float:
 class BytesByKind:
     """While active: the bytes this rank sends, split into 8-bit tensors and others.
 
-    Sits on top of a CommCounter (enter it after the counter): each torch.distributed call
-    is classified by the dtypes of its tensors, and the bytes the counter adds during the
-    call are booked to "8-bit" if all of them are int8/uint8, else to their dtype's name."""
+    Built on `course_lib.comm`'s hooks (so on grading ranks it sees every route to a
+    collective, as a CommCounter does, and counts bytes the same way): each outermost call
+    is classified by the dtypes of its tensors, and its bytes are booked to "8-bit" if all
+    of them are int8/uint8, else to their dtype's name."""
 
-    def __init__(self, counter: CommCounter) -> None:
-        self.counter = counter
+    def __init__(self) -> None:
         self.sent: Counter = Counter()
         self.calls: Counter = Counter()
-        self._depth = 0
 
     def __enter__(self) -> BytesByKind:
-        self._saved = {op: getattr(c10d, op) for op in (*POINT_TO_POINT, *COLLECTIVE_MODEL)}
-        for op, inner in self._saved.items():
-            wrapper = self._wrap(op, inner)
-            setattr(c10d, op, wrapper)
-            setattr(dist, op, wrapper)
+        comm.add_around_hook(self._hook)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for op, inner in self._saved.items():
-            setattr(c10d, op, inner)
-            setattr(dist, op, inner)
+        comm.remove_around_hook(self._hook)
 
-    def _wrap(self, op: str, inner: Callable) -> Callable:
-        def classified(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:  # a call made by another collective: booked by the outer one
-                return inner(*args, **kwargs)
-            dtypes = {t.dtype for t in _tensors([*args, *kwargs.values()])}
-            kind = "8-bit" if dtypes and dtypes <= set(EIGHT_BIT) else _names(dtypes - {*EIGHT_BIT})
-            before = self.counter.bytes_sent
-            self._depth += 1
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                self.sent[kind] += self.counter.bytes_sent - before
-                self.calls[f"{op} ({kind})"] += 1
-
-        return classified
+    def _hook(self, op: str, args: dict, sent: int, received: int, call: Callable) -> Any:
+        dtypes = {t.dtype for t in _tensors(args.values())}
+        kind = "8-bit" if dtypes and dtypes <= set(EIGHT_BIT) else _names(dtypes - {*EIGHT_BIT})
+        self.sent[kind] += sent
+        self.calls[f"{op} ({kind})"] += 1
+        return call()
 
     def other_bytes(self) -> int:
         return sum(n for kind, n in self.sent.items() if kind != "8-bit")
@@ -216,7 +200,26 @@ def _round_trip_hint(x: torch.Tensor, q: torch.Tensor) -> str:
     )
 
 
-def _run_quantized(fns: tuple[Callable, Callable, Callable], cases: list[QCase]) -> list[dict]:
+# Lecture 5's module holds a working 8-bit quantizer, its all-reduce and PowerSGD's pieces:
+# an answer that runs them, or a copy, is not the student's own.
+LECTURE = ("course_lib.compression",)
+
+
+def _records(check: str, found: list[dict]) -> list:
+    """Each rank's records, once no rank ran the lecture's code."""
+    __tracebackhide__ = True
+    if found[0]["copied"]:
+        fail(check, found[0]["copied"])
+    return [rank_found["records"] for rank_found in found]
+
+
+def _run_quantized(fns: tuple[Callable, Callable, Callable], cases: list[QCase]) -> dict:
+    with Provenance(LECTURE) as seen:
+        records = _quantized_records(fns, cases)
+    return {"records": records, "copied": seen.complaint()}
+
+
+def _quantized_records(fns: tuple[Callable, Callable, Callable], cases: list[QCase]) -> list:
     quantize, dequantize, quantized_all_reduce = fns
     records = []
     with CommCounter():  # keeps torch.distributed wrapped for the whole run
@@ -230,7 +233,7 @@ def _run_quantized(fns: tuple[Callable, Callable, Callable], cases: list[QCase])
             )
             dist.all_reduce(abs_max)
             mine = x.clone()
-            with CommCounter() as counter, BytesByKind(counter) as kinds:
+            with BytesByKind() as kinds:
                 try:
                     result = quantized_all_reduce(mine)
                 except BaseException as exc:
@@ -368,6 +371,7 @@ def check_quantized_all_reduce(
             timeout=timeout,
             what=f"your quantize, dequantize or {name} (world size {p}, {len(cases)} cases)",
         )
+        results = _records(check, results)
         for i, case in enumerate(cases):
             _judge_quantized(check, name, case, [results[r][i] for r in range(p)])
 
@@ -447,7 +451,13 @@ def _gradient(case: PCase, r: int, t: int) -> torch.Tensor:
     return (u @ v + 0.5 * torch.randn(n, m, generator=own)).to(case.dtype)
 
 
-def _run_powersgd(powersgd_class: Callable, cases: list[PCase]) -> list[list[dict]]:
+def _run_powersgd(powersgd_class: Callable, cases: list[PCase]) -> dict:
+    with Provenance(LECTURE) as seen:
+        records = _powersgd_records(powersgd_class, cases)
+    return {"records": records, "copied": seen.complaint()}
+
+
+def _powersgd_records(powersgd_class: Callable, cases: list[PCase]) -> list[list[dict]]:
     out = []
     with CommCounter():
         for case in cases:
@@ -650,6 +660,7 @@ def check_powersgd(
             timeout=timeout,
             what=f"your {name} (world size {p}, {len(cases)} cases)",
         )
+        results = _records(check, results)
         for i, case in enumerate(cases):
             _judge_powersgd(check, case, [results[w][i] for w in range(p)])
 

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from course_lib import comm
 from course_lib.comm import CommCounter
 from course_lib.grading._harness import fail, run_on_ranks
+from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank
 
 GRAPHS = ("exponential", "one-peer exponential", "irregular")
@@ -98,7 +100,39 @@ def _start(case: Case, r: int) -> torch.Tensor:
     return (torch.randn(case.size, generator=g) * 3 + r).to(case.dtype)
 
 
-def _gossip(push_sum_step: Callable, cases: list[Case]) -> list[list[dict]]:
+# Lecture 4's module has a working push-sum step, and this module's reference computes a
+# round for every rank: an answer that runs them, or a copy, is not the student's own.
+FORBIDDEN = ("course_lib.gossip", "course_lib.grading.gossip.push_sum_reference")
+POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+
+
+class _Messages:
+    """While active: every torch.distributed call this rank makes, with its peer for point-
+    to-point ones, on every route (course_lib.comm's hook; on grading ranks it sees calls
+    made through names bound earlier and through the group object too)."""
+
+    def __enter__(self) -> _Messages:
+        self.calls: list[tuple[str, int | None]] = []
+        comm.add_around_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        comm.remove_around_hook(self._hook)
+
+    def _hook(self, op, args, sent, received, call):
+        names = ("dst", "group_dst") if op in ("send", "isend") else ("src", "group_src")
+        peer = next((args[n] for n in names if args.get(n) is not None), None)
+        self.calls.append((op, peer if op in POINT_TO_POINT else None))
+        return call()
+
+
+def _gossip(push_sum_step: Callable, cases: list[Case]) -> dict:
+    with Provenance(FORBIDDEN) as seen:
+        records = _gossip_records(push_sum_step, cases)
+    return {"records": records, "copied": seen.complaint()}
+
+
+def _gossip_records(push_sum_step: Callable, cases: list[Case]) -> list[list[dict]]:
     """On each rank: every case, `rounds` rounds each, feeding each round's output back."""
     out = []
     with CommCounter():
@@ -108,14 +142,14 @@ def _gossip(push_sum_step: Callable, cases: list[Case]) -> list[list[dict]]:
             rounds = []
             for t in range(case.rounds):
                 outs, ins = out_neighbors(case.graph, me, p, t), in_neighbors(case.graph, me, p, t)
-                with CommCounter() as counter:
+                with _Messages() as messages:
                     try:
                         got = push_sum_step(x.clone(), w.clone(), list(outs), list(ins))
                     except BaseException as exc:
                         if hasattr(exc, "add_note"):
                             exc.add_note(f"(while checking: {case}, round {t})")
                         raise
-                rounds.append({"x": x, "w": w, "got": got, "calls": dict(counter.calls)})
+                rounds.append({"x": x, "w": w, "got": got, "calls": messages.calls})
                 if _well_formed(got, case):  # else judged in the calling process; every
                     # rank still runs every round, so the messages keep matching
                     x, w = got[0].detach().clone(), got[1].detach().clone().reshape(())
@@ -192,13 +226,8 @@ def _judge(check: str, name: str, case: Case, records: list[list[dict]]) -> None
                     f"{_show(want_x[r] if bad_x else want_w[r])}. "
                     + _hint(case, t, xs, ws, got_x, got_w),
                 )
-        calls = records[0][t]["calls"]
-        if p > 1 and not any(calls.values()):
-            fail(
-                check,
-                f"{at}: rank 0 sent nothing through torch.distributed; use dist.isend / "
-                "dist.irecv (a function imported by name from torch.distributed is not seen)",
-            )
+        for r in range(p):
+            _judge_messages(check, at, case, t, r, records[r][t]["calls"])
     z = [got_x[r] / got_w[r] for r in range(p)]
     worst = max((zr - average).abs().max().item() for zr in z)
     # As close as push-sum itself gets in that many rounds (some graphs mix slowly), twice.
@@ -210,6 +239,35 @@ def _judge(check: str, name: str, case: Case, records: list[list[dict]]) -> None
             check,
             f"{case}: after {case.rounds} rounds z = x / w is still up to {worst:.3g} away "
             f"from the average of the starting x (allowed {allowed:.3g}).",
+        )
+
+
+def _judge_messages(check: str, at: str, case: Case, t: int, r: int, calls: list) -> None:
+    """Push-sum talks to its neighbours only: point-to-point messages, sent to every
+    out-neighbour and to no one else, received from in-neighbours only."""
+    __tracebackhide__ = True
+    outs = out_neighbors(case.graph, r, case.world_size, t)
+    ins = in_neighbors(case.graph, r, case.world_size, t)
+    where = f"{at}: rank {r} (out-neighbours {outs}, in-neighbours {ins})"
+    others = sorted({op for op, _ in calls if op not in POINT_TO_POINT})
+    if others:
+        fail(
+            check,
+            f"{where} called {', '.join(others)}; push-sum uses point-to-point messages only "
+            "(dist.isend / dist.irecv, or send / recv), whatever way a collective is reached",
+        )
+    sent_to = {peer for op, peer in calls if op in ("send", "isend")}
+    heard_from = {peer for op, peer in calls if op in ("recv", "irecv")}
+    if sent_to - set(outs):
+        fail(check, f"{where} sent to rank(s) {sorted(sent_to - set(outs))}: not out-neighbours")
+    if heard_from - set(ins):
+        shown = ["any (no src)" if p is None else p for p in heard_from - set(ins)]
+        fail(check, f"{where} received from {shown}: not in-neighbours")
+    if set(outs) - sent_to:
+        fail(
+            check,
+            f"{where} sent nothing to rank(s) {sorted(set(outs) - sent_to)}: every "
+            "out-neighbour gets its share of x and w",
         )
 
 
@@ -302,6 +360,9 @@ def check_push_sum(
             timeout=timeout,
             what=f"your {name} (world size {p}, {len(cases)} cases)",
         )
+        if results[0]["copied"]:
+            fail(check, results[0]["copied"])
+        results = [found["records"] for found in results]
         for i, case in enumerate(cases):
             _judge(check, name, case, [results[r][i] for r in range(p)])
 
