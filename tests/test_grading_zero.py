@@ -314,6 +314,23 @@ class KeepsFullGradOptimizer(ShardedGradOptimizer):
         shard.grad = grad if shard.grad is None else shard.grad + grad
 
 
+class HiddenFullGradOptimizer(ShardedGradOptimizer):
+    """Right ZeRO-2 where the check usually looks (shards get their chunk, param.grad is
+    freed), but every full gradient is also kept in a private dict until step(): the full
+    gradients of all parameters coexist, which ZeRO-2 exists to avoid."""
+
+    kept: dict = {}  # a class attribute: not on the instance the check inspects
+
+    def grad_ready(self, shard, param):
+        type(self).kept[id(param)] = param.grad
+        super().grad_ready(shard, param)
+
+    @torch.no_grad()
+    def step(self):
+        type(self).kept.clear()
+        super().step()
+
+
 def keep_gathered(model):
     """ZeRO-3 that keeps each layer's gathered parameters after its forward."""
     return shard_module(model, post=partial(free_parameters, keep=True))
@@ -419,6 +436,7 @@ def test_check_zero1_rejects(impl, message):
         (KeepsFullGradOptimizer, "bytes of gradients (measured after backward); at most"),
         (FullStateOptimizer, "bytes of gradients (measured after backward); at most"),
         (NoGatherOptimizer, "the ranks hold different parameters"),
+        (HiddenFullGradOptimizer, "bytes of tensors kept from backward"),
         (not_implemented, "your ShardedGradOptimizer raised NotImplementedError"),
     ],
 )

@@ -22,6 +22,7 @@ storage, so a view that keeps a whole tensor alive counts as the whole tensor.
 from __future__ import annotations
 
 import functools
+import gc
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -45,6 +46,9 @@ ADAMW = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 TOLERANCE = {"rtol": 1e-10, "atol": 1e-10}
 GRAD_TOLERANCE = {"rtol": 1e-10, "atol": 1e-12}
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
+# What ZeRO-2 may keep from backward beyond its gradient shards: one parameter's full size (a
+# buffer reused from hook to hook) and a few small tensors (a loss, a count).
+KEPT_SLACK = 1024
 
 
 # --- the sharding rule ----------------------------------------------------------------------
@@ -166,6 +170,17 @@ def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct storages behind every tensor Python can reach in this process,
+    and behind their .grad: wherever a tensor is kept (an attribute, a closure, a module-level
+    dict), the garbage collector knows it. (A gradient autograd holds only in C++, such as a
+    parameter's .grad never read from Python, is `gradient_bytes`' to count.)"""
+    gc.collect()  # garbage not yet collected is not kept
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    grads = [t.grad for t in tensors if t.requires_grad and t.grad is not None]
+    return _storage_bytes([*tensors, *grads])
+
+
 def held_bytes(model: nn.Module) -> int:
     """Bytes of the distinct storages behind `held_tensors(model)`."""
     return _storage_bytes(held_tensors(model).values())
@@ -237,8 +252,11 @@ def _train_stage12(impl: Callable, stage: int, run: Run) -> dict:
     for x, y in global_batches(run):
         x, y = data.shard(x, me, ranks), data.shard(y, me, ranks)
         optimizer.zero_grad()
+        before = live_tensor_bytes() if stage == 2 else 0
         lm_loss(model(x), y).backward()
         record = {"grad_bytes": gradient_bytes(model, optimizer)}
+        if stage == 2:  # what backward left alive, wherever the student's code keeps it
+            record["kept_bytes"] = live_tensor_bytes() - before
         shards = _visible_shards(optimizer, model, ranks)
         if stage == 2 and shards is not None:
             record["grad_shards"] = [None if p.grad is None else p.grad.clone() for _, p in shards]
@@ -407,11 +425,16 @@ def _check_bytes(
             fail(
                 check,
                 f"rank {r} ({where}) holds {nbytes:,} bytes of {what}; at most {allowed:,} "
-                f"are allowed: ceil(numel / {ranks}) elements of each parameter (for the full "
-                f"model: {full:,} bytes, / {ranks} = {full // ranks:,}).\n"
+                f"are allowed: ceil(numel / {ranks}) elements of each parameter"
+                + (
+                    f" (for the full model: {full:,} bytes, / {ranks} = {full // ranks:,})"
+                    if full
+                    else ""
+                )
+                + ".\n"
                 f"Hint: {hint}",
             )
-    if sum(per_rank) < full:
+    if full and sum(per_rank) < full:
         fail(
             check,
             f"the ranks together hold only {sum(per_rank):,} bytes of {what} where the check "
@@ -458,6 +481,7 @@ def _check_stage12(check: str, impl: Callable, stage: int, ranks: int, run: Run,
     _compare_parameters(check, run, results)
     ref = reference(run)
     model = build_model(run)
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
     where = run.describe(ranks)
     for s, ref_step in enumerate(ref["steps"]):
         at = f"after step {s}, {where}"
@@ -472,6 +496,17 @@ def _check_stage12(check: str, impl: Callable, stage: int, ranks: int, run: Run,
                 "as soon as a parameter's gradient is ready (a post-accumulate-grad hook), "
                 "reduce-scatter it into this rank's shard's .grad and free the full "
                 "gradient (param.grad = None)",
+            )
+            _check_bytes(
+                check,
+                "tensors kept from backward (every tensor alive after backward that was not "
+                "before it, wherever it is kept; one parameter's full size is allowed on top)",
+                [result["steps"][s]["kept_bytes"] for result in results],
+                shard_bytes(model, ranks) + largest + KEPT_SLACK,
+                0,  # no lower bound: a delta (a shard's .grad may reuse its memory)
+                f"step {s}, {where}",
+                "reduce-scatter each gradient in its hook and keep only the chunk: a full "
+                "gradient kept anywhere until step() is what ZeRO-2 removes",
             )
             _compare_grad_shards(check, results, s, ref_step, ranks, at)
         for r, result in enumerate(results):
