@@ -96,10 +96,11 @@ def _base_args(limits: Limits | None, network: bool = False) -> list[str]:
         args += ["--unshare-user", "--uid", "65534", "--gid", "65534"]
     if network:
         args.append("--share-net")
-    args += _readable()
+    # The scratch /tmp first: a venv or course that lives under /tmp is then shown on top of
+    # it (mounted after it), not hidden beneath it.
     size = str((limits or Limits()).scratch_bytes)
-    args += ["--dev", "/dev", "--proc", "/proc", "--size", size, "--tmpfs", "/tmp"]
-    return args
+    args += ["--size", size, "--tmpfs", "/tmp", "--dev", "/dev", "--proc", "/proc"]
+    return args + _readable()
 
 
 def command(
