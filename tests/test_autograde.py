@@ -69,6 +69,21 @@ def test_solution_gets_full_marks(course, assignment):
 
 
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_the_solved_notebook_runs_top_to_bottom_in_the_sandbox(course, assignment):
+    """Every cell of the solved notebook ran without an error where autograding runs it (try
+    cells and measurements included: a student runs them too)."""
+    graded = course / "autograded" / "solver" / assignment / f"{assignment}.ipynb"
+    errors = [
+        (cell.id, out.get("ename"), out.get("evalue", "")[:200])
+        for cell in nbformat.read(graded, 4).cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "error"
+    ]
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_untouched_release_gets_zero_on_every_test(course, assignment):
     grades = scores(course, assignment, "blank")
     assert grades and all(score == 0 for score, _ in grades.values()), grades
