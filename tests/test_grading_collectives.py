@@ -476,12 +476,70 @@ def test_ring_check_rejects_a_ring_over_the_byte_budget():
     assert "2(P-1) chunks of ceil(N/P) elements, 48 bytes" in text
 
 
+def all_reduce_direct(tensor):
+    """Bandwidth-optimal but no ring: reduce-scatter and all-gather by direct messages."""
+    p, me = world_size(), rank()
+    chunks = torch.tensor_split(tensor.view(-1), p)
+    others = [r for r in range(p) if r != me]
+    incoming = {r: torch.empty_like(chunks[me]) for r in others}
+    requests = [dist.isend(chunks[r], r) for r in others]
+    requests += [dist.irecv(incoming[r], r) for r in others]
+    for request in requests:
+        request.wait()
+    mine = chunks[me]  # a view: adding to it in place adds into tensor
+    for r in others:
+        mine += incoming[r]
+    requests = [dist.isend(chunks[me], r) for r in others]
+    requests += [dist.irecv(chunks[r], r) for r in others]
+    for request in requests:
+        request.wait()
+
+
+def test_a_passing_check_says_what_it_verified(capsys):
+    check_all_reduce(
+        SOLVED["ring_all_reduce"], bandwidth_optimal=True, world_sizes=[3], shapes=[(7,)],
+        dtypes=[torch.float32],
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    # 3 ranks, chunks of 3, 2, 2 float32: every step passes each chunk once, 4 steps.
+    assert out.startswith(
+        "check_all_reduce(bandwidth_optimal=True): passed. Verified 1 case(s) on 3 rank(s): "
+        "every rank's result matches torch.distributed.all_reduce"
+    )
+    assert "; 112 bytes sent in all;" in out
+    assert "(closest to the limit: 40 of 48 bytes)" in out
+
+
+def test_a_failing_check_lists_several_failing_cases():
+    text = expect_failure(
+        check_all_reduce, ring_drops_tail, "[result] failed in 8 case(s):", world_sizes=[2, 4],
+        shapes=[(7,), (3, 3)], dtypes=[torch.float32, torch.int64],
+    )  # fmt: skip
+    assert text.count("\n  - ") == 3 and "... and 5 more" in text
+
+
+def test_a_ring_that_passes_whole_tensors_earns_half():
+    with pytest.raises(CheckFailed) as info:
+        check_all_reduce(ring_whole_tensor, bandwidth_optimal=True, world_sizes=[3, 4])
+    assert info.value.failed == {"bytes"} and info.value.score == 0.5
+    assert "Partial credit: ring passed (50%), bytes failed (50%)" in str(info.value)
+
+
+def test_direct_reduce_scatter_and_all_gather_earns_half():
+    check_all_reduce(all_reduce_direct, world_sizes=[3, 4], shapes=UNEVEN)  # a right sum
+    with pytest.raises(CheckFailed) as info:
+        check_all_reduce(all_reduce_direct, bandwidth_optimal=True, world_sizes=[4])
+    assert info.value.failed == {"ring"} and info.value.score == 0.5
+
+
 def test_ring_check_rejects_the_naive_all_reduce():
     # Right sums, but rank 0 talks to every rank and sends (P-1) N.
-    expect_failure(
+    text = expect_failure(
         check_all_reduce, SOLVED["all_reduce_naive"], "talks only to its neighbours",
         bandwidth_optimal=True, world_sizes=[4],
     )  # fmt: skip
+    assert "[ring] failed" in text and "[bytes] failed" in text
+    assert "No points for this part" not in text  # the result was right: it is not the gate
 
 
 def test_deadlock_fails_within_the_timeout_with_stacks():

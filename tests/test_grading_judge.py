@@ -116,6 +116,8 @@ def test_nbgrader_reads_the_judges_outputs_as_the_intended_score(share_earned, e
         }
     )
     assert determine_grade(cell) == (expected, 4.0)
+    if expected:
+        assert f"{expected:g} of 4 points\n" in [o.get("text") for o in cell.outputs]
 
 
 def test_student_frames_leave_out_the_graders_and_torchs():

@@ -30,7 +30,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from course_lib import comm
 from course_lib.comm import CommCounter
-from course_lib.grading._harness import fail, run_on_ranks
+from course_lib.grading._harness import RESULT, Verdict, fail, run_on_ranks
 from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank
 
@@ -40,6 +40,10 @@ POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12), torch.int64: (0, 0)}
 EXACT = (0, 0)  # broadcast and all-gather only move data: every bit must arrive
 INT64_LIMIT = 2**58  # int64 inputs reach far past 2**53, where float64 stops being exact
+
+# The ring part's points: half for talking only to the neighbours, half for the bytes, and
+# neither unless the sum is right on every rank (a right sum alone is part 5's naive answer).
+RING_WEIGHTS = {RESULT: 0.0, "ring": 0.5, "bytes": 0.5}
 
 DTYPES = (torch.float32, torch.float64, torch.int64)
 DEFAULT_SHAPES = ((5,), (2, 3))
@@ -319,6 +323,8 @@ def _check(
         fail(spec.check, f"expected your function, got {type(fn).__name__} {fn!r:.60}")
     shapes = [tuple(s) if isinstance(s, Iterable) else (int(s),) for s in shapes]
     name = getattr(fn, "__name__", "function")
+    verdict = Verdict(spec.check, RING_WEIGHTS if spec.bandwidth_optimal else None)
+    tally = _Tally()
     for p in sorted(set(world_sizes)):
         roots = range(p) if spec.root else [None]
         cases = [
@@ -342,11 +348,54 @@ def _check(
             fail(spec.check, results[0]["copied"])
         results = [found["cases"] for found in results]
         for i, case in enumerate(cases):
-            _judge(spec, name, case, [results[r][i] for r in range(p)], point_to_point_only)
+            records = [results[r][i] for r in range(p)]
+            with verdict.case():
+                _judge(spec, name, case, records, point_to_point_only)
+            if spec.bandwidth_optimal:
+                with verdict.case():
+                    _judge_neighbours(spec, case, records)
+                with verdict.case():
+                    _judge_bytes(spec, case, records)
+            tally.add(spec, case, records)
+    verdict.conclude(tally.summary(spec, point_to_point_only))
+
+
+class _Tally:
+    """What a passing check verified: how many cases, and the bytes they sent."""
+
+    def __init__(self) -> None:
+        self.cases, self.world_sizes, self.sent, self.busiest = 0, set(), 0, (0, 0)
+
+    def add(self, spec: _Spec, case: Case, records: list[dict]) -> None:
+        self.cases += 1
+        self.world_sizes.add(case.world_size)
+        self.sent += sum(record["sent"] for record in records)
+        if spec.bandwidth_optimal:
+            most = max(record["sent"] for record in records)
+            share = most / max(_ring_budget(case), 1)
+            self.busiest = max(self.busiest, (share, most, _ring_budget(case)))
+
+    def summary(self, spec: _Spec, point_to_point_only: bool) -> str:
+        sizes = ", ".join(str(p) for p in sorted(self.world_sizes))
+        how = "exactly" if spec.tolerance is None else "within TOLERANCE for float sums"
+        text = (
+            f"{self.cases} case(s) on {sizes} rank(s): every rank's result matches "
+            f"torch.distributed.{spec.kind} ({how})"
+        )
+        if point_to_point_only:
+            text += ", built from send/recv/isend/irecv only, every request waited for"
+        text += f"; {self.sent} bytes sent in all"
+        if spec.bandwidth_optimal:
+            _, most, budget = self.busiest
+            text += (
+                "; every rank talked only to its ring neighbours and sent at most 2(P-1) "
+                f"chunks of ceil(N/P) elements (closest to the limit: {most} of {budget} bytes)"
+            )
+        return text
 
 
 def _judge(spec: _Spec, name: str, case: Case, records: list[dict], p2p_only: bool) -> None:
-    """Fail on the first problem in one case, looking at every rank's record."""
+    """Fail on the first problem with one case's result, looking at every rank's record."""
     __tracebackhide__ = True
     where = str(case)
     for r, record in enumerate(records):
@@ -382,8 +431,6 @@ def _judge(spec: _Spec, name: str, case: Case, records: list[dict], p2p_only: bo
                 "for). Until wait() returns, an irecv's tensor may not hold the message yet "
                 "and an isend's tensor must not change: wait() for every request.",
             )
-    if spec.bandwidth_optimal and case.world_size > 1:
-        _judge_neighbours(spec, case, records)
     for r, record in enumerate(records):
         for what in record.get("rebound", []):
             fail(
@@ -400,11 +447,10 @@ def _judge(spec: _Spec, name: str, case: Case, records: list[dict], p2p_only: bo
                 f"torch.distributed leaves it unchanged. Accumulate into a buffer of your own "
                 "(e.g. a clone) or into the output.",
             )
-    if spec.bandwidth_optimal:
-        _judge_bytes(spec, case, records)
 
 
 def _judge_neighbours(spec: _Spec, case: Case, records: list[dict]) -> None:
+    """The "ring" property: each rank sends to and receives from its neighbours only."""
     __tracebackhide__ = True
     p = case.world_size
     for r, record in enumerate(records):
@@ -417,15 +463,23 @@ def _judge_neighbours(spec: _Spec, case: Case, records: list[dict]) -> None:
                     f"{case}: rank {r} called dist.{op} with {other}; in a ring each rank "
                     f"talks only to its neighbours, here ranks {sorted(neighbours)}: send to "
                     "rank + 1 and receive from rank - 1 (modulo the world size)",
+                    prop="ring",
                 )
 
 
+def _ring_budget(case: Case) -> int:
+    """Bytes a rank may send in a ring all-reduce: 2(P-1) steps of one chunk each, a chunk
+    padded up to ceil(N/P) elements at most."""
+    p, itemsize = case.world_size, torch.empty((), dtype=case.dtype).element_size()
+    return 2 * (p - 1) * -(-_numel(case.shape) // p) * itemsize
+
+
 def _judge_bytes(spec: _Spec, case: Case, records: list[dict]) -> None:
+    """The "bytes" property: no rank sends more than `_ring_budget`."""
     __tracebackhide__ = True
     p, numel = case.world_size, _numel(case.shape)
     itemsize = torch.empty((), dtype=case.dtype).element_size()
-    # 2(P-1) steps of one chunk each; a chunk may be padded up to ceil(N/P) elements.
-    allowed = 2 * (p - 1) * -(-numel // p) * itemsize
+    allowed = _ring_budget(case)
     for r, record in enumerate(records):
         if record["sent"] > allowed:
             fail(
@@ -436,6 +490,7 @@ def _judge_bytes(spec: _Spec, case: Case, records: list[dict]) -> None:
                 f"at most 2(P-1) chunks of ceil(N/P) elements, {allowed} bytes, when chunks "
                 "are padded. Does each step send one chunk of about N/P elements, not the "
                 "whole tensor?",
+                prop="bytes",
             )
 
 

@@ -65,7 +65,8 @@ class CellVerdict:
         outputs = [{"output_type": "stream", "name": "stdout", "text": text}] if text else []
         score = self.score
         if score >= self.points:
-            return outputs
+            summary = f"{self.points:g} of {self.points:g} points\n"
+            return outputs + [{"output_type": "stream", "name": "stdout", "text": summary}]
         if score > 0:
             summary = f"{score:g} of {self.points:g} points"
             outputs.append({"output_type": "stream", "name": "stdout", "text": summary + "\n"})
