@@ -88,8 +88,12 @@ def not_implemented(*args):
 
 @pytest.mark.parametrize("ping_fn, pong_fn", [(ping, pong), (ping_polling, pong_counting)])
 @pytest.mark.parametrize("rounds", [1, 5])
-def test_ping_pong_accepts_right_implementations(ping_fn, pong_fn, rounds):
+def test_ping_pong_accepts_right_implementations(ping_fn, pong_fn, rounds, capsys):
     check_ping_pong(ping_fn, pong_fn, rounds=rounds)
+    replies = list(range(1, rounds + 1))
+    out = capsys.readouterr().out
+    assert out.startswith("check_ping_pong: passed. Verified your ping")
+    assert f"got back {replies}" in out
 
 
 @pytest.mark.parametrize(
@@ -194,8 +198,12 @@ def run_chain_forgets_result(n, relay_fn):
 
 @pytest.mark.parametrize("chain_fn", [run_chain, run_chain_backwards])
 @pytest.mark.parametrize("n", [1, 4])
-def test_chain_accepts_right_implementations(chain_fn, n):
+def test_chain_accepts_right_implementations(chain_fn, n, capsys):
     check_chain(relay, chain_fn, n=n)
+    expected = (sum(range(n)), list(range(n)))
+    assert f"check_chain: passed. Verified {n} of your relays turned (0, []) into {expected}" in (
+        capsys.readouterr().out
+    )
 
 
 @pytest.mark.parametrize(
@@ -305,8 +313,11 @@ def dist_fabricated(rounds):
 
 
 @pytest.mark.parametrize("fn", [dist_ping_pong, dist_ping_pong_async])
-def test_dist_ping_pong_accepts_right_implementations(fn):
+def test_dist_ping_pong_accepts_right_implementations(fn, capsys):
     check_dist_ping_pong(fn, rounds=4)
+    assert "32 bytes each way per rank; rank 0 got the replies [1.0, 2.0, 3.0, 4.0]" in (
+        capsys.readouterr().out
+    )
 
 
 @pytest.mark.parametrize(
@@ -364,8 +375,9 @@ def rtt_one_way(nbytes, repeats):
     return (time.perf_counter() - start) / repeats
 
 
-def test_round_trip_time_accepts_a_right_implementation():
+def test_round_trip_time_accepts_a_right_implementation(capsys):
     check_round_trip_time(round_trip_time)
+    assert "a 16,000,000-byte round trip took" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

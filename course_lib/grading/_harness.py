@@ -100,6 +100,11 @@ def share(weights: dict[str, float], failed: set[str]) -> float:
     return sum(w for prop, w in weights.items() if prop not in failed)
 
 
+def passed(check: str, verified: str) -> None:
+    """The one line a passing check prints: what it verified."""
+    print(f"{check}: passed. Verified {verified}.")
+
+
 def fail(check: str, message: str, prop: str = RESULT) -> NoReturn:
     __tracebackhide__ = True
     raise CheckFailed(f"{check}: {message}", prop=prop)
@@ -141,7 +146,7 @@ class Verdict:
     def conclude(self, verified: str) -> None:
         __tracebackhide__ = True
         if not self.messages:
-            print(f"{self.check}: passed. Verified {verified}.")
+            passed(self.check, verified)
             return
         failed = set(self.messages)
         lines = []

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from course_lib.comm import CommCounter
-from course_lib.grading._harness import Child, describe, fail, run_on_ranks
+from course_lib.grading._harness import Child, describe, fail, passed, run_on_ranks
 
 POINT_TO_POINT = {"send", "recv", "isend", "irecv"}
 
@@ -127,6 +127,11 @@ def check_ping_pong(ping: Callable, pong: Callable, rounds: int = 5, wait: float
     _expect(check, pong_out, "your pong (against your ping)", wait)
     if ping_out[1] != expected_replies:
         fail(check, f"your ping and pong together gave {ping_out[1]}, expected {expected_replies}")
+    passed(
+        check,
+        f"your ping and your pong, each against a correct partner and against each other, "
+        f"{rounds} rounds: ping sent {expected_numbers} and got back {expected_replies}",
+    )
 
 
 def _expect(check: str, outcome: tuple, who: str, wait: float) -> None:
@@ -243,6 +248,11 @@ def check_chain(relay: Callable, run_chain: Callable, n: int = 4, wait: float = 
             f"run_chain({n}, relay) returned with {leftover} child process(es) still "
             "running: join() every process you start",
         )
+    passed(
+        check,
+        f"{n} of your relays turned (0, []) into {expected!r}; your run_chain ran {n} relays, "
+        "each in a new process of its own, and returned with none left running",
+    )
 
 
 # --- ping-pong with torch.distributed -----------------------------------------------------
@@ -290,6 +300,11 @@ def check_dist_ping_pong(dist_ping_pong: Callable, rounds: int = 5, timeout: flo
         values = [float(v) for v in result] if isinstance(result, list | tuple) else result
         if values != expected[rank]:
             fail(check, f"rank {rank} returned {result!r}, expected {expected[rank]}")
+    passed(
+        check,
+        f"on 2 ranks, {rounds} rounds with send/recv only, {8 * rounds} bytes each way per "
+        f"rank; rank 0 got the replies {expected[0]}",
+    )
 
 
 # --- the cost of a message ----------------------------------------------------------------
@@ -316,6 +331,11 @@ def check_round_trip_time(
         small_s = _measured_round_trip(check, round_trip_time, small, repeats, timeout)
         large_s = _measured_round_trip(check, round_trip_time, large, repeats, timeout)
         if large_s > 3 * small_s:
+            passed(
+                check,
+                f"on 2 ranks, send/recv only, every byte both ways: a {large:,}-byte round trip "
+                f"took {large_s:.3g} s, a {small:,}-byte one {small_s:.3g} s",
+            )
             return
     fail(
         check,
