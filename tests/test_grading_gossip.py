@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import cloudpickle
@@ -58,9 +59,20 @@ def push_sum_two_messages(x, w, out_neighbors, in_neighbors):
 
 
 @pytest.mark.parametrize("fn", [push_sum_step, push_sum_two_messages], ids=["solution", "two"])
-def test_push_sum_accepts_right_implementations(fn):
+def test_push_sum_accepts_right_implementations(fn, capsys):
     check_push_sum(fn, rounds=20)
     check_push_sum(fn, dtype=torch.float32, world_sizes=(4,), seeds=(1,))
+    out = capsys.readouterr().out
+    assert out.count("check_push_sum: passed. Verified ") == 2
+    assert "rounds, float32): every round equals push-sum on every rank" in out
+
+
+def test_a_failing_push_sum_lists_several_failing_cases():
+    with pytest.raises(CheckFailed) as info:
+        check_push_sum(push_sum_no_own_share, world_sizes=(2, 3), rounds=3)
+    text = str(info.value)
+    assert re.search(r"\[result\] failed in ([4-9]|\d\d) case\(s\):", text), text
+    assert text.count("\n  - ") == 3
 
 
 def push_sum_no_own_share(x, w, out_neighbors, in_neighbors):

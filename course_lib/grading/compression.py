@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from course_lib import comm
 from course_lib.comm import CommCounter
-from course_lib.grading._harness import fail, run_on_ranks
+from course_lib.grading._harness import Verdict, fail, run_on_ranks
 from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank
 
@@ -360,6 +360,7 @@ def check_quantized_all_reduce(
             fail(check, f"expected your functions, got {type(fn).__name__} {fn!r:.60}")
     name = getattr(quantized_all_reduce, "__name__", "quantized_all_reduce")
     shapes = [tuple(s) for s in shapes]
+    verdict, count = Verdict(check), 0
     for p in sorted(set(world_sizes)):
         cases = [QCase(p, shape, seed) for seed in seeds for shape in shapes]
         results = run_on_ranks(
@@ -373,7 +374,15 @@ def check_quantized_all_reduce(
         )
         results = _records(check, results)
         for i, case in enumerate(cases):
-            _judge_quantized(check, name, case, [results[r][i] for r in range(p)])
+            with verdict.case():
+                _judge_quantized(check, name, case, [results[r][i] for r in range(p)])
+        count += len(cases)
+    sizes = ", ".join(str(p) for p in sorted(set(world_sizes)))
+    verdict.conclude(
+        f"{count} case(s) on {sizes} rank(s), shapes {shapes}: the round trip within "
+        "max|x| / 254, the sum within max(2, P) * A / 254 and the same on every rank, and "
+        "every rank's bytes within the payload and scale budgets"
+    )
 
 
 # --- PowerSGD: the reference ---------------------------------------------------------------
@@ -644,6 +653,7 @@ def check_powersgd(
     if dtype not in P_TOLERANCE:
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     name = getattr(powersgd_class, "__name__", "PowerSGD")
+    verdict, count = Verdict(check), 0
     for p in sorted(set(world_sizes)):
         cases = [
             PCase(p, (int(shape[0]), int(shape[1])), r, seed, steps, dtype)
@@ -662,7 +672,16 @@ def check_powersgd(
         )
         results = _records(check, results)
         for i, case in enumerate(cases):
-            _judge_powersgd(check, case, [results[w][i] for w in range(p)])
+            with verdict.case():
+                _judge_powersgd(check, case, [results[w][i] for w in range(p)])
+        count += len(cases)
+    sizes = ", ".join(str(p) for p in sorted(set(world_sizes)))
+    verdict.conclude(
+        f"{count} case(s) on {sizes} rank(s) (shapes {list(shapes)}, ranks {list(ranks)}, "
+        f"{steps} steps each): every step's approximation equals PowerSGD's and is the same "
+        "on every rank, the error memory keeps what was left out, and each rank sends at "
+        "most a ring all-reduce of (n + m) * rank elements"
+    )
 
 
 __all__ = [

@@ -22,7 +22,7 @@ import torch
 
 from course_lib import comm
 from course_lib.comm import CommCounter
-from course_lib.grading._harness import fail, run_on_ranks
+from course_lib.grading._harness import Verdict, fail, run_on_ranks
 from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank
 
@@ -349,6 +349,7 @@ def check_push_sum(
         if graph not in GRAPHS:
             raise ValueError(f"unknown graph {graph!r}: use one of {GRAPHS}")
     name = getattr(push_sum_step, "__name__", "push_sum_step")
+    verdict, count = Verdict(check), 0
     for p in sorted(set(world_sizes)):
         cases = [Case(p, graph, rounds, seed, dtype) for seed in seeds for graph in graphs]
         results = run_on_ranks(
@@ -364,7 +365,16 @@ def check_push_sum(
             fail(check, results[0]["copied"])
         results = [found["records"] for found in results]
         for i, case in enumerate(cases):
-            _judge(check, name, case, [results[r][i] for r in range(p)])
+            with verdict.case():
+                _judge(check, name, case, [results[r][i] for r in range(p)])
+        count += len(cases)
+    sizes = ", ".join(str(p) for p in sorted(set(world_sizes)))
+    verdict.conclude(
+        f"{count} case(s) on {sizes} rank(s) (graphs {', '.join(graphs)}; {rounds} rounds, "
+        f"{str(dtype).removeprefix('torch.')}): every round equals push-sum on every rank, "
+        "sends only to the round's out-neighbours and receives only from its in-neighbours, "
+        "conserves the totals of x and w, and z = x / w ends at the average"
+    )
 
 
 __all__ = [
