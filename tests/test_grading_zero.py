@@ -397,6 +397,19 @@ def test_checks_accept_other_right_styles():
     check_zero2(AllReduceGradOptimizer)
 
 
+def test_a_passing_check_says_what_it_verified_with_the_bytes_it_measured(capsys):
+    check_zero2(ShardedGradOptimizer, world_size=2, steps=1)
+    check_zero3(shard_module, world_size=2, steps=1)
+    out = capsys.readouterr().out.splitlines()
+    model = TinyGPT(SMALL, dtype=torch.float64)
+    state = shard_bytes(model, 2, values_per_element=2)
+    assert out[0].startswith("check_zero2: passed. Verified 1 steps (TinyGPT(SMALL)")
+    assert f"a rank's optimizer state took at most {state:,} of the {state:,} bytes" in out[0]
+    assert f"gradients at most {shard_bytes(model, 2):,} of {shard_bytes(model, 2):,}" in out[0]
+    assert out[1].startswith("check_zero3: passed. Verified 1 steps")
+    assert f"held at most {shard_bytes(model, 2):,} of the {shard_bytes(model, 2):,}" in out[1]
+
+
 class TorchAdamWOnly(ShardedOptimizer):
     def __init__(self, params, optimizer_cls, **kwargs):
         assert optimizer_cls is torch.optim.AdamW, optimizer_cls
@@ -478,6 +491,16 @@ def test_failures_name_rank_step_parameter_and_tolerance():
     full, allowed = 16 * count_parameters(model), shard_bytes(model, 2, values_per_element=2)
     assert "rank 0 (after step 0, TinyGPT(SMALL)" in str(info.value)
     assert f"holds {full:,} bytes of optimizer state; at most {allowed:,}" in str(info.value)
+
+
+def test_a_failing_check_lists_each_failing_property():
+    # Plain data parallelism as ZeRO-2: full gradients after backward, full optimizer state.
+    with pytest.raises(CheckFailed) as info:
+        check_zero2(FullStateOptimizer, world_size=2, steps=1)
+    text = str(info.value)
+    assert "[result] failed in 3 case(s):" in text
+    assert "bytes of optimizer state" in text and "bytes of gradients" in text
+    assert "bytes of tensors kept from backward" in text
 
 
 def test_a_bad_world_size_or_batch_is_refused_before_running():

@@ -143,6 +143,12 @@ class Verdict:
         if len(shown) < MAX_SHOWN:
             shown.append(message.removeprefix(f"{self.check}: "))
 
+    def settle(self) -> None:
+        """Raise the failures so far, if any: for when what follows depends on them."""
+        __tracebackhide__ = True
+        if self.messages:
+            self.conclude("")
+
     def conclude(self, verified: str) -> None:
         __tracebackhide__ = True
         if not self.messages:

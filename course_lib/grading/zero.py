@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import gc
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from torch import nn
 
 from course_lib import compare, data
 from course_lib.comm import CommCounter
-from course_lib.grading._harness import fail, run_on_ranks
+from course_lib.grading._harness import Verdict, fail, run_on_ranks
 from course_lib.launch import launch
 from course_lib.models import GPTConfig, TinyGPT, lm_loss
 from course_lib.runtime import rank, world_size
@@ -176,7 +177,9 @@ def live_tensor_bytes() -> int:
     dict), the garbage collector knows it. (A gradient autograd holds only in C++, such as a
     parameter's .grad never read from Python, is `gradient_bytes`' to count.)"""
     gc.collect()  # garbage not yet collected is not kept
-    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    with warnings.catch_warnings():  # isinstance() on torch's deprecated aliases warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
     grads = [t.grad for t in tensors if t.requires_grad and t.grad is not None]
     return _storage_bytes([*tensors, *grads])
 
@@ -376,10 +379,9 @@ def _parameter_hint(run: Run, results: list[dict], r: int, s: int, ranks: int) -
     )
 
 
-def _compare_parameters(check: str, run: Run, results: list[dict]) -> None:
+def _compare_parameters(check: str, run: Run, results: list[dict], ref: dict) -> None:
     __tracebackhide__ = True
     ranks = len(results)
-    ref = reference(run)
     where = run.describe(ranks)
     for s, ref_step in enumerate(ref["steps"]):
         for r, result in enumerate(results):
@@ -470,6 +472,8 @@ def _validate(ranks: int, run: Run) -> None:
 
 
 def _check_stage12(check: str, impl: Callable, stage: int, ranks: int, run: Run, timeout: float):
+    """Each property a case of its own, over every step: a failing check lists each
+    property's first problem."""
     __tracebackhide__ = True
     _validate(ranks, run)
     name = "ShardedOptimizer" if stage == 1 else "ShardedGradOptimizer"
@@ -477,53 +481,86 @@ def _check_stage12(check: str, impl: Callable, stage: int, ranks: int, run: Run,
         check, _train_stage12, impl, stage, run, world_size=ranks, timeout=timeout,
         what=f"your {name}",
     )  # fmt: skip
-    _check_param_groups(check, results)
-    _compare_parameters(check, run, results)
     ref = reference(run)
     model = build_model(run)
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     where = run.describe(ranks)
-    for s, ref_step in enumerate(ref["steps"]):
-        at = f"after step {s}, {where}"
-        if stage == 2:
+    steps = range(len(ref["steps"]))
+    verdict = Verdict(check)
+    with verdict.case():
+        _check_param_groups(check, results)
+    with verdict.case():
+        _compare_parameters(check, run, results, ref)
+    with verdict.case():
+        for s, ref_step in enumerate(ref["steps"]):
+            for r, result in enumerate(results):
+                state = result["steps"][s]["state"]
+                if state is not None:
+                    _compare_state(check, r, s, ranks, state, ref_step)
+    state_allowed = shard_bytes(model, ranks, values_per_element=2)
+    with verdict.case():
+        for s in steps:
             _check_bytes(
                 check,
-                "gradients (measured after backward)",
-                [result["steps"][s]["grad_bytes"] for result in results],
-                shard_bytes(model, ranks),
-                shard_bytes(model, 1),
-                f"step {s}, {where}",
-                "as soon as a parameter's gradient is ready (a post-accumulate-grad hook), "
-                "reduce-scatter it into this rank's shard's .grad and free the full "
-                "gradient (param.grad = None)",
+                "optimizer state",
+                [result["steps"][s]["state_bytes"] for result in results],
+                state_allowed,
+                shard_bytes(model, 1, values_per_element=2),
+                f"after step {s}, {where}",
+                "each rank keeps AdamW state (exp_avg, exp_avg_sq) only for its own shards: "
+                "create optimizer_cls with this rank's shard tensors (clones, not views of the "
+                "full parameters), never with the full parameters",
             )
-            _check_bytes(
-                check,
-                "tensors kept from backward (every tensor alive after backward that was not "
-                "before it, wherever it is kept; one parameter's full size is allowed on top)",
-                [result["steps"][s]["kept_bytes"] for result in results],
-                shard_bytes(model, ranks) + largest + KEPT_SLACK,
-                0,  # no lower bound: a delta (a shard's .grad may reuse its memory)
-                f"step {s}, {where}",
-                "reduce-scatter each gradient in its hook and keep only the chunk: a full "
-                "gradient kept anywhere until step() is what ZeRO-2 removes",
-            )
-            _compare_grad_shards(check, results, s, ref_step, ranks, at)
-        for r, result in enumerate(results):
-            state = result["steps"][s]["state"]
-            if state is not None:
-                _compare_state(check, r, s, ranks, state, ref_step)
-        _check_bytes(
-            check,
-            "optimizer state",
-            [result["steps"][s]["state_bytes"] for result in results],
-            shard_bytes(model, ranks, values_per_element=2),
-            shard_bytes(model, 1, values_per_element=2),
-            at,
-            "each rank keeps AdamW state (exp_avg, exp_avg_sq) only for its own shards: "
-            "create optimizer_cls with this rank's shard tensors (clones, not views of the "
-            "full parameters), never with the full parameters",
+    grad_allowed = shard_bytes(model, ranks)
+    kept_allowed = grad_allowed + largest + KEPT_SLACK
+    if stage == 2:
+        with verdict.case():
+            for s in steps:
+                _check_bytes(
+                    check,
+                    "gradients (measured after backward)",
+                    [result["steps"][s]["grad_bytes"] for result in results],
+                    grad_allowed,
+                    shard_bytes(model, 1),
+                    f"step {s}, {where}",
+                    "as soon as a parameter's gradient is ready (a post-accumulate-grad hook), "
+                    "reduce-scatter it into this rank's shard's .grad and free the full "
+                    "gradient (param.grad = None)",
+                )
+        with verdict.case():
+            for s in steps:
+                _check_bytes(
+                    check,
+                    "tensors kept from backward (every tensor alive after backward that was "
+                    "not before it, wherever it is kept; one parameter's full size is allowed "
+                    "on top)",
+                    [result["steps"][s]["kept_bytes"] for result in results],
+                    kept_allowed,
+                    0,  # no lower bound: a delta (a shard's .grad may reuse its memory)
+                    f"step {s}, {where}",
+                    "reduce-scatter each gradient in its hook and keep only the chunk: a full "
+                    "gradient kept anywhere until step() is what ZeRO-2 removes",
+                )
+        with verdict.case():
+            for s, ref_step in enumerate(ref["steps"]):
+                _compare_grad_shards(check, results, s, ref_step, ranks, f"after step {s}, {where}")
+
+    def most(key: str) -> int:
+        return max(result["steps"][s][key] for result in results for s in steps)
+
+    verified = (
+        f"{len(steps)} steps ({where}): every rank's parameters after every step match "
+        f"torch.optim.AdamW on one process (rtol {TOLERANCE['rtol']:g}, atol "
+        f"{TOLERANCE['atol']:g}), param_groups holds the lr, and a rank's optimizer state "
+        f"took at most {most('state_bytes'):,} of the {state_allowed:,} bytes of its shards"
+    )
+    if stage == 2:
+        verified += (
+            f"; after backward, gradients at most {most('grad_bytes'):,} of "
+            f"{grad_allowed:,} bytes per rank and tensors kept from backward at most "
+            f"{most('kept_bytes'):,} of {kept_allowed:,}, the gradient shards right"
         )
+    verdict.conclude(verified)
 
 
 def _compare_grad_shards(check: str, results, s: int, ref_step: dict, ranks: int, at: str):
@@ -622,86 +659,112 @@ def check_zero3(
     ref = reference(run)
     model = build_model(run)
     where = run.describe(ranks)
-    _compare_initial_shards(check, ref["initial"], results, ranks, where)
+    steps = range(len(ref["steps"]))
+    verdict = Verdict(check)
+    with verdict.case():
+        _compare_initial_shards(check, ref["initial"], results, ranks, where)
+    verdict.settle()  # the rest compares shards of these names and shapes
+    with verdict.case():
+        for s, ref_step in enumerate(ref["steps"]):
+            for r, result in enumerate(results):
+                _compare_stage3_step(
+                    check, r, result["steps"][s], ref_step, ranks, f"step {s}, {where}"
+                )
+    allowed = shard_bytes(model, ranks)
+    for moment, key, hint in (
+        (
+            "after forward",
+            "held_after_forward",
+            "free each layer's gathered parameters in a forward hook once the layer has run "
+            "(the ranks held: {holders}). A shard must be a copy (.clone()): a view keeps the "
+            "full tensor alive",
+        ),
+        ("after the step", "held_after_step", "between steps the model may hold only its shards"),
+    ):
+        with verdict.case():
+            for s in steps:
+                _check_bytes(
+                    check,
+                    f"parameters (held by the model {moment})",
+                    [result["steps"][s][key] for result in results],
+                    allowed,
+                    shard_bytes(model, 1),
+                    f"step {s}, {where}",
+                    hint.format(holders=_largest(results[0]["steps"][s]["holders"])),
+                )
     linear_weights = sum(
         shard_numel(m.weight.numel(), ranks) * m.weight.element_size()
         for m in model.modules()
         if isinstance(m, nn.Linear)
     )
-    for s, ref_step in enumerate(ref["steps"]):
-        at = f"step {s}, {where}"
-        for r, result in enumerate(results):
-            step = result["steps"][s]
-            for name, full in ref_step["grads"].items():
-                got, want = step["grads"][name], chunk_of(full, r, ranks)
-                label = f"gradient shard of {name}"
-                if got is None:
-                    fail(
-                        check,
-                        f"rank {r}, {at}: the shard of {name!r} has no .grad after backward."
-                        "\nHint: the backward of your all-gather should reduce-scatter the "
-                        "full gradient into the shard (an autograd.Function's backward)",
-                    )
-                problem = _mismatch({label: got}, {label: want}, GRAD_TOLERANCE)
-                if problem:
-                    summed = (
-                        ranks > 1
-                        and _mismatch({label: got}, {label: ranks * want}, GRAD_TOLERANCE) is None
-                    )
-                    hint = (
-                        f"it is {ranks} (the world size) times the average: divide the "
-                        "reduce-scattered sum by world_size()"
-                        if summed
-                        else "in backward, reduce-scatter each full gradient (padded like "
-                        "the parameter) so that rank r's shard .grad holds the r-th chunk of "
-                        "the average over the ranks"
-                    )
-                    fail(check, f"rank {r}, {at}: {problem}.\nHint: {hint}")
-            want = {n: chunk_of(p, r, ranks) for n, p in ref_step["params"].items()}
-            problem = _mismatch(step["shards"], want)
-            if problem:
-                fail(
-                    check,
-                    f"rank {r}, after {at}: {problem} (against the same elements of "
-                    "torch.optim.AdamW's parameters on one process).\nHint: the gradient "
-                    "shards were right; does your code change the shards anywhere else?",
-                )
-        _check_bytes(
-            check,
-            "parameters (held by the model after forward)",
-            [result["steps"][s]["held_after_forward"] for result in results],
-            shard_bytes(model, ranks),
-            shard_bytes(model, 1),
-            at,
-            "free each layer's gathered parameters in a forward hook once the layer has run "
-            "(the ranks held: "
-            + _largest(results[0]["steps"][s]["holders"])
-            + "). A shard must be a copy (.clone()): a view keeps the full tensor alive",
-        )
-        _check_bytes(
-            check,
-            "parameters (held by the model after the step)",
-            [result["steps"][s]["held_after_step"] for result in results],
-            shard_bytes(model, ranks),
-            shard_bytes(model, 1),
-            at,
-            "between steps the model may hold only its shards",
-        )
-        if ranks > 1:
+    needed = (ranks - 1) * linear_weights
+    with verdict.case():
+        for s in steps:
             for r, result in enumerate(results):
                 gathered = result["steps"][s]["gathered_in_backward"]
-                needed = (ranks - 1) * linear_weights
-                if gathered < needed:
+                if ranks > 1 and gathered < needed:
                     fail(
                         check,
-                        f"rank {r}, {at}: during backward it all-gathered {gathered:,} bytes "
-                        f"of parameters; computing the input gradients needs every Linear "
-                        f"layer's full weight again: at least {needed:,} bytes for {ranks} "
-                        "ranks.\nHint: autograd keeps the tensors forward saved until "
-                        "backward, so full weights saved in forward stay in memory; save "
-                        "the shard instead and gather again when backward needs the weight "
+                        f"rank {r}, step {s}, {where}: during backward it all-gathered "
+                        f"{gathered:,} bytes of parameters; computing the input gradients "
+                        "needs every Linear layer's full weight again: at least "
+                        f"{needed:,} bytes for {ranks} ranks.\nHint: autograd keeps the "
+                        "tensors forward saved until backward, so full weights saved in "
+                        "forward stay in memory; save the shard instead and gather again "
+                        "when backward needs the weight "
                         "(torch.autograd.graph.saved_tensors_hooks)",
                     )
+    held = max(
+        result["steps"][s][key]
+        for result in results
+        for s in steps
+        for key in ("held_after_forward", "held_after_step")
+    )
+    verdict.conclude(
+        f"{len(steps)} steps ({where}): every rank's gradient shards and shards after every "
+        "step match torch.optim.AdamW on one process; the model held at most "
+        f"{held:,} of the {allowed:,} bytes of its shards after forward and after each "
+        "step"
+        + (", and each rank all-gathered the Linear weights again in backward" if ranks > 1 else "")
+    )
+
+
+def _compare_stage3_step(check: str, r: int, step: dict, ref_step: dict, ranks: int, at: str):
+    """Rank r's gradient shards after backward, then its shards after the step."""
+    __tracebackhide__ = True
+    for name, full in ref_step["grads"].items():
+        got, want = step["grads"][name], chunk_of(full, r, ranks)
+        label = f"gradient shard of {name}"
+        if got is None:
+            fail(
+                check,
+                f"rank {r}, {at}: the shard of {name!r} has no .grad after backward."
+                "\nHint: the backward of your all-gather should reduce-scatter the "
+                "full gradient into the shard (an autograd.Function's backward)",
+            )
+        problem = _mismatch({label: got}, {label: want}, GRAD_TOLERANCE)
+        if problem:
+            summed = (
+                ranks > 1 and _mismatch({label: got}, {label: ranks * want}, GRAD_TOLERANCE) is None
+            )
+            hint = (
+                f"it is {ranks} (the world size) times the average: divide the "
+                "reduce-scattered sum by world_size()"
+                if summed
+                else "in backward, reduce-scatter each full gradient (padded like "
+                "the parameter) so that rank r's shard .grad holds the r-th chunk of "
+                "the average over the ranks"
+            )
+            fail(check, f"rank {r}, {at}: {problem}.\nHint: {hint}")
+    want = {n: chunk_of(p, r, ranks) for n, p in ref_step["params"].items()}
+    problem = _mismatch(step["shards"], want)
+    if problem:
+        fail(
+            check,
+            f"rank {r}, after {at}: {problem} (against the same elements of "
+            "torch.optim.AdamW's parameters on one process).\nHint: the gradient "
+            "shards were right; does your code change the shards anywhere else?",
+        )
 
 
 def _largest(holders: dict[str, int], n: int = 3) -> str:
