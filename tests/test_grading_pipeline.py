@@ -146,12 +146,15 @@ def test_send_tensor_carries_shape_and_dtype():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipeline_trainer_accepts_a_right_implementation(schedule):
+def test_pipeline_trainer_accepts_a_right_implementation(schedule, capsys):
     sizes, gpt_stages = ((1, 3, 4), 4) if schedule == "gpipe" else ((2, 3, 4), 2)
     check_pipeline_trainer(pipeline_step, schedule, world_sizes=sizes)
     check_pipeline_trainer(
         pipeline_step, schedule, world_sizes=(gpt_stages,), models=("gpt",), seed=3
     )
+    out = capsys.readouterr().out
+    assert out.startswith("check_pipeline_trainer: passed. Verified 9 run(s) of 2 steps (mlp;")
+    assert f"stages), {schedule}: every stage's gradients and the loss" in out
 
 
 def test_schedule_orders_keep_the_documented_number_in_flight():
@@ -480,8 +483,11 @@ def step_from_the_lecture(stage, inputs, targets, loss_fn, n_micro, schedule):
     return pipeline.pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule)
 
 
-def test_large_problems_take_a_dynamic_program_not_a_search():
+def test_large_problems_take_a_dynamic_program_not_a_search(capsys):
     check_optimal_partition(optimal_partition, seeds=(), large=(0, 1))
+    assert " small and 2 large problem(s): every returned split covers" in (
+        capsys.readouterr().out
+    )
     with pytest.raises(CheckFailed, match="exponential time; the dynamic program"):
         check_optimal_partition(partition_exhaustive, seeds=(), large=(0,), large_timeout=3)
     # The exhaustive search is right where it can finish: only its time is refused.

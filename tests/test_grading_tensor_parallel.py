@@ -367,8 +367,12 @@ def test_head_rows_are_the_q_k_v_rows_of_the_ranks_heads():
     assert head_rows(8, 1, 2).tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
 
 
-def test_column_parallel_linear_accepts_a_right_implementation():
+def test_column_parallel_linear_accepts_a_right_implementation(capsys):
     check_column_parallel_linear(ColumnParallelLinear, seeds=(0, 1))
+    assert capsys.readouterr().out.startswith(
+        "check_column_parallel_linear: passed. Verified 6 column-parallel linear case(s) on "
+        "1, 2, 4 rank(s)"
+    )
 
 
 def test_row_parallel_linear_accepts_a_right_implementation():
@@ -415,6 +419,20 @@ def test_checks_reject_wrong_implementations(check, cls, message):
         check(cls, timeout=15)
     assert str(info.value).startswith(check.__name__ + ": ")
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "check, cls",
+    [
+        (check_row_parallel_linear, RowAllGatherThenLocal),
+        (check_parallel_mlp, MLPGatheredInTheMiddle),
+    ],
+)
+def test_right_numbers_with_other_collectives_earn_half(check, cls):
+    with pytest.raises(CheckFailed) as info:
+        check(cls)
+    assert info.value.failed == {"communication"} and info.value.score == 0.5
+    assert "Partial credit: result passed (50%), communication failed (50%)" in str(info.value)
 
 
 def test_a_failure_names_rank_layer_and_tolerance():

@@ -36,7 +36,7 @@ from torch import nn
 
 from course_lib import compare, data
 from course_lib.comm import POINT_TO_POINT, CommCounter
-from course_lib.grading._harness import CheckFailed, fail, run_on_ranks
+from course_lib.grading._harness import CheckFailed, Verdict, fail, run_on_ranks
 from course_lib.grading.data_parallel import make_optimizer
 from course_lib.grading.provenance import Provenance
 from course_lib.models import MLP, GPTConfig, TinyGPT, lm_loss
@@ -390,6 +390,8 @@ def check_pipeline_trainer(
     for P in world_sizes:
         if not 1 <= P <= 4:
             raise ValueError(f"world sizes must be 1..4 (the models have 4 stages at most): {P}")
+    verdict = Verdict(check)
+    for P in world_sizes:
         results = run_on_ranks(
             check,
             _pipeline_on_rank,
@@ -402,8 +404,18 @@ def check_pipeline_trainer(
         )
         results = [_unwatched(check, found) for found in results]
         for i, run in enumerate(runs):
-            for s, ref in enumerate(_reference(run)):
-                _compare_step(check, schedule, run, s, ref, [per_rank[i] for per_rank in results])
+            with verdict.case():  # a run's first failing step
+                for s, ref in enumerate(_reference(run)):
+                    per_rank = [found[i] for found in results]
+                    _compare_step(check, schedule, run, s, ref, per_rank)
+    verdict.conclude(
+        f"{len(runs) * len(world_sizes)} run(s) of {steps} steps ({', '.join(models)}; "
+        f"{', '.join(str(m) for m in n_micro)} micro-batches; "
+        f"{', '.join(str(P) for P in world_sizes)} stages), {schedule}: every stage's "
+        f"gradients and the loss equal single-process training (rtol {RTOL:g}, atol "
+        f"{ATOL:g}), with the schedule's order of forwards and backwards and at most its "
+        "micro-batches in flight"
+    )
 
 
 # --- simulated schedules ------------------------------------------------------------------
@@ -539,8 +551,16 @@ def check_simulate_schedule(
         what="your simulate_schedule",
     )[0]
     results = _unwatched(check, results)
+    verdict = Verdict(check)
     for case, result in zip(all_cases, results, strict=True):
-        _check_timeline(check, case, result)
+        with verdict.case():
+            _check_timeline(check, case, result)
+    verdict.conclude(
+        f"{len(all_cases)} case(s) (P, m, both schedules, two sets of times): every "
+        "timeline runs each op once, for its duration, one at a time per stage, after what "
+        "it depends on and in the schedule's order, and its makespan and bubble fraction "
+        "agree with it and with (P-1)/(m+P-1)"
+    )
 
 
 # --- the optimal partition ----------------------------------------------------------------
@@ -680,6 +700,7 @@ def check_optimal_partition(
     program, and all of them together must be solved within `large_timeout` seconds."""
     __tracebackhide__ = True
     check = "check_optimal_partition"
+    verdict, solved = Verdict(check), []
     for problems, limit, best in (
         (partition_problems(seeds), timeout, brute_force_partition),
         (large_partition_problems(large), large_timeout, _best_time),
@@ -707,7 +728,14 @@ def check_optimal_partition(
                 )
             raise
         for problem, result in zip(problems, _unwatched(check, found), strict=True):
-            _judge_partition(check, problem, result, best(problem))
+            with verdict.case():
+                _judge_partition(check, problem, result, best(problem))
+        solved.append(f"{len(problems)} {'large' if problems[0].label else 'small'}")
+    verdict.conclude(
+        f"{' and '.join(solved)} problem(s): every returned split covers the layers in order "
+        "with all the machines, its time is what it returns, and no split is faster"
+        + (f"; the large ones (64 layers, 8 machines) within {large_timeout:g} s" if large else "")
+    )
 
 
 def _judge_partition(check: str, problem: PartitionProblem, result, best: float) -> None:

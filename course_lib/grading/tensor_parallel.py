@@ -34,7 +34,7 @@ from torch import nn
 
 from course_lib import compare
 from course_lib.comm import CommCounter
-from course_lib.grading._harness import fail, run_on_ranks
+from course_lib.grading._harness import RESULT, Verdict, fail, run_on_ranks
 from course_lib.grading.provenance import Provenance
 from course_lib.models import CausalSelfAttention, GPTConfig, MLPBlock
 from course_lib.runtime import rank, world_size
@@ -42,6 +42,9 @@ from course_lib.runtime import rank, world_size
 DTYPE = torch.float64
 RTOL, ATOL = 1e-10, 1e-10  # float64: a sum split across ranks differs by ~1e-15
 WORLD_SIZES = (1, 2, 4)
+# A layer's points: half for its result (the shards it holds, its output and gradients), half
+# for making Megatron's collective calls, which count only when the result is right.
+TP_WEIGHTS = {RESULT: 0.5, "communication": 0.5}
 
 
 @dataclass(frozen=True)
@@ -421,6 +424,7 @@ def _compare_communication(check: str, case: Case, result: dict, r: int, P: int)
                 f"{at}: the {phase} pass made these collective calls: {calls or 'none'}, "
                 f"expected {want or 'none'}. The tensor-parallel {case.kind} layer makes "
                 f"{_WHY[case.kind]}",
+                prop="communication",
             )
 
 
@@ -434,6 +438,8 @@ def _check(check: str, cls: Callable, cases: list[Case], world_sizes, timeout: f
     for P in world_sizes:
         if P not in WORLD_SIZES:
             raise ValueError(f"world sizes must divide the layer sizes: use 1, 2 or 4, got {P}")
+    verdict = Verdict(check, TP_WEIGHTS)
+    for P in world_sizes:
         found = run_on_ranks(
             check,
             _run_cases,
@@ -448,13 +454,33 @@ def _check(check: str, cls: Callable, cases: list[Case], world_sizes, timeout: f
         for i, case in enumerate(cases):
             ref = _reference(case)
             results = [per_rank["cases"][i] for per_rank in found]
-            for r, result in enumerate(results):
-                _compare_held(check, case, ref, result, r, P)
-            for r, result in enumerate(results):
-                _compare_result(check, case, ref, result, r, P)
-            _compare_nudged(check, case, results, P)
-            for r, result in enumerate(results):
-                _compare_communication(check, case, result, r, P)
+            with verdict.case():
+                for r, result in enumerate(results):
+                    _compare_held(check, case, ref, result, r, P)
+                for r, result in enumerate(results):
+                    _compare_result(check, case, ref, result, r, P)
+                _compare_nudged(check, case, results, P)
+            with verdict.case():
+                for r, result in enumerate(results):
+                    _compare_communication(check, case, result, r, P)
+    kinds = {"column": "column-parallel linear", "row": "row-parallel linear"}
+    what = kinds.get(cases[0].kind, cases[0].kind)
+    forward, backward = COMMUNICATION[cases[0].kind]
+    calls = f"forward {_said(forward)}, backward {_said(backward)}"
+    if any(case.gather_output for case in cases):
+        calls += " (one all_gather in forward with gather_output=True)"
+    verified = (
+        f"{len(cases)} {what} case(s) on {', '.join(str(P) for P in world_sizes)} rank(s): "
+        "every rank's shards, output, input gradient and shard gradients equal the dense "
+        f"layer's (rtol {RTOL:g}, atol {ATOL:g}), also with secretly changed shards"
+    )
+    if max(world_sizes) > 1:
+        verified += f"; the collective calls were Megatron's: {calls}"
+    verdict.conclude(verified)
+
+
+def _said(calls: dict[str, int]) -> str:
+    return ", ".join(f"{n} {op}" for op, n in calls.items()) or "none"
 
 
 def check_column_parallel_linear(
