@@ -333,8 +333,11 @@ def test_the_grid_rule_is_picotrons_layout():
     assert _partners(4, 4, 2) == ((0, 1, 2, 3), (2,))
 
 
-def test_process_grid_accepts_a_right_implementation():
+def test_process_grid_accepts_a_right_implementation(capsys):
     check_process_grid(process_grid)
+    out = capsys.readouterr().out
+    assert out.startswith("check_process_grid: passed. Verified ")
+    assert "2 sizes that do not divide raise ValueError" in out
 
 
 @pytest.mark.parametrize(
@@ -423,8 +426,9 @@ def test_measured_memory_and_traffic_match_the_formulas():
         ((make_groups, GPT2D, train_step), {"world_size": 2, "batch_size": 4}),
     ],
 )
-def test_2d_training_accepts_right_implementations(impl, options):
+def test_2d_training_accepts_right_implementations(impl, options, capsys):
     check_2d_training(*impl, **options)
+    assert capsys.readouterr().out.startswith("check_2d_training: passed. Verified ")
 
 
 @pytest.mark.parametrize(

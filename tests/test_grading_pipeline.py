@@ -485,9 +485,7 @@ def step_from_the_lecture(stage, inputs, targets, loss_fn, n_micro, schedule):
 
 def test_large_problems_take_a_dynamic_program_not_a_search(capsys):
     check_optimal_partition(optimal_partition, seeds=(), large=(0, 1))
-    assert " small and 2 large problem(s): every returned split covers" in (
-        capsys.readouterr().out
-    )
+    assert " small and 2 large problem(s): every returned split covers" in (capsys.readouterr().out)
     with pytest.raises(CheckFailed, match="exponential time; the dynamic program"):
         check_optimal_partition(partition_exhaustive, seeds=(), large=(0,), large_timeout=3)
     # The exhaustive search is right where it can finish: only its time is refused.

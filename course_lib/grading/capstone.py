@@ -40,7 +40,7 @@ from torch import nn
 
 from course_lib import comm, compare, data, models
 from course_lib.comm import CommCounter
-from course_lib.grading._harness import fail, run_on_ranks
+from course_lib.grading._harness import Verdict, fail, run_on_ranks
 from course_lib.grading.data_parallel import SGD_LR, make_optimizer
 from course_lib.grading.provenance import Provenance
 from course_lib.launch import launch
@@ -155,50 +155,68 @@ def check_process_grid(
     if found["copied"]:
         fail(check, found["copied"])
     outcomes = found["outcomes"]
+    verdict = Verdict(check)
     for (world, tp), outcome in zip(cases, outcomes, strict=False):
-        call = f"process_grid({world}, {tp})"
-        if "raised" in outcome:
-            fail(check, f"{call} raised {outcome['raised']}: {outcome['message']}")
-        if "returned" in outcome:
-            fail(check, f"{call} returned {outcome['returned']}; expected (tp_groups, dp_groups)")
-        tp_groups, dp_groups = outcome["groups"]
-        got_tp, got_dp = _as_sets(tp_groups), _as_sets(dp_groups)
-        want = [_partners(world, tp, r) for r in range(world)]
-        want_tp, want_dp = _as_sets(w[0] for w in want), _as_sets(w[1] for w in want)
-        if got_tp == want_dp and got_dp == want_tp and got_tp != want_tp:
-            fail(
-                check,
-                f"{call}: the TP and DP groups are swapped: got TP groups "
-                f"{_show(tp_groups)}, DP groups {_show(dp_groups)}. TP is the innermost "
-                "dimension: its groups are blocks of tp_size consecutive ranks (one node)",
-            )
-        if got_tp != want_tp:
-            fail(
-                check,
-                f"{call}: TP groups {_show(tp_groups)}, expected {_show(want_tp)} (blocks "
-                "of tp_size consecutive ranks)",
-            )
-        if got_dp != want_dp:
-            fail(
-                check,
-                f"{call}: DP groups {_show(dp_groups)}, expected {_show(want_dp)} (the "
-                "ranks with the same position in each TP group)",
-            )
+        with verdict.case():
+            _judge_grid(check, world, tp, outcome)
     for (world, tp), outcome in zip(bad, outcomes[len(cases) :], strict=True):
-        if outcome.get("raised") == "ValueError":
-            continue
-        if "raised" in outcome:
-            fail(
-                check,
-                f"process_grid({world}, {tp}) raised {outcome['raised']}: "
-                f"{outcome['message']}; raise ValueError when tp_size does not divide world_size",
-            )
-        returned = outcome.get("returned") or outcome["groups"]
+        with verdict.case():
+            _judge_bad_grid(check, world, tp, outcome)
+    verdict.conclude(
+        f"{len(cases)} layouts ({', '.join(f'{w} ranks, TP {t}' for w, t in cases)}): TP "
+        "groups are blocks of tp_size consecutive ranks and DP groups take one rank of each; "
+        f"{len(bad)} sizes that do not divide raise ValueError"
+    )
+
+
+def _judge_grid(check: str, world: int, tp: int, outcome: dict) -> None:
+    __tracebackhide__ = True
+    call = f"process_grid({world}, {tp})"
+    if "raised" in outcome:
+        fail(check, f"{call} raised {outcome['raised']}: {outcome['message']}")
+    if "returned" in outcome:
+        fail(check, f"{call} returned {outcome['returned']}; expected (tp_groups, dp_groups)")
+    tp_groups, dp_groups = outcome["groups"]
+    got_tp, got_dp = _as_sets(tp_groups), _as_sets(dp_groups)
+    want = [_partners(world, tp, r) for r in range(world)]
+    want_tp, want_dp = _as_sets(w[0] for w in want), _as_sets(w[1] for w in want)
+    if got_tp == want_dp and got_dp == want_tp and got_tp != want_tp:
         fail(
             check,
-            f"process_grid({world}, {tp}) returned {returned}, but {tp} does not divide "
-            f"{world}: raise ValueError saying so",
+            f"{call}: the TP and DP groups are swapped: got TP groups "
+            f"{_show(tp_groups)}, DP groups {_show(dp_groups)}. TP is the innermost "
+            "dimension: its groups are blocks of tp_size consecutive ranks (one node)",
         )
+    if got_tp != want_tp:
+        fail(
+            check,
+            f"{call}: TP groups {_show(tp_groups)}, expected {_show(want_tp)} (blocks "
+            "of tp_size consecutive ranks)",
+        )
+    if got_dp != want_dp:
+        fail(
+            check,
+            f"{call}: DP groups {_show(dp_groups)}, expected {_show(want_dp)} (the "
+            "ranks with the same position in each TP group)",
+        )
+
+
+def _judge_bad_grid(check: str, world: int, tp: int, outcome: dict) -> None:
+    __tracebackhide__ = True
+    if outcome.get("raised") == "ValueError":
+        return
+    if "raised" in outcome:
+        fail(
+            check,
+            f"process_grid({world}, {tp}) raised {outcome['raised']}: "
+            f"{outcome['message']}; raise ValueError when tp_size does not divide world_size",
+        )
+    returned = outcome.get("returned") or outcome["groups"]
+    fail(
+        check,
+        f"process_grid({world}, {tp}) returned {returned}, but {tp} does not divide "
+        f"{world}: raise ValueError saying so",
+    )
 
 
 def _show(groups) -> str:
@@ -599,10 +617,22 @@ def check_2d_training(
         if result["copied"]:
             fail(check, f"make_groups on rank {r}: {result['copied']}")
     where, batches = run.describe(world_size), _global_batches(run, results)
-    _check_groups(check, run, results, where)
-    _check_batches(check, run, results, where, batches)
-    _check_collectives(check, run, results, where)
-    _check_training(check, run, results, where, batches)
+    verdict = Verdict(check)
+    with verdict.case():
+        _check_groups(check, run, results, where)
+    verdict.settle()  # what follows reads the groups
+    with verdict.case():
+        _check_batches(check, run, results, where, batches)
+    with verdict.case():
+        _check_collectives(check, run, results, where)
+    with verdict.case():
+        _check_training(check, run, results, where, batches)
+    verdict.conclude(
+        f"{where}: the groups, the samples each rank's model saw (its DP group's share of "
+        "every batch), the groups of every collective, and every rank's parameters after "
+        f"every step, equal to its shard of single-process training (rtol {RTOL:g}, atol "
+        f"{ATOL:g})"
+    )
 
 
 # --- memory and communication per configuration (for the notebook) -------------------------
