@@ -345,6 +345,17 @@ def no_regather(model):
     )
 
 
+def keep_privately(model):
+    """ZeRO-3 that frees the model's gathered parameters but keeps them in a closure."""
+    stash = {}
+
+    def post(module, args, output):
+        stash[id(module)] = dict(module.gathered)
+        free_parameters(module, args, output)
+
+    return shard_module(model, post=post)
+
+
 def view_shards(model):
     """ZeRO-3 whose shards are views of the padded full parameter (which stays alive)."""
 
@@ -465,6 +476,7 @@ def test_check_zero2_rejects(impl, message):
     [
         (keep_gathered, "parameters (held by the model after forward); at most"),
         (view_shards, "parameters (held by the model after forward); at most"),
+        (keep_privately, "are alive outside the model's shards, in tensors Python can reach"),
         (no_regather, "during backward it all-gathered 0 bytes"),
         (summed_zero3, "it is 4 (the world size) times the average"),
         (unsharded, "expected a 1-D shard of ceil(638 / 4) = 160 elements"),

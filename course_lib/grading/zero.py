@@ -184,6 +184,34 @@ def live_tensor_bytes() -> int:
     return _storage_bytes([*tensors, *grads])
 
 
+def storages_elsewhere(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every float64 storage Python can reach on this rank, flat, except those of the model's
+    parameters, their gradients and the optimizer's state: where a full parameter kept
+    privately (an attribute, a dict, a closure) would be. Its values are compared with the
+    full parameters in the checking process (`_private_copies`)."""
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    own |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    own |= {
+        t.untyped_storage().data_ptr()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    }
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on torch's deprecated aliases warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    found: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if t.dtype != torch.float64 or t.device.type != "cpu" or t.is_sparse:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in own or storage.data_ptr() in found or not storage.nbytes():
+            continue
+        found[storage.data_ptr()] = torch.empty(0, dtype=torch.float64).set_(storage).clone()
+    return list(found.values())
+
+
 def held_bytes(model: nn.Module) -> int:
     """Bytes of the distinct storages behind `held_tensors(model)`."""
     return _storage_bytes(held_tensors(model).values())
@@ -288,6 +316,7 @@ def _train_stage3(shard_module: Callable, run: Run) -> dict:
         logits = model(x)
         after_forward = held_bytes(model)
         holders = {n: _storage_bytes([t]) for n, t in held_tensors(model).items()}
+        elsewhere = storages_elsewhere(model, optimizer)
         with CommCounter() as backward_traffic:
             lm_loss(logits, y).backward()
         del logits
@@ -297,6 +326,8 @@ def _train_stage3(shard_module: Callable, run: Run) -> dict:
             {
                 "held_after_forward": after_forward,
                 "holders": holders,
+                "elsewhere_after_forward": elsewhere,
+                "elsewhere_after_step": storages_elsewhere(model, optimizer),
                 "held_after_step": held_bytes(model),
                 "gathered_in_backward": _gathered_bytes(backward_traffic),
                 "grads": grads,
@@ -692,6 +723,11 @@ def check_zero3(
                     f"step {s}, {where}",
                     hint.format(holders=_largest(results[0]["steps"][s]["holders"])),
                 )
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    with verdict.case():
+        for s in steps:
+            for r in range(ranks):
+                _judge_private_copies(check, results, r, s, model, largest, where)
     linear_weights = sum(
         shard_numel(m.weight.numel(), ranks) * m.weight.element_size()
         for m in model.modules()
@@ -727,6 +763,57 @@ def check_zero3(
         "step"
         + (", and each rank all-gathered the Linear weights again in backward" if ranks > 1 else "")
     )
+
+
+def _full_parameters(results: list[dict], model: nn.Module, s: int) -> dict[str, torch.Tensor]:
+    """The full parameters (flat) every rank gathers in step s's forward: the ranks' shards
+    after the previous step (or right after sharding), put together."""
+    out = {}
+    for name, p in model.named_parameters():
+        shards = [
+            (result["steps"][s - 1]["shards"] if s else result["initial"])[name]
+            for result in results
+        ]
+        out[name] = torch.cat([t.reshape(-1) for t in shards])[: p.numel()]
+    return out
+
+
+def _contains(flat: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `values` appears in `flat` as a run of consecutive elements."""
+    n = values.numel()
+    if flat.numel() < n:
+        return False
+    starts = (flat[: flat.numel() - n + 1] == values[0]).nonzero().flatten().tolist()
+    return any(torch.equal(flat[i : i + n], values) for i in starts)
+
+
+def _judge_private_copies(check, results, r: int, s: int, model, largest: int, where: str):
+    """No full parameter kept outside the model's shards, beyond one parameter's size (room
+    for one reused gathering buffer)."""
+    __tracebackhide__ = True
+    ranks = len(results)
+    full = _full_parameters(results, model, s)
+    for moment in ("forward", "step"):
+        kept = {
+            name: values.numel() * values.element_size()
+            for name, values in full.items()
+            if shard_numel(values.numel(), ranks) < values.numel()
+            and any(
+                _contains(t, values) for t in results[r]["steps"][s][f"elsewhere_after_{moment}"]
+            )
+        }
+        if sum(kept.values()) > largest:
+            names = ", ".join(repr(n) for n in list(kept)[:4]) + (" ..." if len(kept) > 4 else "")
+            fail(
+                check,
+                f"rank {r}, step {s}, {where}: after {moment}, full copies of {len(kept)} "
+                f"parameters ({names}; {sum(kept.values()):,} bytes) are alive outside the "
+                "model's shards, in tensors Python can reach (an attribute, a dict, a "
+                f"closure); at most one parameter's size ({largest:,} bytes) may be.\nHint: "
+                "ZeRO-3 keeps only the shards between a layer's forward and its backward: "
+                "drop every reference to the gathered parameters once the layer has run, and "
+                "gather again in backward",
+            )
 
 
 def _compare_stage3_step(check: str, r: int, step: dict, ref_step: dict, ranks: int, at: str):
