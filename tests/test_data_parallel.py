@@ -1,7 +1,7 @@
 """course_lib.data_parallel: the host scheme and all-reduce loop match single-process training,
 timelines are well formed, the timing comm hook still averages, stragglers show in step times.
 
-Tolerances (../shared/NOTES.md): 4 ranks against single-process training on the full batch
+Tolerances: 4 ranks against single-process training on the full batch
 differ by rounding only, so fp32 atol 1e-6 for SGD and 1e-5 for Adam.
 """
 

@@ -4,7 +4,7 @@ all-reduce, the asynchronous push-sum, stale-gradient SGD and the training loops
 References are independent of the code under test: torch.distributed's own all-reduce and
 all-gather for sums and means, the mixing matrix applied in one process, and single-process
 SGD (`compare.train`). Sums and means are checked in fp64 to 1e-12; training in fp32 to 1e-6
-(../shared/NOTES.md: rounding only).
+(split and whole batches differ by rounding only, ~1e-7).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """course_lib.sharding: the bytes a rank holds under DDP, ZeroRedundancyOptimizer and FSDP2,
 their training against single-process AdamW, the traffic per step, and sharded checkpoints.
 
-Tolerances (../shared/NOTES.md): distributed AdamW differs from single-process AdamW by
+Tolerances: distributed AdamW differs from single-process AdamW by
 rounding only; in fp64 that is ~1e-14, so atol 1e-10. (In fp32 TinyGPT's key biases, whose
 true gradient is exactly zero, get Adam-amplified rounding noise of ~1e-4: fp64 avoids it.)
 """

@@ -51,8 +51,8 @@ from course_lib.runtime import rank, world_size
 
 MB = 2**20  # bytes in one "MB" of bucket_cap_mb, as in torch's DDP
 INIT_SEED_STRIDE = 1000  # check_ddp builds rank r's model with seed + 1000 * r
-# (rtol, atol) per dtype; fp32 rounding between split and whole batches is ~1e-7 (NOTES.md),
-# fp64 ~1e-14.
+# (rtol, atol) per dtype; fp32 rounding between split and whole batches is ~1e-7 (measured on
+# the course's models), fp64 ~1e-14.
 TOLERANCE = {torch.float32: (1e-5, 1e-6), torch.float64: (1e-10, 1e-10)}
 # Default caps, in elements: below the largest parameter. ProbeModel's 60 makes the rule's
 # layout differ from forward order, from 1 MB = 10^6 bytes and from closing a bucket when

@@ -43,7 +43,7 @@ from course_lib.runtime import rank, world_size
 SMALL = GPTConfig(vocab_size=29, seq_len=7, d_model=22, n_heads=2, n_layers=2, d_ff=37)
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 # float64 rounding between a split and a whole batch is ~1e-17 in the gradients and ~1e-14
-# after a few AdamW steps (NOTES.md); 1e-10 leaves room and still catches any real mistake.
+# after a few AdamW steps (measured); 1e-10 leaves room and still catches any real mistake.
 TOLERANCE = {"rtol": 1e-10, "atol": 1e-10}
 GRAD_TOLERANCE = {"rtol": 1e-10, "atol": 1e-12}
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
