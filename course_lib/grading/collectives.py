@@ -364,7 +364,8 @@ class _Tally:
     """What a passing check verified: how many cases, and the bytes they sent."""
 
     def __init__(self) -> None:
-        self.cases, self.world_sizes, self.sent, self.busiest = 0, set(), 0, (0, 0)
+        self.cases, self.world_sizes, self.sent = 0, set(), 0
+        self.busiest = (0.0, 0, 0)  # (share of the budget, bytes, budget) of the busiest rank
 
     def add(self, spec: _Spec, case: Case, records: list[dict]) -> None:
         self.cases += 1

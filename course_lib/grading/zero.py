@@ -475,6 +475,24 @@ def _check_bytes(
         )
 
 
+def _check_bytes_every_step(
+    check: str,
+    what: str,
+    results: list[dict],
+    key: str,
+    allowed: int,
+    full: int,
+    where: str,
+    hint: str,
+) -> None:
+    """`_check_bytes` on the bytes each rank recorded under `key` at every step; `where` may
+    name the step as {s}."""
+    __tracebackhide__ = True
+    for s in range(len(results[0]["steps"])):
+        per_rank = [result["steps"][s][key] for result in results]
+        _check_bytes(check, what, per_rank, allowed, full, where.format(s=s), hint)
+
+
 def _check_param_groups(check: str, results: list[dict]) -> None:
     __tracebackhide__ = True
     lr = results[0]["lr"]
@@ -530,48 +548,48 @@ def _check_stage12(check: str, impl: Callable, stage: int, ranks: int, run: Run,
                     _compare_state(check, r, s, ranks, state, ref_step)
     state_allowed = shard_bytes(model, ranks, values_per_element=2)
     with verdict.case():
-        for s in steps:
-            _check_bytes(
-                check,
-                "optimizer state",
-                [result["steps"][s]["state_bytes"] for result in results],
-                state_allowed,
-                shard_bytes(model, 1, values_per_element=2),
-                f"after step {s}, {where}",
-                "each rank keeps AdamW state (exp_avg, exp_avg_sq) only for its own shards: "
-                "create optimizer_cls with this rank's shard tensors (clones, not views of the "
-                "full parameters), never with the full parameters",
-            )
+        _check_bytes_every_step(
+            check,
+            "optimizer state",
+            results,
+            "state_bytes",
+            state_allowed,
+            shard_bytes(model, 1, values_per_element=2),
+            "after step {s}, " + where,
+            "each rank keeps AdamW state (exp_avg, exp_avg_sq) only for its own shards: "
+            "create optimizer_cls with this rank's shard tensors (clones, not views of the "
+            "full parameters), never with the full parameters",
+        )
     grad_allowed = shard_bytes(model, ranks)
     kept_allowed = grad_allowed + largest + KEPT_SLACK
     if stage == 2:
         with verdict.case():
-            for s in steps:
-                _check_bytes(
-                    check,
-                    "gradients (measured after backward)",
-                    [result["steps"][s]["grad_bytes"] for result in results],
-                    grad_allowed,
-                    shard_bytes(model, 1),
-                    f"step {s}, {where}",
-                    "as soon as a parameter's gradient is ready (a post-accumulate-grad hook), "
-                    "reduce-scatter it into this rank's shard's .grad and free the full "
-                    "gradient (param.grad = None)",
-                )
+            _check_bytes_every_step(
+                check,
+                "gradients (measured after backward)",
+                results,
+                "grad_bytes",
+                grad_allowed,
+                shard_bytes(model, 1),
+                "step {s}, " + where,
+                "as soon as a parameter's gradient is ready (a post-accumulate-grad hook), "
+                "reduce-scatter it into this rank's shard's .grad and free the full "
+                "gradient (param.grad = None)",
+            )
         with verdict.case():
-            for s in steps:
-                _check_bytes(
-                    check,
-                    "tensors kept from backward (every tensor alive after backward that was "
-                    "not before it, wherever it is kept; one parameter's full size is allowed "
-                    "on top)",
-                    [result["steps"][s]["kept_bytes"] for result in results],
-                    kept_allowed,
-                    0,  # no lower bound: a delta (a shard's .grad may reuse its memory)
-                    f"step {s}, {where}",
-                    "reduce-scatter each gradient in its hook and keep only the chunk: a full "
-                    "gradient kept anywhere until step() is what ZeRO-2 removes",
-                )
+            _check_bytes_every_step(
+                check,
+                "tensors kept from backward (every tensor alive after backward that was "
+                "not before it, wherever it is kept; one parameter's full size is allowed "
+                "on top)",
+                results,
+                "kept_bytes",
+                kept_allowed,
+                0,  # no lower bound: a delta (a shard's .grad may reuse its memory)
+                "step {s}, " + where,
+                "reduce-scatter each gradient in its hook and keep only the chunk: a full "
+                "gradient kept anywhere until step() is what ZeRO-2 removes",
+            )
         with verdict.case():
             for s, ref_step in enumerate(ref["steps"]):
                 _compare_grad_shards(check, results, s, ref_step, ranks, f"after step {s}, {where}")
