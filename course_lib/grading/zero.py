@@ -171,15 +171,21 @@ def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def reachable_tensors() -> list[torch.Tensor]:
+    """Every tensor the garbage collector knows in this process, after a collection (garbage
+    not yet collected is not kept)."""
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on torch's deprecated aliases warns
+        warnings.simplefilter("ignore", FutureWarning)
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+
+
 def live_tensor_bytes() -> int:
     """Bytes of the distinct storages behind every tensor Python can reach in this process,
     and behind their .grad: wherever a tensor is kept (an attribute, a closure, a module-level
     dict), the garbage collector knows it. (A gradient autograd holds only in C++, such as a
     parameter's .grad never read from Python, is `gradient_bytes`' to count.)"""
-    gc.collect()  # garbage not yet collected is not kept
-    with warnings.catch_warnings():  # isinstance() on torch's deprecated aliases warns
-        warnings.simplefilter("ignore", FutureWarning)
-        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    tensors = reachable_tensors()
     grads = [t.grad for t in tensors if t.requires_grad and t.grad is not None]
     return _storage_bytes([*tensors, *grads])
 
@@ -188,7 +194,7 @@ def storages_elsewhere(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
     """Every float64 storage Python can reach on this rank, flat, except those of the model's
     parameters, their gradients and the optimizer's state: where a full parameter kept
     privately (an attribute, a dict, a closure) would be. Its values are compared with the
-    full parameters in the checking process (`_private_copies`)."""
+    full parameters in the checking process (`_judge_private_copies`)."""
     own = {p.untyped_storage().data_ptr() for p in model.parameters()}
     own |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
     own |= {
@@ -197,18 +203,15 @@ def storages_elsewhere(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
         for t in state.values()
         if isinstance(t, torch.Tensor)
     }
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance() on torch's deprecated aliases warns
-        warnings.simplefilter("ignore", FutureWarning)
-        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
     found: dict[int, torch.Tensor] = {}
-    for t in tensors:
+    for t in reachable_tensors():
         if t.dtype != torch.float64 or t.device.type != "cpu" or t.is_sparse:
             continue
         storage = t.untyped_storage()
-        if storage.data_ptr() in own or storage.data_ptr() in found or not storage.nbytes():
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if ptr in own or ptr in found or not nbytes or nbytes % t.element_size():
             continue
-        found[storage.data_ptr()] = torch.empty(0, dtype=torch.float64).set_(storage).clone()
+        found[ptr] = torch.empty(0, dtype=torch.float64).set_(storage).clone()
     return list(found.values())
 
 
