@@ -97,6 +97,8 @@ class ForkServer:
                 return
             kind, pid, *code = json.loads(message)
             if kind == "forked":
+                with self._exited:  # a reused pid: forget the exit of its earlier owner
+                    self._exit_codes.pop(pid, None)
                 self._forked.put(pid)
                 continue
             with self._exited:

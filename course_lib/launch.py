@@ -275,9 +275,9 @@ class WorkerPool:
             master_listen_fd=listener.fileno(),
         )
         listener.detach()  # the store owns the socket now and closes it when it goes
-        spawn = _fork_server().fork if self.start_method == "fork-server" else None
+        server = _fork_server() if self.start_method == "fork-server" else None
         self._workers = [
-            _Worker(rank, self._spec(rank, port), self._events, spawn)
+            _Worker(rank, self._spec(rank, port), self._events, server)
             for rank in range(self.world_size)
         ]
         self._wait_until_ready()
@@ -585,19 +585,22 @@ class _Call:
 class _Worker:
     """The launcher's handle on one rank: its process, connection and output pipes."""
 
-    def __init__(self, rank: int, spec: dict, events: queue.Queue, spawn: Callable | None) -> None:
+    def __init__(
+        self, rank: int, spec: dict, events: queue.Queue, server: ForkServer | None
+    ) -> None:
         self.rank = rank
         self.spec = spec
         self.pid = -1
         self.main_thread = 0
         self.alive = True
         self._process: subprocess.Popen | None = None
+        self._server = server
         self.conn, child_conn = Pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         child_fds = [child_conn.fileno(), out_w, err_w]
-        if spawn is not None:
-            self.pid = spawn(spec, child_fds)
+        if server is not None:
+            self.pid = server.fork(spec, child_fds)
         else:
             self._process = _spawn_subprocess(spec, child_fds)
             self.pid = self._process.pid
@@ -616,15 +619,20 @@ class _Worker:
         self.conn.send_bytes(message)
 
     def signal(self, signum: int) -> None:
-        if self.pid > 0:
+        if self.pid > 0 and not self._reaped():
             try:
                 os.kill(self.pid, signum)
             except ProcessLookupError:
                 pass
 
     def kill(self) -> None:
-        """SIGKILL the rank's whole process group: the rank and everything it started."""
-        if self.pid > 0:
+        """SIGKILL the rank's whole process group: the rank and everything it started.
+
+        Only while the rank has not been reaped. Pid numbers are reused (on a busy machine
+        they wrap within minutes), so a signal sent to the number of a rank that is gone
+        could kill an unrelated process: a rank of the next pool, say.
+        """
+        if self.pid > 0 and not self._reaped():
             for kill in (os.killpg, os.kill):
                 try:
                     kill(self.pid, signal.SIGKILL)
@@ -640,8 +648,15 @@ class _Worker:
     def exit_code(self) -> int | None:
         if self._process is not None:
             return self._process.wait(timeout=2)
-        server = _fork_server_if_running()
-        return server.exit_code(self.pid) if server is not None and self.pid > 0 else None
+        return self._server.exit_code(self.pid) if self.pid > 0 else None
+
+    def _reaped(self) -> bool:
+        """Has the rank's pid been released, so that its number may belong to someone else?"""
+        if self._process is not None:
+            return self._process.returncode is not None  # only our own wait() reaps it
+        # A fork server that is gone no longer reaps its ranks, which kill themselves when
+        # they see their parent go (`_worker._die_with_parent`).
+        return not self._server.alive() or self._server.exit_code(self.pid, 0) is not None
 
     def stack_size(self) -> int:
         try:
@@ -666,7 +681,8 @@ class _Worker:
         while True:
             try:
                 reply = _load_envelope(self.conn.recv_bytes())
-            except (EOFError, OSError, pickle.UnpicklingError):
+            # TypeError: the pool closed this end of the pipe while we were reading it.
+            except (EOFError, OSError, TypeError, pickle.UnpicklingError):
                 self.alive = False
                 self._events.put(("eof", self.rank, None))
                 return

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import course_lib
 from course_lib import LaunchTimeout, RankError, WorkerDied, WorkerPool, launch
-from course_lib.launch import default_pool
+from course_lib.launch import _fork_server, default_pool
 from tests.conftest import alive, all_gone, descendants
 
 # --- functions run on the ranks (module level, so workers import them by reference) -------
@@ -122,6 +122,12 @@ def destroy_group():
 
 def noop():
     return None
+
+
+def exit_soon_on_rank_one():
+    """Let the call end normally, then let rank 1 leave while the pool sits idle."""
+    if course_lib.rank() == 1:
+        threading.Timer(0.3, os._exit, args=(0,)).start()
 
 
 # --- results ------------------------------------------------------------------------------
@@ -289,6 +295,25 @@ def test_close_stops_every_worker():
     assert all(alive(pid) for pid in pids)
     pool.close()
     assert all_gone(pids, 5)
+
+
+def test_closing_a_pool_never_signals_the_number_of_a_rank_that_is_gone(monkeypatch):
+    """Pid numbers are reused (they wrap at 32768 on many machines): a signal sent to the number
+    of a rank the fork server has already reaped could kill a rank of another pool."""
+    pool = WorkerPool(2)
+    pool.launch(exit_soon_on_rank_one)
+    living, gone = pool.pids
+    server = _fork_server()
+    assert server.exit_code(gone, timeout=10) == 0, "rank 1 should have left and been reaped"
+    signalled = []
+    for name in ("kill", "killpg"):
+        real = getattr(os, name)
+        monkeypatch.setattr(
+            os, name, lambda pid, sig, real=real: (signalled.append(pid), real(pid, sig))
+        )
+    pool.close()
+    assert gone not in signalled
+    assert living in signalled and all_gone([living], 5)
 
 
 def test_killing_the_launcher_leaves_no_process_behind(run_script, tmp_path):
