@@ -24,6 +24,7 @@ PROTECTED_MODULES = (
     "builtins",
     "copy",
     "functools",
+    "gc",
     "math",
     "operator",
     "pickle",

@@ -42,6 +42,26 @@ from course_lib import _integrity, counted_group, runtime
 
 END_MARK = b"\x00course_lib:end:"
 PARENT_POLL_S = 0.2
+# How many objects the fork server froze (gc.freeze) before forking this worker: what it
+# imported, never anything a call made (0 in a worker started as a fresh interpreter).
+# Collections skip frozen objects, which keeps the memory scans of the ZeRO checks fast; code
+# run on a worker that freezes more (to hide a tensor from such a scan) goes through
+# `_freeze`, and the scans unfreeze everything first (`frozen_by_a_call`).
+FROZEN_OBJECTS = 0
+_real_freeze = gc.freeze
+_frozen_by_a_call = False
+
+
+def _freeze() -> None:
+    """gc.freeze on a worker: freezes, and remembers that a call did."""
+    global _frozen_by_a_call
+    _frozen_by_a_call = True
+    _real_freeze()
+
+
+def frozen_by_a_call() -> bool:
+    """Has code run on this worker frozen objects (beyond what the fork server froze)?"""
+    return _frozen_by_a_call or gc.get_freeze_count() > FROZEN_OBJECTS
 _stack_file = None  # kept open for faulthandler for the life of the worker
 _SIGNAL_HANDLERS = {s: signal.getsignal(s) for s in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM)}
 _streams: tuple = ()  # this worker's own stdout and stderr, put back after every call
@@ -92,6 +112,7 @@ def _become_worker(spec: dict) -> None:
     faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
     threading.Thread(target=_die_with_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(1)
+    gc.freeze = _freeze
 
 
 def _line_stream(fd: int) -> io.TextIOWrapper:

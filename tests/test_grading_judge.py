@@ -147,11 +147,21 @@ def test_the_judge_ignores_and_reports_an_answer_cell_that_rebinds_a_check():
     assert verdict.score == 0 and "rebinds check_broadcast" in verdict.tampering[0]
 
 
-def test_a_rank_that_patches_the_checks_code_scores_zero_as_tampering():
-    patch = "\nimport course_lib.comm\ncourse_lib.comm._volume = lambda op, args: (0, 0)\n"
-    (verdict,) = list(judge.grade(cells(BROADCAST + patch)))
+@pytest.mark.parametrize(
+    "patch, changed",
+    [
+        (
+            "import course_lib.comm\ncourse_lib.comm._volume = lambda op, args: (0, 0)",
+            "course_lib.comm._volume",
+        ),
+        # What the memory scans of the ZeRO checks rely on to see every tensor
+        ("import gc\ngc.get_freeze_count = lambda: 0", "gc.get_freeze_count"),
+    ],
+)
+def test_a_rank_that_patches_the_checks_code_scores_zero_as_tampering(patch, changed):
+    (verdict,) = list(judge.grade(cells(BROADCAST + "\n" + patch + "\n")))
     assert verdict.score == 0
-    assert any("changed course_lib.comm._volume" in t for t in verdict.tampering)
+    assert any(f"changed {changed}" in t for t in verdict.tampering), verdict.tampering
 
 
 def test_a_wrong_answer_scores_zero_with_the_checks_message():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 from functools import partial
 
@@ -356,6 +357,19 @@ def keep_privately(model):
     return shard_module(model, post=post)
 
 
+def keep_privately_frozen(model):
+    """keep_privately, then gc.freeze() after each layer: frozen objects are skipped by the
+    garbage collector's scans, which the memory checks are built on."""
+    stash = {}
+
+    def post(module, args, output):
+        stash[id(module)] = dict(module.gathered)
+        free_parameters(module, args, output)
+        gc.freeze()
+
+    return shard_module(model, post=post)
+
+
 def view_shards(model):
     """ZeRO-3 whose shards are views of the padded full parameter (which stays alive)."""
 
@@ -477,6 +491,7 @@ def test_check_zero2_rejects(impl, message):
         (keep_gathered, "parameters (held by the model after forward); at most"),
         (view_shards, "parameters (held by the model after forward); at most"),
         (keep_privately, "are alive outside the model's shards, in tensors Python can reach"),
+        (keep_privately_frozen, "are alive outside the model's shards, in tensors Python"),
         (no_regather, "during backward it all-gathered 0 bytes"),
         (summed_zero3, "it is 4 (the world size) times the average"),
         (unsharded, "expected a 1-D shard of ceil(638 / 4) = 160 elements"),

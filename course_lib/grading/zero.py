@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from course_lib import compare, data
+from course_lib import _worker, compare, data
 from course_lib.comm import CommCounter
 from course_lib.grading._harness import Verdict, fail, run_on_ranks
 from course_lib.launch import launch
@@ -173,7 +173,11 @@ def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def reachable_tensors() -> list[torch.Tensor]:
     """Every tensor the garbage collector knows in this process, after a collection (garbage
-    not yet collected is not kept)."""
+    not yet collected is not kept), except what the fork server froze before this worker
+    started (`_worker.FROZEN_OBJECTS`): objects frozen since, by code calling gc.freeze() to
+    hide them from this scan, are unfrozen first."""
+    if _worker.frozen_by_a_call():
+        gc.unfreeze()
     gc.collect()
     with warnings.catch_warnings():  # isinstance() on torch's deprecated aliases warns
         warnings.simplefilter("ignore", FutureWarning)
@@ -190,12 +194,16 @@ def live_tensor_bytes() -> int:
     return _storage_bytes([*tensors, *grads])
 
 
-def storages_elsewhere(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def storages_elsewhere(
+    model: nn.Module, optimizer: torch.optim.Optimizer, records: object = ()
+) -> list[torch.Tensor]:
     """Every float64 storage Python can reach on this rank, flat, except those of the model's
-    parameters, their gradients and the optimizer's state: where a full parameter kept
-    privately (an attribute, a dict, a closure) would be. Its values are compared with the
-    full parameters in the checking process (`_judge_private_copies`)."""
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    parameters, their gradients, the optimizer's state and the check's own `records` (nested
+    dicts and lists): where a full parameter kept privately (an attribute, a dict, a closure)
+    would be. Its values are compared with the full parameters in the checking process
+    (`_judge_private_copies`)."""
+    own = {t.untyped_storage().data_ptr() for t in _tensors_in(records)}
+    own |= {p.untyped_storage().data_ptr() for p in model.parameters()}
     own |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
     own |= {
         t.untyped_storage().data_ptr()
@@ -213,6 +221,16 @@ def storages_elsewhere(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
             continue
         found[ptr] = torch.empty(0, dtype=torch.float64).set_(storage).clone()
     return list(found.values())
+
+
+def _tensors_in(records: object) -> list[torch.Tensor]:
+    if isinstance(records, torch.Tensor):
+        return [records]
+    if isinstance(records, dict):
+        records = list(records.values())
+    if isinstance(records, (list, tuple)):
+        return [t for item in records for t in _tensors_in(item)]
+    return []
 
 
 def held_bytes(model: nn.Module) -> int:
@@ -319,7 +337,9 @@ def _train_stage3(shard_module: Callable, run: Run) -> dict:
         logits = model(x)
         after_forward = held_bytes(model)
         holders = {n: _storage_bytes([t]) for n, t in held_tensors(model).items()}
-        elsewhere = storages_elsewhere(model, optimizer)
+        # The check's own records are not the student's: without `records`, each scan would
+        # also copy every earlier record, and the scans would grow step after step.
+        elsewhere = storages_elsewhere(model, optimizer, records=result)
         with CommCounter() as backward_traffic:
             lm_loss(logits, y).backward()
         del logits
@@ -330,7 +350,9 @@ def _train_stage3(shard_module: Callable, run: Run) -> dict:
                 "held_after_forward": after_forward,
                 "holders": holders,
                 "elsewhere_after_forward": elsewhere,
-                "elsewhere_after_step": storages_elsewhere(model, optimizer),
+                "elsewhere_after_step": storages_elsewhere(
+                    model, optimizer, records=[result, elsewhere, grads]
+                ),
                 "held_after_step": held_bytes(model),
                 "gathered_in_backward": _gathered_bytes(backward_traffic),
                 "grads": grads,
