@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable
@@ -54,7 +59,23 @@ def all_gone(pids: list[int], timeout: float = 10.0) -> bool:
 
 
 def descendants() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """Pids of this process's descendants, except the graded course's build (which runs
+    alongside the tests and starts processes of its own)."""
+    children = psutil.Process().children(recursive=True)
+    parent = {}
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            parent[child.pid] = child.ppid()
+    builder = _course_build.process.pid if _course_build is not None else None
+
+    def in_build(pid: int | None) -> bool:
+        while pid in parent:
+            if pid == builder:
+                return True
+            pid = parent[pid]
+        return False
+
+    return {pid for pid in parent if not in_build(pid)}
 
 
 @pytest.fixture
@@ -78,11 +99,77 @@ def run_script(tmp_path: Path) -> Callable[..., subprocess.Popen]:
     return start
 
 
-@pytest.fixture(scope="session")
-def graded_course(tmp_path_factory) -> tuple[Path, float]:
-    """One course folder, released, with every test submission autograded through `make
-    autograde` (see tests/grading_course.py); and how long grading took."""
-    from tests import grading_course
+# --- the graded course: built in a process of its own, alongside the other tests ------------
 
-    course = tmp_path_factory.mktemp("course")
-    return course, grading_course.build(course)
+
+class _CourseBuild:
+    """`python -m tests.grading_course FOLDER`: a course folder released, with every test
+    submission autograded through `make autograde`. Grading ~50 notebooks is most of a test
+    run and leaves the CPU idle part of the time (kernels starting, ranks meeting), so it
+    starts as soon as the tests are collected and runs while the others do."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="graded-course-"))
+        self.log = tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.grading_course", str(self.folder)],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # one killpg stops it and everything it started
+        )
+
+    def result(self, timeout: float) -> tuple[Path, float]:
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            code = "killed: it ran out of time"
+        self.log.seek(0)
+        text = self.log.read()
+        assert code == 0, f"building the graded course failed ({code}):\n{text[-6000:]}"
+        return self.folder, float(re.search(r"autograde took ([\d.]+) s", text).group(1))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+_course_build: _CourseBuild | None = None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that read the graded course run last, while its build has been running."""
+    items.sort(key=lambda item: "graded_course" in getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    global _course_build
+    wanted = any(
+        "graded_course" in getattr(item, "fixturenames", ())
+        and item.get_closest_marker("skip") is None
+        for item in session.items
+    )
+    if wanted and not session.config.option.collectonly:
+        _course_build = _CourseBuild()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _course_build is not None:
+        _course_build.stop()
+        if exitstatus == 0:
+            shutil.rmtree(_course_build.folder, ignore_errors=True)
+        else:
+            print(f"\nThe graded course folder is kept for a look: {_course_build.folder}")
+
+
+@pytest.fixture(scope="session")
+def graded_course() -> tuple[Path, float]:
+    """The graded course folder (see tests/grading_course.py) and how long `make autograde`
+    took."""
+    global _course_build
+    if _course_build is None:  # not started at collection (a test selected some other way)
+        _course_build = _CourseBuild()
+    return _course_build.result(timeout=2400)

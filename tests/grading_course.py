@@ -2,8 +2,9 @@
 
 Everything runs in a temporary course folder through the Makefile targets (`make release`,
 `make autograde`, `make feedback`), as an instructor would; scores are read from the
-gradebook, not from logs. Grading takes minutes, so it happens once per test session
-(the `graded_course` fixture in conftest.py).
+gradebook, not from logs. Grading takes minutes, so it happens once per test session, in a
+process of its own that starts as soon as the tests are collected and runs alongside the
+others (`python -m tests.grading_course FOLDER`, started by conftest.py).
 """
 
 from __future__ import annotations
@@ -245,3 +246,7 @@ def build(course: Path) -> float:
     seconds = make(course, "autograde")
     make(course, "feedback")
     return seconds
+
+
+if __name__ == "__main__":
+    print(f"autograde took {build(Path(sys.argv[1])):.1f} s", flush=True)
