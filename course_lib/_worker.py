@@ -62,6 +62,8 @@ def _freeze() -> None:
 def frozen_by_a_call() -> bool:
     """Has code run on this worker frozen objects (beyond what the fork server froze)?"""
     return _frozen_by_a_call or gc.get_freeze_count() > FROZEN_OBJECTS
+
+
 _stack_file = None  # kept open for faulthandler for the life of the worker
 _SIGNAL_HANDLERS = {s: signal.getsignal(s) for s in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM)}
 _streams: tuple = ()  # this worker's own stdout and stderr, put back after every call
