@@ -39,12 +39,28 @@ def load_function(target: str) -> Callable:
     return namespace[name]
 
 
+def choose_backend(backend: str, local_world_size: int, gpus: int) -> str:
+    """The backend, "gloo" or "nccl", of every process on one machine: NCCL only when the
+    machine has a GPU for each of its processes. Decided from what all of them see alike
+    (never from a process's own LOCAL_RANK): were some to choose NCCL and others gloo,
+    start-up would hang."""
+    if backend == "auto":
+        return "nccl" if gpus >= local_world_size else "gloo"
+    if backend == "nccl" and gpus < local_world_size:
+        raise SystemExit(
+            f"--backend nccl needs one GPU per process: {local_world_size} processes on this "
+            f"machine, {gpus} GPU{'s' if gpus != 1 else ''} visible. Use --backend gloo or "
+            f"--nproc-per-node {gpus}."
+        )
+    return backend
+
+
 def init_from_env(backend: str = "auto") -> str:
     """Join the process group torchrun describes in the environment; return the backend."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if backend == "auto":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        backend = "nccl" if local_rank < gpus else "gloo"
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = choose_backend(backend, local_world_size, gpus)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from course_lib.torchrun import load_function
+from course_lib.torchrun import init_from_env, load_function
 from tests.conftest import ROOT
 
 
@@ -63,3 +65,42 @@ def test_load_function_from_file_or_module_and_clear_errors(tmp_path):
         load_function(f"{script}:nope")
     with pytest.raises(SystemExit, match="expected FILE.py:FUNCTION"):
         load_function("no-colon")
+
+
+@pytest.mark.parametrize(
+    "backend, processes, gpus, expected",
+    [
+        ("auto", 2, 0, "gloo"),
+        ("auto", 2, 1, "gloo"),  # one GPU for two processes: all of them on gloo
+        ("auto", 2, 2, "nccl"),
+        ("auto", 4, 8, "nccl"),
+        ("gloo", 2, 8, "gloo"),
+        ("nccl", 2, 2, "nccl"),
+    ],
+)
+def test_every_process_on_a_machine_chooses_the_same_backend(
+    monkeypatch, backend, processes, gpus, expected
+):
+    """Under torchrun each process decides alone: with fewer GPUs than processes, a choice
+    made from its own LOCAL_RANK put some on NCCL and others on gloo, and start-up hung."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", lambda name, **kw: chosen.append(name))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+    for local_rank in range(processes):
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        assert init_from_env(backend) == expected
+    name = "cpu:gloo,cuda:nccl" if expected == "nccl" else "gloo"
+    assert chosen == [name] * processes
+
+
+def test_nccl_with_too_few_gpus_is_refused_before_joining(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("joined"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit, match="needs one GPU per process: 2 processes .* 1 GPU visible"):
+        init_from_env("nccl")
