@@ -33,9 +33,15 @@ def local_rank() -> int:
 
 
 def device() -> torch.device:
-    """The device this rank should compute on: its own GPU under NCCL, else the CPU."""
+    """The device this rank should compute on: its own GPU under NCCL, else the CPU.
+
+    The same from every thread: under NCCL it is the GPU the process group was bound to at
+    start-up (`launch` and `course_lib.torchrun` bind rank r of a machine to cuda:r), never
+    torch.cuda.current_device(), which is per thread and says cuda:0 in a thread the rank
+    started itself (the emulated network's, say)."""
     if _initialized() and "nccl" in str(dist.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
+        bound = dist.distributed_c10d._get_default_group().bound_device_id
+        return bound if bound is not None else torch.device("cuda", local_rank())
     return torch.device("cpu")
 
 

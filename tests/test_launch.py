@@ -124,6 +124,26 @@ def noop():
     return None
 
 
+def device_from_a_new_thread():
+    """device() asked from a thread the rank started, with NCCL and per-thread CUDA devices
+    stood in for (no GPU here): torch.cuda.current_device() is rank r in the main thread and
+    0 in any other, as on a GPU machine."""
+    main = threading.main_thread()
+    saved = dist.get_backend, torch.cuda.current_device
+    dist.get_backend = lambda group=None: "cpu:gloo,cuda:nccl"
+    torch.cuda.current_device = lambda: (
+        course_lib.rank() if threading.current_thread() is main else 0
+    )
+    try:
+        found = []
+        thread = threading.Thread(target=lambda: found.append(str(course_lib.device())))
+        thread.start()
+        thread.join()
+        return str(course_lib.device()), found[0]
+    finally:
+        dist.get_backend, torch.cuda.current_device = saved
+
+
 def exit_soon_on_rank_one():
     """Let the call end normally, then let rank 1 leave while the pool sits idle."""
     if course_lib.rank() == 1:
@@ -295,6 +315,13 @@ def test_close_stops_every_worker():
     assert all(alive(pid) for pid in pids)
     pool.close()
     assert all_gone(pids, 5)
+
+
+def test_device_is_the_ranks_own_from_any_thread():
+    assert launch(device_from_a_new_thread, world_size=2) == [
+        ("cuda:0", "cuda:0"),
+        ("cuda:1", "cuda:1"),
+    ]
 
 
 def test_closing_a_pool_never_signals_the_number_of_a_rank_that_is_gone(monkeypatch):
