@@ -303,6 +303,11 @@ _LIBRARY_DIRS = tuple(
 )
 
 
+def _process_groups() -> list:
+    """Every process group this process belongs to, the default one included."""
+    return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+
+
 class _Baseline:
     """What a fresh worker looks like, taken once and restored after every call."""
 
@@ -314,8 +319,14 @@ class _Baseline:
         self.numpy_rng = np.random.get_state()
         self.warning_filters = list(warnings.filters)
         self.num_threads = torch.get_num_threads()
+        self.groups = set(_process_groups())
 
     def restore(self) -> None:
+        # Groups a call made (dist.new_group) would pile up call after call in a warm worker,
+        # each holding connections and threads (under NCCL, a communicator and GPU memory).
+        for group in _process_groups():
+            if group not in self.groups:
+                dist.destroy_process_group(group)
         torch.set_rng_state(self.torch_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)

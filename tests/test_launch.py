@@ -124,6 +124,11 @@ def noop():
     return None
 
 
+def groups_after_making_one():
+    dist.new_group([0, 1])
+    return len(dist.distributed_c10d._world.pg_map)
+
+
 def device_from_a_new_thread():
     """device() asked from a thread the rank started, with NCCL and per-thread CUDA devices
     stood in for (no GPU here): torch.cuda.current_device() is rank r in the main thread and
@@ -315,6 +320,16 @@ def test_close_stops_every_worker():
     assert all(alive(pid) for pid in pids)
     pool.close()
     assert all_gone(pids, 5)
+
+
+def test_groups_a_call_makes_do_not_pile_up_in_a_warm_pool():
+    counts, pids = [], []
+    with WorkerPool(2) as pool:
+        for _ in range(3):
+            counts.append(pool.launch(groups_after_making_one))
+            pids.append(pool.pids)
+    assert counts == [[2, 2]] * 3  # the default group and the call's own
+    assert pids[0] == pids[1] == pids[2]  # the same warm workers all along
 
 
 def test_device_is_the_ranks_own_from_any_thread():
