@@ -175,6 +175,11 @@ def _run_call(call_id: int, payload: bytes, context: dict, spec: dict) -> bytes:
         if answers is not None and answers.contains_answer((args, kwargs)):
             args, kwargs = answers.resolve(args, kwargs)
         value = fn(*args, **kwargs)
+        # CUDA work (NCCL collectives included) runs after the Python call returns: wait for
+        # it here, so that a call whose collective cannot complete hangs (and is reported)
+        # as itself, not as whichever call comes next.
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
     except BaseException as exc:  # noqa: BLE001 (SystemExit from student code is an error too)
         return _error_reply(call_id, exc)
     try:

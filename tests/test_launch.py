@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import course_lib
 from course_lib import LaunchTimeout, RankError, WorkerDied, WorkerPool, launch
-from course_lib.launch import _fork_server, default_pool
+from course_lib.launch import _fork_server, default_pool, resolve_backend
 from tests.conftest import alive, all_gone, descendants
 
 # --- functions run on the ranks (module level, so workers import them by reference) -------
@@ -129,6 +129,16 @@ def groups_after_making_one():
     return len(dist.distributed_c10d._world.pg_map)
 
 
+def pretend_cuda_work_is_pending():
+    """CUDA stood in for: initialised, with work that fails when it is waited for."""
+
+    def synchronize(device=None):
+        raise RuntimeError("the pending CUDA work was waited for")
+
+    torch.cuda.is_initialized = lambda: True
+    torch.cuda.synchronize = synchronize
+
+
 def device_from_a_new_thread():
     """device() asked from a thread the rank started, with NCCL and per-thread CUDA devices
     stood in for (no GPU here): torch.cuda.current_device() is rank r in the main thread and
@@ -160,7 +170,9 @@ def exit_soon_on_rank_one():
 
 def test_returns_results_in_rank_order_with_args_and_kwargs():
     results = launch(rank_info, 10, scale=2, world_size=4)
-    assert results == [(20, 4, "cpu"), (22, 4, "cpu"), (24, 4, "cpu"), (26, 4, "cpu")]
+    on_gpus = resolve_backend("auto", 4) == "nccl"  # a machine with 4 GPUs or more
+    devices = [f"cuda:{r}" if on_gpus else "cpu" for r in range(4)]
+    assert results == [(20 + 2 * r, 4, devices[r]) for r in range(4)]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -330,6 +342,13 @@ def test_groups_a_call_makes_do_not_pile_up_in_a_warm_pool():
             pids.append(pool.pids)
     assert counts == [[2, 2]] * 3  # the default group and the call's own
     assert pids[0] == pids[1] == pids[2]  # the same warm workers all along
+
+
+def test_a_call_ends_only_when_its_cuda_work_has_finished():
+    """NCCL collectives return before they run: a call must wait for its CUDA work, or a
+    collective that never completes is blamed on the next call."""
+    with WorkerPool(1) as pool, pytest.raises(RankError, match="pending CUDA work was waited"):
+        pool.launch(pretend_cuda_work_is_pending)
 
 
 def test_device_is_the_ranks_own_from_any_thread():

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.torchrun import init_from_env, load_function
+from course_lib.launch import resolve_backend
+from course_lib.torchrun import choose_backend, init_from_env, load_function
 from tests.conftest import ROOT
 
 
@@ -35,8 +36,10 @@ def test_example_runs_unchanged_under_torchrun():
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for rank in (0, 1):
-        assert f"rank {rank} of 2 on cpu: all_reduce gave 1" in result.stdout
+        on = f"cuda:{rank}" if choose_backend("auto", 2, gpus) == "nccl" else "cpu"
+        assert f"rank {rank} of 2 on {on}: all_reduce gave 1" in result.stdout
         assert f"[rank {rank}] returned 8.0" in result.stdout
 
 
@@ -50,7 +53,8 @@ def test_the_example_also_runs_as_a_script():
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr
-    assert "[rank 3] rank 3 of 4 on cpu: all_reduce gave 6" in result.stdout
+    on = "cuda:3" if resolve_backend("auto", 4) == "nccl" else "cpu"
+    assert f"[rank 3] rank 3 of 4 on {on}: all_reduce gave 6" in result.stdout
     assert result.stdout.strip().endswith("[24.0, 24.0, 24.0, 24.0]")
 
 
