@@ -103,8 +103,9 @@ def launch(
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return their results in rank order.
 
     Uses a default `WorkerPool` that stays warm between calls and is replaced when the world
-    size or backend changes. `backend`: "auto" (NCCL if there is a GPU per rank, else
-    gloo), "gloo" or "nccl". `timeout`: seconds before the call counts as hung (None: never).
+    size or backend changes. `backend`: "auto" (NCCL if there is a GPU per rank, else gloo;
+    on a machine with GPUs it says once which it chose), "gloo" or "nccl". `timeout`: seconds
+    before the call counts as hung (None: never).
     """
     __tracebackhide__ = True
     global _default_pool
@@ -134,7 +135,10 @@ def resolve_backend(backend: str, world_size: int) -> str:
         raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
-        return "nccl" if gpus >= world_size else "gloo"
+        chosen = "nccl" if gpus >= world_size else "gloo"
+        if gpus:  # with GPUs the choice depends on the world size: say which and why, once
+            _say_once(world_size, gpus, chosen)
+        return chosen
     if backend == "gloo":
         return backend
     if backend == "nccl":
@@ -146,6 +150,24 @@ def resolve_backend(backend: str, world_size: int) -> str:
             )
         return backend
     raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+
+
+_said: set[tuple[int, str]] = set()
+
+
+def _say_once(world_size: int, gpus: int, chosen: str) -> None:
+    if (world_size, chosen) in _said:
+        return
+    _said.add((world_size, chosen))
+    if chosen == "nccl":
+        why = f"one GPU for each of the {world_size} ranks ({gpus} visible)"
+    else:
+        why = f"{world_size} ranks but {gpus} GPU{'s' if gpus != 1 else ''}: every rank on the CPU"
+    print(
+        f"course_lib: backend='auto' chose {chosen}, {why}. Pass backend='gloo' or "
+        "backend='nccl' to choose yourself.",
+        file=sys.stderr,
+    )
 
 
 class WorkerPool:

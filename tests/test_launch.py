@@ -22,6 +22,8 @@ from course_lib import LaunchTimeout, RankError, WorkerDied, WorkerPool, launch
 from course_lib.launch import _fork_server, default_pool, resolve_backend
 from tests.conftest import alive, all_gone, descendants
 
+launch_module = sys.modules["course_lib.launch"]  # `course_lib.launch` names the function too
+
 # --- functions run on the ranks (module level, so workers import them by reference) -------
 
 
@@ -307,6 +309,30 @@ def test_non_callable_and_unpicklable_arguments_fail_before_starting():
     with pytest.raises(TypeError, match=r"keyword argument 'scale' \(generator\) cannot be sent"):
         launch(rank_info, 1, scale=(i for i in range(3)))
     assert descendants() <= before
+
+
+@pytest.mark.parametrize(
+    "gpus, world_size, chosen, said",
+    [
+        (0, 4, "gloo", None),  # no GPU: nothing to choose between
+        (4, 2, "nccl", "chose nccl, one GPU for each of the 2 ranks (4 visible)"),
+        (2, 4, "gloo", "chose gloo, 4 ranks but 2 GPUs: every rank on the CPU"),
+    ],
+)
+def test_auto_says_once_which_backend_it_chose_and_why(
+    monkeypatch, capsys, gpus, world_size, chosen, said
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(launch_module, "_said", set())
+    assert resolve_backend("auto", world_size) == chosen
+    assert resolve_backend("auto", world_size) == chosen
+    err = capsys.readouterr().err
+    if said is None:
+        assert err == ""
+    else:
+        assert err.count("course_lib: backend='auto' " + said) == 1, err
+    assert resolve_backend("gloo", world_size) == "gloo" and capsys.readouterr().err == ""
 
 
 def test_pool_rejects_a_different_world_size():
