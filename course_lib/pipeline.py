@@ -348,6 +348,7 @@ def pipeline_step(
         raise ValueError(f"pipeline_step runs 'naive', 'gpipe' or '1f1b', not {schedule!r}")
     if x.shape[0] % m:
         raise ValueError(f"a batch of {x.shape[0]} samples does not split into m={m} equal parts")
+    stage.to(device())  # in place: the caller's stage and its gradients live on the rank's device
     # each micro-batch in storage of its own, as a data loader would hand it over
     xs, ys = ([c.to(device(), copy=True) for c in t.chunk(m)] for t in (x, y))
     log, clock = StageLog(r, schedule), EmulatedDevice()
@@ -430,14 +431,11 @@ def torch_pipeline_step(
     kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
     if schedule not in kinds:
         raise ValueError(f"torch_pipeline_step runs {tuple(kinds)}, not {schedule!r}")
+    stage.to(device())
     runner = kinds[schedule](PipelineStage(stage, r, P, device()), m, loss_fn=loss_fn)
     stage.zero_grad(set_to_none=True)
-    if r == 0:
-        runner.step(x.to(device()))
-    elif r == P - 1:
-        runner.step(target=y.to(device()))
-    else:
-        runner.step()
+    inputs = (x.to(device()),) if r == 0 else ()  # one rank may be first and last (P = 1)
+    runner.step(*inputs, **({"target": y.to(device())} if r == P - 1 else {}))
     return [p.grad.detach().clone() for p in stage.parameters()]
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib import RankError, WorkerPool, data, models, rank, world_size
+from course_lib import RankError, WorkerPool, data, launch, models, pipeline, rank, world_size
 from course_lib.pipeline import (
     BACKWARD,
     FORWARD,
@@ -214,6 +214,28 @@ def test_torch_pipelining_reference_matches_single_process(pool4, schedule):
     x, y = gpt_batch()
     reference, _ = gpt_reference_grads(x, y)
     assert_grads_match(pool4.launch(torch_step, x, y, 4, schedule, timeout=TIMEOUT), reference)
+
+
+def on_a_stand_in_device(step, schedule):
+    """`step` at world size 1 with device() answering "meta" (no GPU here): a stage, batch or
+    buffer left on the CPU fails with "Tensor on device cpu is not on the expected device
+    meta", as it would on a GPU. Meta tensors hold no values, so .item() answers 0."""
+    real_item = torch.Tensor.item
+    saved = pipeline.device, torch.Tensor.item
+    pipeline.device = lambda: torch.device("meta")
+    torch.Tensor.item = lambda t: 0.0 if t.is_meta else real_item(t)
+    try:
+        x, y = gpt_batch()
+        out = step(models.TinyGPT(seed=0), x, y, models.lm_loss, 2, schedule)
+        return [g.device.type for g in getattr(out, "grads", out)]
+    finally:
+        pipeline.device, torch.Tensor.item = saved
+
+
+@pytest.mark.parametrize("step", [pipeline_step, torch_pipeline_step])
+def test_pipeline_steps_keep_everything_on_the_ranks_device(step):
+    devices = launch(on_a_stand_in_device, step, "gpipe", world_size=1)[0]
+    assert devices and set(devices) == {"meta"}
 
 
 def test_in_flight_and_activation_memory_measured(pool4):
