@@ -274,9 +274,10 @@ def train_step(
     """One AdamW step of TinyGPT on this rank's shard of `x, y`; measures what it holds."""
     watch = ParameterWatch(model)
     try:
-        logits = model(shard(x, rank(), world_size()))
+        x, y = (shard(t, rank(), world_size()).to(device()) for t in (x, y))
+        logits = model(x)
         params_in_step = parameter_bytes(model)
-        loss = models.lm_loss(logits, shard(y, rank(), world_size()))
+        loss = models.lm_loss(logits, y)
         loss.backward()
     finally:
         watch.remove()
@@ -310,7 +311,7 @@ def train_stage(
                 f"a batch of {x.shape[0]} sequences does not split into {world_size()} equal "
                 "shards; use a batch size divisible by the number of ranks"
             )
-    model = models.TinyGPT(config, seed=0, dtype=dtype)
+    model = models.TinyGPT(config, seed=0, dtype=dtype).to(device())  # DDP wants it there
     n_params = models.count_parameters(model)
     wrapped, optimizer = build(stage, model, lr=lr)
     losses = []

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from course_lib import RankError, WorkerPool, compare, data, models, rank, world_size
+from course_lib import RankError, WorkerPool, compare, data, models, rank, sharding, world_size
 from course_lib.sharding import (
     STAGES,
     build,
@@ -249,3 +249,17 @@ def uneven_batch():
 def test_uneven_batch_is_a_clear_error(pool4):
     with pytest.raises(RankError, match="does not split into 4 equal shards"):
         pool4.launch(uneven_batch, timeout=60)
+
+
+def test_a_training_step_keeps_everything_on_the_ranks_device(monkeypatch):
+    """device() answering "meta" stands in for a GPU (none here): a batch or target left on
+    the CPU fails with "Tensor on device cpu is not on the expected device meta", as lecture
+    07 did on one GPU. Meta tensors hold no values, so .item() answers 0."""
+    real_item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: 0.0 if t.is_meta else real_item(t))
+    monkeypatch.setattr(sharding, "device", lambda: torch.device("meta"))
+    model = models.TinyGPT(seed=0).to("meta")  # where train_stage puts it: on device()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = data.tokens(8, seed=3)
+    sharding.train_step(model, optimizer, x, y)
+    assert all(p.is_meta and p.grad is None for p in model.parameters())
