@@ -108,3 +108,27 @@ def test_nccl_with_too_few_gpus_is_refused_before_joining(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(SystemExit, match="needs one GPU per process: 2 processes .* 1 GPU visible"):
         init_from_env("nccl")
+
+
+def test_nccl_binds_each_process_to_its_gpu_before_joining(monkeypatch):
+    """torchrun and `launch` alike: set_device(r), then init_process_group with device_id
+    cuda:r, so that NCCL's communicator and every later CUDA call use the rank's own GPU."""
+    from course_lib import _worker
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(
+        dist,
+        "init_process_group",
+        lambda backend, **kw: calls.append(("init", backend, kw.get("device_id"))),
+    )
+    monkeypatch.setattr(dist, "TCPStore", lambda *a, **k: None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    init_from_env("auto")
+    spec = {"store_host": "127.0.0.1", "store_port": 1, "pg_timeout_s": 60, "rank": 2}
+    _worker._join_process_group({**spec, "world_size": 4, "backend": "nccl"})
+    both = [("set_device", 2), ("init", "cpu:gloo,cuda:nccl", torch.device("cuda", 2))]
+    assert calls == both + both
