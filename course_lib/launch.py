@@ -52,7 +52,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from course_lib import _stacks
+from course_lib import _stacks, runtime
 from course_lib._worker import END_MARK
 from course_lib._zygote import ForkServer
 
@@ -763,9 +763,27 @@ def _pickle_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
             f"got {type(fn).__name__} {fn!r:.60}"
         )
     try:
-        return cloudpickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = io.BytesIO()
+        _CallPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((fn, args, kwargs))
+        return buffer.getvalue()
     except Exception as exc:  # noqa: BLE001
         raise TypeError(_unpicklable_message(fn, args, kwargs, exc)) from None
+
+
+def _on_gpu(obj: object) -> bool:
+    return type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.is_cuda
+
+
+class _CallPickler(cloudpickle.Pickler):
+    """Pickles a call by value. A GPU tensor travels as a CPU copy that each rank puts on its
+    own device (`runtime.on_this_device`): pickled as it is, it would land on the launching
+    process's GPU, cuda:0, on every rank."""
+
+    def reducer_override(self, obj: object) -> Any:
+        if _on_gpu(obj):
+            is_parameter = isinstance(obj, torch.nn.Parameter)
+            return runtime.on_this_device, (obj.detach().cpu(), is_parameter, obj.requires_grad)
+        return super().reducer_override(obj)
 
 
 def _unpicklable_message(fn: Callable, args: tuple, kwargs: dict, exc: Exception) -> str:

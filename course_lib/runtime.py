@@ -45,6 +45,15 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def on_this_device(tensor: torch.Tensor, is_parameter: bool, requires_grad: bool) -> torch.Tensor:
+    """A GPU tensor the launching process sent, rebuilt on this rank's device (see
+    `launch._CallPickler`)."""
+    tensor = tensor.to(device())
+    if is_parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad)
+
+
 def is_worker() -> bool:
     """True inside a process started by `course_lib.launch` (not under torchrun)."""
     return os.environ.get("COURSE_LIB_WORKER") == "1"

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import cloudpickle
 import numpy as np
 import psutil
 import pytest
@@ -382,6 +383,20 @@ def test_device_is_the_ranks_own_from_any_thread():
         ("cuda:0", "cuda:0"),
         ("cuda:1", "cuda:1"),
     ]
+
+
+def test_a_gpu_tensor_sent_to_the_ranks_lands_on_each_ranks_own_device(monkeypatch):
+    """Pickled as they are, GPU tensors would land on the launcher's GPU (cuda:0) on every
+    rank. No GPU here: CPU tensors stand in for GPU ones on the way out, and the "meta"
+    device for the rank's own GPU on the way in."""
+    sent = (torch.ones(3), torch.nn.Parameter(torch.ones(2)), torch.zeros(1).requires_grad_())
+    monkeypatch.setattr(launch_module, "_on_gpu", lambda obj: any(obj is t for t in sent))
+    payload = launch_module._pickle_call(noop, sent, {})
+    monkeypatch.setattr(course_lib.runtime, "device", lambda: torch.device("meta"))
+    _, (plain, parameter, leaf), _ = cloudpickle.loads(payload)
+    assert plain.is_meta and type(plain) is torch.Tensor and not plain.requires_grad
+    assert parameter.is_meta and type(parameter) is torch.nn.Parameter and parameter.requires_grad
+    assert leaf.is_meta and leaf.requires_grad
 
 
 def test_closing_a_pool_never_signals_the_number_of_a_rank_that_is_gone(monkeypatch):
