@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,21 @@ def test_nccl_binds_each_process_to_its_gpu_before_joining(monkeypatch):
     _worker._join_process_group({**spec, "world_size": 4, "backend": "nccl"})
     both = [("set_device", 2), ("init", "cpu:gloo,cuda:nccl", torch.device("cuda", 2))]
     assert calls == both + both
+
+
+def test_the_readmes_gpu_table_is_what_the_code_chooses(monkeypatch):
+    readme = (ROOT / "README.md").read_text().partition("## On GPUs")[2].partition("\n## ")[0]
+    rows = re.findall(r"^\| (\d[^|]*) \| ([^|]+) \| ([^|]+) \|$", readme, flags=re.M)
+    assert len(rows) >= 3, "the README's 'On GPUs' table is gone"
+
+    def said(cell):
+        return "nccl" if "NCCL" in cell else "gloo"
+
+    for gpus_cell, launch_cell, torchrun_cell in rows:
+        counts = [int(n) for n in re.findall(r"\d+", gpus_cell)]
+        counts += [8] if "or more" in gpus_cell else []
+        for gpus in counts:
+            monkeypatch.setattr(torch.cuda, "is_available", lambda g=gpus: g > 0)
+            monkeypatch.setattr(torch.cuda, "device_count", lambda g=gpus: g)
+            assert resolve_backend("auto", 4) == said(launch_cell), (gpus, launch_cell)
+            assert choose_backend("auto", 2, gpus) == said(torchrun_cell), (gpus, torchrun_cell)
