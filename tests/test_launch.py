@@ -459,6 +459,7 @@ def test_ctrl_c_stops_the_ranks_and_reports_where_they_were(run_script):
         from course_lib.launch import default_pool
 
         def wait_forever():
+            print("waiting", flush=True)
             time.sleep(300)
 
         launch(lambda: None, world_size=2)
@@ -470,7 +471,8 @@ def test_ctrl_c_stops_the_ranks_and_reports_where_they_were(run_script):
         """
     )
     pids = [int(p) for p in script.stdout.readline().split()]
-    time.sleep(1.0)
+    # Interrupt once both ranks are in the call (a fixed sleep is too short on a busy machine)
+    assert [script.stdout.readline().split()[-1] for _ in pids] == ["waiting"] * len(pids)
     script.send_signal(signal.SIGINT)
     out, err = script.communicate(timeout=30)
     assert "interrupted" in out
