@@ -21,7 +21,7 @@ import torch.distributed as dist
 import course_lib
 from course_lib import LaunchTimeout, RankError, WorkerDied, WorkerPool, launch
 from course_lib.launch import _fork_server, default_pool, resolve_backend
-from tests.conftest import alive, all_gone, descendants
+from tests.conftest import ROOT, alive, all_gone, descendants
 
 launch_module = sys.modules["course_lib.launch"]  # `course_lib.launch` names the function too
 
@@ -416,6 +416,46 @@ def test_closing_a_pool_never_signals_the_number_of_a_rank_that_is_gone(monkeypa
     pool.close()
     assert gone not in signalled
     assert living in signalled and all_gone([living], 5)
+
+
+CUDA_STUBS = """
+import os, torch
+
+def _stub(name, real):
+    def stub(*args, **kwargs):
+        with open(os.environ["CUDA_CALLS"], "a") as f:
+            f.write(f"{os.getpid()} {name}\\n")
+        return real(*args, **kwargs)
+    return stub
+
+for _name in ("is_available", "device_count", "init", "_lazy_init", "current_device",
+              "set_device", "synchronize", "get_rng_state_all", "mem_get_info"):
+    setattr(torch.cuda, _name, _stub(_name, getattr(torch.cuda, _name)))
+torch._C._cuda_getDeviceCount = _stub("_cuda_getDeviceCount", torch._C._cuda_getDeviceCount)
+"""
+
+
+def test_the_fork_server_makes_no_cuda_call(tmp_path):
+    """A process forked after a CUDA call inherits a CUDA state that is broken in the child,
+    so the fork server, which every worker is forked from, must make none. CUDA's entry
+    points are stubbed to log their callers (a sitecustomize runs in every new interpreter)."""
+    (tmp_path / "sitecustomize.py").write_text(CUDA_STUBS)
+    calls = tmp_path / "calls.txt"
+    script = (
+        "from course_lib import launch\n"
+        "from course_lib.launch import _fork_server\n"
+        "launch(lambda: None, world_size=2)\n"
+        "print(_fork_server().pid)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "CUDA_CALLS": str(calls)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    server = result.stdout.split()[-1]
+    logged = calls.read_text().splitlines()
+    assert logged, "the stubs logged nothing: the launcher asks for the GPU count"
+    assert not [line for line in logged if line.split()[0] == server]
 
 
 def test_killing_the_launcher_leaves_no_process_behind(run_script, tmp_path):
