@@ -305,6 +305,20 @@ class WorkerPool:
         self._wait_until_ready()
 
     def _spec(self, rank: int, port: int) -> dict:
+        return {
+            "rank": rank,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "store_host": "127.0.0.1",
+            "store_port": port,
+            "stack_file": os.path.join(self._tmpdir.name, f"stack-{rank}.txt"),
+            "pg_timeout_s": PG_TIMEOUT_S,
+            "untrusted": self.untrusted,
+            "env": self._rank_env(rank, port),
+        }
+
+    def _rank_env(self, rank: int, port: int) -> dict[str, str]:
+        """What rank `rank` adds to its environment (torchrun's variables, and more)."""
         env = {
             "COURSE_LIB_WORKER": "1",
             "RANK": str(rank),
@@ -316,21 +330,17 @@ class WorkerPool:
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
         }
+        if self.backend == "nccl":
+            # NCCL collectives return before they run, so a hang would show up later, at some
+            # unrelated line. Blocking wait makes a collective's wait() (which every call
+            # without async_op=True makes) hold the rank until it completes, as gloo does:
+            # a hung rank's stack then points at the collective itself.
+            env["TORCH_NCCL_BLOCKING_WAIT"] = "1"
         loopback = _loopback_interface()
         if loopback:  # gloo and NCCL would otherwise listen on the host's public address
             env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", loopback)
             env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", loopback)
-        return {
-            "rank": rank,
-            "world_size": self.world_size,
-            "backend": self.backend,
-            "store_host": "127.0.0.1",
-            "store_port": port,
-            "stack_file": os.path.join(self._tmpdir.name, f"stack-{rank}.txt"),
-            "pg_timeout_s": PG_TIMEOUT_S,
-            "untrusted": self.untrusted,
-            "env": env,
-        }
+        return env
 
     def _wait_until_ready(self) -> None:
         __tracebackhide__ = True

@@ -336,6 +336,18 @@ def test_auto_says_once_which_backend_it_chose_and_why(
     assert resolve_backend("gloo", world_size) == "gloo" and capsys.readouterr().err == ""
 
 
+def test_nccl_ranks_wait_for_each_collective_so_a_hang_shows_its_line(monkeypatch):
+    """Under NCCL a collective returns before it runs; with blocking wait, the rank stays in
+    the collective until it completes, and a hung rank's stack shows that line (no GPU here:
+    the ranks' start-up settings are read, not run)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(launch_module, "_said", set())
+    nccl, gloo = WorkerPool(2, "nccl"), WorkerPool(2, "gloo")
+    assert nccl._rank_env(0, 29500)["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in gloo._rank_env(0, 29500)
+
+
 def test_pool_rejects_a_different_world_size():
     with WorkerPool(2) as pool, pytest.raises(ValueError, match="this pool has 2 workers"):
         pool.launch(noop, world_size=3)
