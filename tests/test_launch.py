@@ -506,9 +506,13 @@ def test_killing_the_launcher_leaves_no_process_behind(run_script, tmp_path):
 def test_ctrl_c_stops_the_ranks_and_reports_where_they_were(run_script):
     script = run_script(
         """
-        import time
+        import signal, time
         from course_lib import launch
         from course_lib.launch import default_pool
+
+        # Ctrl-C as in a terminal, even if this test runs in the background, where a shell
+        # without job control starts commands with SIGINT ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
         def wait_forever():
             print("waiting", flush=True)
