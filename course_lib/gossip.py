@@ -182,9 +182,6 @@ class RandomGroups(Topology):
         return [j for j in self.group_of(node, step) if j != node]
 
 
-TOPOLOGIES = {"ring": Ring, "exponential": ExponentialGraph, "random_peer": RandomPeer}
-
-
 # --- 2. one round over point-to-point messages -------------------------------------------------
 
 
