@@ -2,7 +2,7 @@
 
     python bench/ring.py
 
-The ring is Assignment 1's reference `ring_all_reduce`, run from the solution notebook's own
+The ring is Assignment 2's reference `ring_all_reduce`, run from the solution notebook's own
 setup and solution cells (found by cell id), not a copy. For 1 MB to 64 MB of float32 on
 P = 2 and 4 ranks, one table: the median time of each, their ratio, and the bytes each rank of
 the ring sends against 2(P-1)/P * N. Targets: within 1.5x of gloo at 64 MB; exactly

@@ -14,16 +14,16 @@ ranks, which reports every call to `comm`), `_integrity` (has a rank's code chan
 libraries the checks measure with?).
 
 The lectures' plumbing, one module each:
-- `pipes` (1): message costs over pipes and gloo;
+- `processes` (1): message costs over pipes and gloo;
 - `collectives` (2): all-reduce algorithms and the ring's schedule;
 - `data_parallel` (3): host scheme, all-reduce DP, DDP timelines;
 - `gossip` (4): topologies, gossip, push-sum, group all-reduce, stale gradients;
 - `compression` (5): 8-bit quantization, error feedback, PowerSGD via torch's hook;
 - `memory` (6): bytes of weights, gradients, optimizer state and activations; checkpointing;
-- `sharding` (7): torch's ZeRO-1 and FSDP2 against the ZeRO formulas; sharded checkpoints;
+- `zero` (7): torch's ZeRO-1 and FSDP2 against the ZeRO formulas; sharded checkpoints;
 - `pipeline` (8): schedules and their bubble, a real GPipe/1F1B pipeline, stage partition;
 - `tensor_parallel` (9): Megatron layers, their traffic and activation memory.
-- `planner` (10): the grid of ranks and its groups, a TP x PP x DP planner.
+- `parallel_3d` (10): the grid of ranks and its groups, a TP x PP x DP planner.
 """
 
 import sys

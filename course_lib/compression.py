@@ -15,7 +15,7 @@ wall-clock time of every step, optionally on an emulated slow network (`SlowNetw
 - "topk", "sign" and their "+ef" versions: `feedback_hook`, all-gathers of top-k or 1-bit
   compressed gradients, with or without error feedback.
 - "powersgd": torch's `powerSGD_hook` with `PowerSGDState(use_error_feedback=True,
-  warm_start=True)`, the production reference (Assignment 3 builds PowerSGD from scratch).
+  warm_start=True)`, the production reference (Assignment 5 builds PowerSGD from scratch).
 """
 
 import math

@@ -10,7 +10,7 @@ optimal cut of a model into stages (lecture 8).
     optimal_partition(layer_times, activation_sizes, n_machines)      # the A(j, m) recurrence
 
 The simulator and the runtime read the same per-stage orders (`schedule_order`), so what is
-drawn and what runs cannot disagree. This is the lecture's reference: Assignment 5 asks you to
+drawn and what runs cannot disagree. This is the lecture's reference: Assignment 8 asks you to
 write your own pipeline trainer, `simulate_schedule` and `optimal_partition`.
 """
 

@@ -1,4 +1,4 @@
-"""Assignment 1's checks accept right implementations and reject wrong ones, saying why."""
+"""Assignment 2's checks accept right implementations and reject wrong ones, saying why."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Assignment 3's compression checks accept right implementations and reject wrong ones;
+"""Assignment 5's compression checks accept right implementations and reject wrong ones;
 the PowerSGD reference agrees with torch's own powerSGD_hook."""
 
 from __future__ import annotations

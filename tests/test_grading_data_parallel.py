@@ -1,4 +1,4 @@
-"""Assignment 2's checks accept right implementations and reject wrong ones, with the hint
+"""Assignment 3's checks accept right implementations and reject wrong ones, with the hint
 and the partial credit each mistake deserves."""
 
 from __future__ import annotations

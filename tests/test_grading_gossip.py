@@ -1,4 +1,4 @@
-"""Assignment 3's push-sum check accepts right implementations and rejects wrong ones."""
+"""Assignment 4's push-sum check accepts right implementations and rejects wrong ones."""
 
 from __future__ import annotations
 

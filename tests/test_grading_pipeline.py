@@ -1,4 +1,4 @@
-"""Assignment 5's pipeline checks accept right implementations and reject wrong ones."""
+"""Assignment 8's pipeline checks accept right implementations and reject wrong ones."""
 
 from __future__ import annotations
 

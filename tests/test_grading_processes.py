@@ -1,4 +1,4 @@
-"""Assignment 0's checks accept right implementations and reject wrong ones."""
+"""Assignment 1's checks accept right implementations and reject wrong ones."""
 
 from __future__ import annotations
 

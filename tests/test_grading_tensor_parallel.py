@@ -1,4 +1,4 @@
-"""Assignment 5's tensor-parallel checks accept right implementations and reject wrong ones."""
+"""Assignment 9's tensor-parallel checks accept right implementations and reject wrong ones."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Assignment 4's checks accept right ZeRO implementations and reject wrong ones."""
+"""Assignment 7's checks accept right ZeRO implementations and reject wrong ones."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Write nbgrader notebooks from Python, with stable cell ids and nbgrader metadata.
 
     nb = Notebook()
-    nb.markdown("intro", "# Assignment 1 ...")
+    nb.markdown("intro", "# Assignment 2 ...")
     nb.readonly("setup", "import torch")
     nb.solution("ping", "def ping(conn):\\n    ### BEGIN SOLUTION\\n    ...\\n    ### END SOLUTION")
     nb.tests("test_ping", "check_ping(ping)", points=2)
-    nb.write("solutions/a1_collectives/a1_collectives.ipynb")
+    nb.write("solutions/a02_collectives/a02_collectives.ipynb")
 
 Explicit cell ids keep `make release` byte-for-byte reproducible. After a notebook is
 written, it is the source of truth: edit it in JupyterLab (View > Cell Toolbar > Create

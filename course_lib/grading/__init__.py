@@ -7,7 +7,6 @@ One module per assignment topic.
 """
 
 from course_lib.grading._harness import CheckFailed, install_ipython_display
-from course_lib.grading.capstone import check_2d_training, check_process_grid
 from course_lib.grading.collectives import (
     check_all_gather,
     check_all_reduce,
@@ -18,6 +17,7 @@ from course_lib.grading.collectives import (
 from course_lib.grading.compression import check_powersgd, check_quantized_all_reduce
 from course_lib.grading.data_parallel import check_ddp, check_sync_gradients
 from course_lib.grading.gossip import check_push_sum
+from course_lib.grading.parallel_3d import check_2d_training, check_process_grid
 from course_lib.grading.pipeline import (
     check_optimal_partition,
     check_pipeline_trainer,

@@ -186,9 +186,9 @@ LECTURE_MODULES = frozenset(
         "data_parallel",
         "gossip",
         "pipeline",
-        "planner",
-        "sharding",
+        "parallel_3d",
         "tensor_parallel",
+        "zero",
     )
 )
 

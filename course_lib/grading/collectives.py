@@ -1,4 +1,4 @@
-"""Checks for Assignment 1, collectives built from point-to-point messages.
+"""Checks for Assignment 2, collectives built from point-to-point messages.
 
     check_broadcast(broadcast)                 broadcast(tensor, src), in place
     check_reduce(reduce)                       reduce(tensor, dst): the sum lands on dst

@@ -1,4 +1,4 @@
-"""Checks for Assignment 3, compressed communication: 8-bit all-reduce and PowerSGD.
+"""Checks for Assignment 5, compressed communication: 8-bit all-reduce and PowerSGD.
 
     check_quantized_all_reduce(quantize, dequantize, quantized_all_reduce)
         quantize(x) -> (q, scale): q int8/uint8 with x's numel, scale a few floats;

@@ -1,4 +1,4 @@
-"""Checks for Assignment 2, data-parallel training.
+"""Checks for Assignment 3, data-parallel training.
 
     check_sync_gradients(sync_gradients)   the full-batch gradient from shards of uneven sizes
     check_ddp(DDP)                         a DDP wrapper: broadcast, gradient buckets, overlap

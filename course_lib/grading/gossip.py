@@ -1,4 +1,4 @@
-"""Checks for Assignment 3, decentralized communication: push-sum gossip (SGP).
+"""Checks for Assignment 4, decentralized communication: push-sum gossip (SGP).
 
     check_push_sum(push_sum_step)
         push_sum_step(x, w, out_neighbors, in_neighbors) -> (x_new, w_new): one round of

@@ -1,4 +1,4 @@
-"""Checks for Assignment 5, pipeline parallelism.
+"""Checks for Assignment 8, pipeline parallelism.
 
     check_pipeline_trainer(pipeline_step, schedule)   GPipe or 1F1B on P processes
     check_simulate_schedule(simulate_schedule)        timelines and the bubble (P-1)/(m+P-1)

@@ -1,4 +1,4 @@
-"""Checks for Assignment 0, processes and pipes.
+"""Checks for Assignment 1, processes and pipes.
 
     check_ping_pong(ping, pong)             two processes over a multiprocessing Pipe
     check_chain(relay, run_chain)           a chain of processes passing a message along

@@ -1,4 +1,4 @@
-"""Checks for Assignment 5, tensor (Megatron) parallelism.
+"""Checks for Assignment 9, tensor (Megatron) parallelism.
 
     check_column_parallel_linear(ColumnParallelLinear)   y_r = x A_r^T + b_r, x.grad all-reduced
     check_row_parallel_linear(RowParallelLinear)         y = sum_r x_r A_r^T + b, one all-reduce

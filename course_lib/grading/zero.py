@@ -1,4 +1,4 @@
-"""Checks for Assignment 4, ZeRO stages 1-3.
+"""Checks for Assignment 7, ZeRO stages 1-3.
 
     check_zero1(ShardedOptimizer)      optimizer state sharded; parameters all-gathered after step
     check_zero2(ShardedGradOptimizer)  gradients reduce-scattered during backward as well

@@ -11,7 +11,7 @@ GRID = frozenset({"test_process_grid"})
 TRAIN = frozenset({"test_train_2d"})
 
 PLANNER_GRID = '''
-from course_lib.planner import ProcessGrid
+from course_lib.parallel_3d import ProcessGrid
 
 
 def process_grid(world_size, tp_size):

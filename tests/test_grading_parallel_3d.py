@@ -16,7 +16,7 @@ from torch import nn
 from course_lib import data, models
 from course_lib import tensor_parallel as tpl
 from course_lib.grading import CheckFailed, check_2d_training, check_process_grid
-from course_lib.grading.capstone import (
+from course_lib.grading.parallel_3d import (
     _partners,
     formula,
     gather_dense,
@@ -98,7 +98,7 @@ def train_step_flat_avg(model, optimizer, x, y, dp_group):
     return loss.item() / size
 
 
-# Tensor-parallel layers of one's own (Assignment 5 style), with a switch for the bug.
+# Tensor-parallel layers of one's own (Assignment 9 style), with a switch for the bug.
 class _Copy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -308,7 +308,7 @@ def not_implemented(*args, **kwargs):
 
 def process_grid_from_planner(world, tp):
     """Right, but lecture 10's ProcessGrid does the work."""
-    from course_lib.planner import ProcessGrid
+    from course_lib.parallel_3d import ProcessGrid
 
     if world % tp:
         raise ValueError("tp_size must divide world_size")
@@ -318,7 +318,7 @@ def process_grid_from_planner(world, tp):
 
 def make_groups_from_planner(tp_size):
     """Right, but lecture 10's new_groups does the work."""
-    from course_lib.planner import ProcessGrid, new_groups
+    from course_lib.parallel_3d import ProcessGrid, new_groups
 
     mine = new_groups(ProcessGrid(tp_size, 1, world_size() // tp_size))
     return mine["tp"], mine["dp"]
@@ -359,7 +359,7 @@ def test_process_grid_rejects_wrong_implementations(fn, message):
 def test_process_grid_refuses_the_planners_grid():
     with pytest.raises(CheckFailed) as info:
         check_process_grid(process_grid_from_planner)
-    assert "runs course_lib.planner.ProcessGrid" in str(info.value)
+    assert "runs course_lib.parallel_3d.ProcessGrid" in str(info.value)
 
 
 def test_process_grid_names_wrong_tp_groups():
@@ -457,7 +457,7 @@ def test_2d_training_accepts_right_implementations(impl, options, capsys):
         ),
         ((make_groups, GPT2DRenamed, train_step), "right after GPT2D(...), parameter names"),
         ((not_implemented, GPT2D, train_step), "raised NotImplementedError on rank 0"),
-        ((make_groups_from_planner, GPT2D, train_step), "runs course_lib.planner."),
+        ((make_groups_from_planner, GPT2D, train_step), "runs course_lib.parallel_3d."),
     ],
 )
 def test_2d_training_rejects_wrong_implementations(impl, message):

@@ -1,4 +1,4 @@
-"""course_lib.planner: the grid of ranks against the groups torch.distributed really builds,
+"""course_lib.parallel_3d: the grid of ranks against the groups torch.distributed really builds,
 each estimate against a configuration computed here by hand from the textbook formulas, and
 the planner's choices against brute force.
 
@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from course_lib import launch
-from course_lib.planner import (
+from course_lib.parallel_3d import (
     GPT3,
     LLAMA_7B,
     LLAMA_70B,

@@ -8,7 +8,7 @@
     print(candidate_table(estimates[:10])); PlannerWidget()
 
 Every estimate is a formula of the earlier lectures, imported, not rewritten: bytes per
-parameter of mixed-precision AdamW and the ZeRO stages (`memory`, `sharding`, lectures 6-7),
+parameter of mixed-precision AdamW and the ZeRO stages (`memory`, `zero`, lectures 6-7),
 activation memory per layer with TP and SP, TP and PP traffic and compute per micro-batch
 (`tensor_parallel`, lecture 9), and the pipeline bubble (`pipeline`, lecture 8). What this
 module adds is the bookkeeping: which ranks form which group (`ProcessGrid`), which link each
@@ -39,7 +39,6 @@ from course_lib.memory import GB, divisors
 from course_lib.pipeline import bubble_formula
 from course_lib.plots import NotebookFigure
 from course_lib.runtime import device
-from course_lib.sharding import MIXED_ADAMW, STAGES, comm_formula, formula_bytes
 from course_lib.tensor_parallel import (
     GPT3_175B,
     TransformerShape,
@@ -47,6 +46,7 @@ from course_lib.tensor_parallel import (
     compute_seconds,
     traffic_per_microbatch,
 )
+from course_lib.zero import MIXED_ADAMW, STAGES, comm_formula, formula_bytes
 
 DIMENSIONS = ("tp", "pp", "dp")  # innermost (neighbouring ranks) first, as in picotron
 CHECKPOINTING = ("none", "selective", "full")
@@ -200,7 +200,7 @@ class Cluster:
 @dataclass(frozen=True)
 class Plan:
     """One way to train: TP x PP x DP ranks, a ZeRO stage over the DP group (one of
-    `sharding.STAGES`), activation checkpointing (`CHECKPOINTING`), sequence parallelism."""
+    `zero.STAGES`), activation checkpointing (`CHECKPOINTING`), sequence parallelism."""
 
     tp: int
     pp: int

@@ -13,7 +13,7 @@ The student's interface (the contract between the notebook, these checks and the
   with `dist.new_group` and returns this rank's two.
 - `GPT2D(model, tp_group, dp_group)`: `model` is a dense `TinyGPT`; the 2-D model computes the
   same logits, with each block's attention and MLP tensor-parallel in `tp_group`. Its
-  parameters keep TinyGPT's names and each rank holds its TP shard as Assignment 5 defines it
+  parameters keep TinyGPT's names and each rank holds its TP shard as Assignment 9 defines it
   (`tp_shard`): no parameter of the check's own is needed to gather it back to dense form.
 - `train_step(model, optimizer, x, y, dp_group)`: `x, y` are the *global* batch; the step
   trains on this DP rank's shard (`course_lib.data.shard` by the rank in `dp_group`),
@@ -51,7 +51,7 @@ DTYPE = torch.float64
 RTOL, ATOL = 1e-10, 1e-10  # float64: split sums differ from whole ones by ~1e-15, measured
 CONFIG = models.GPTConfig()  # the small TinyGPT: 2 blocks, d_model 32, 4 heads
 
-# How Assignment 5 splits a dense parameter over the TP ranks, by its name in TinyGPT:
+# How Assignment 9 splits a dense parameter over the TP ranks, by its name in TinyGPT:
 # column-parallel (rows of the weight and the bias; qkv as three stacked blocks), row-parallel
 # (columns of the weight; the bias is whole). Every other parameter is replicated.
 COLUMN = re.compile(r"^blocks\.\d+\.(attn\.qkv|mlp\.fc)\.(weight|bias)$")
@@ -111,7 +111,7 @@ def _as_sets(groups) -> set[frozenset[int]]:
 
 # Lecture 10's planner builds the same grid (ProcessGrid) and its groups (new_groups): an
 # answer that runs them, or a copy, is not the student's own.
-PLANNER = ("course_lib.planner.ProcessGrid", "course_lib.planner.new_groups")
+PLANNER = ("course_lib.parallel_3d.ProcessGrid", "course_lib.parallel_3d.new_groups")
 
 
 def _grids_on_rank(process_grid: Callable, cases: list[tuple[int, int]]) -> dict:

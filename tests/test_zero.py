@@ -1,4 +1,4 @@
-"""course_lib.sharding: the bytes a rank holds under DDP, ZeroRedundancyOptimizer and FSDP2,
+"""course_lib.zero: the bytes a rank holds under DDP, ZeroRedundancyOptimizer and FSDP2,
 their training against single-process AdamW, the traffic per step, and sharded checkpoints.
 
 Tolerances: distributed AdamW differs from single-process AdamW by
@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from course_lib import RankError, WorkerPool, compare, data, models, rank, sharding, world_size
-from course_lib.sharding import (
+from course_lib import RankError, WorkerPool, compare, data, models, rank, world_size, zero
+from course_lib.zero import (
     STAGES,
     build,
     checkpoint_files,
@@ -257,9 +257,9 @@ def test_a_training_step_keeps_everything_on_the_ranks_device(monkeypatch):
     07 did on one GPU. Meta tensors hold no values, so .item() answers 0."""
     real_item = torch.Tensor.item
     monkeypatch.setattr(torch.Tensor, "item", lambda t: 0.0 if t.is_meta else real_item(t))
-    monkeypatch.setattr(sharding, "device", lambda: torch.device("meta"))
+    monkeypatch.setattr(zero, "device", lambda: torch.device("meta"))
     model = models.TinyGPT(seed=0).to("meta")  # where train_stage puts it: on device()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = data.tokens(8, seed=3)
-    sharding.train_step(model, optimizer, x, y)
+    zero.train_step(model, optimizer, x, y)
     assert all(p.is_meta and p.grad is None for p in model.parameters())

@@ -6,7 +6,7 @@
     save_sharded(model, optimizer, path)                # each rank writes its own shard
     consolidate(path)                                   # the full state, in one process
 
-The four stages, as torch runs them on CPU/gloo (Assignment 4 builds ZeRO-1/2/3 from
+The four stages, as torch runs them on CPU/gloo (Assignment 7 builds ZeRO-1/2/3 from
 scratch; this module only sets up and measures torch's versions):
 
 - "ddp": DistributedDataParallel + AdamW. Every rank holds parameters, gradients and state.

@@ -1,4 +1,4 @@
-"""course_lib.pipes: message timings over Pipe/Queue and gloo, the alpha-beta fit, the plots."""
+"""course_lib.processes: message timings over Pipe/Queue and gloo, the alpha-beta fit, the plots."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from course_lib import CommCounter, RankError, WorkerPool
-from course_lib.pipes import (
+from course_lib.processes import (
     LinkFit,
     fit_latency_bandwidth,
     overlap_times,
