@@ -27,43 +27,55 @@ VENV = Path(sys.executable).parent.parent
 
 # Bugs planted in a correct submission: (cell id, text, replacement, tests expected to fail).
 BUG = {
-    "a0_processes": (
+    "a01_processes": (
         "ping_pong",
         "conn.send(conn.recv() + 1)",
         "conn.send(conn.recv())",
         {"test_ping_pong"},
     ),
-    "a1_collectives": (
+    "a02_collectives": (
         "ring_all_reduce",
         "incoming += received",
         "incoming.copy_(received)",
         {"test_ring_all_reduce"},
     ),
-    "a2_data_parallel": (
+    "a03_data_parallel": (
         "sync_gradients",
         "share = num_samples / total.item()",
         "share = 1 / world_size()",
         {"test_sync_gradients"},
     ),
-    "a3_communication": (
+    "a04_gossip": (
+        "push_sum_step",
+        "total = message + sum(inbox)",
+        "total = message",
+        {"test_push_sum"},
+    ),
+    "a05_compression": (
         "powersgd",
         "M = grad + self.error",
         "M = grad",
         {"test_powersgd"},
     ),
-    "a4_zero": (
+    "a07_zero": (
         "zero2",
         "param.grad = None  # the full gradient is gone as soon as its shard exists",
         "pass",
         {"test_zero2"},
     ),
-    "a5_model_parallel": (
+    "a08_pipeline": (
         "pipeline_step",
         'warmup = n_micro if schedule == "gpipe" else min(P - r - 1, n_micro)',
         "warmup = n_micro",
         {"test_1f1b"},
     ),
-    "a6_capstone": (
+    "a09_tensor_parallel": (
+        "tp_functions",
+        "return grad.chunk(world_size(), dim=-1)[rank()].contiguous()",
+        "return grad.chunk(world_size(), dim=-1)[0].contiguous()",
+        {"test_column_parallel"},
+    ),
+    "a10_parallel_3d": (
         "train_step",
         "p.grad /= dp_size",
         "p.grad /= 1",
@@ -71,7 +83,7 @@ BUG = {
     ),
 }
 DEADLOCK = {  # rank 1 never replies, so rank 0 waits in recv forever
-    "a0_processes": (
+    "a01_processes": (
         "dist_ping_pong",
         "dist.send(buffer + 1, dst=0)",
         "pass",
@@ -79,10 +91,10 @@ DEADLOCK = {  # rank 1 never replies, so rank 0 waits in recv forever
     ),
 }
 # (d) and (e) need one assignment only: they test nbgrader and the launcher, not the checks.
-TAMPERED = {"a0_processes"}  # the planted bug, plus the failing test cell emptied
+TAMPERED = {"a01_processes"}  # the planted bug, plus the failing test cell emptied
 # A submission that tries to overwrite the gradebook, another student's submission and the
 # solution, from its kernel and from its grading ranks (its answer cell runs in both).
-HOSTILE = ("a0_processes", "ping_pong")
+HOSTILE = ("a01_processes", "ping_pong")
 OVERWRITTEN = "overwritten by a hostile submission"
 
 
@@ -108,7 +120,7 @@ def hostile_code(course: Path) -> str:
 
 # A wrong broadcast, plus a cell the student labelled as a locked set-up cell that makes the
 # check pass: if the judge ran it, the part would score.
-FORGED = ("a1_collectives", "broadcast", "test_broadcast")
+FORGED = ("a02_collectives", "broadcast", "test_broadcast")
 FORGED_CELL = (
     "import course_lib.grading, course_lib.grading.collectives\n"
     "course_lib.grading.check_broadcast = lambda *args, **kwargs: None\n"

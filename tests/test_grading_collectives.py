@@ -23,7 +23,7 @@ from course_lib.grading import (
 )
 from tests.conftest import ROOT
 
-SOLUTION = ROOT / "solutions" / "a1_collectives" / "a1_collectives.ipynb"
+SOLUTION = ROOT / "solutions" / "a02_collectives" / "a02_collectives.ipynb"
 SOLUTION_CELLS = ("setup", "broadcast", "reduce", "all_gather", "reduce_scatter")
 SOLUTION_CELLS += ("all_reduce_naive", "ring_all_reduce")
 UNEVEN = [(1,), (2,), (7,), (3, 5), ()]  # fewer elements than ranks, not divisible, 0-d
@@ -32,7 +32,7 @@ UNEVEN = [(1,), (2,), (7,), (3, 5), ()]  # fewer elements than ranks, not divisi
 def load_solution() -> dict:
     """The reference solutions, run from the notebook's own cells (not a copy of them)."""
     cells = {cell.id: cell.source for cell in nbformat.read(SOLUTION, as_version=4).cells}
-    namespace = {"__name__": "a1_solution"}  # not importable: the ranks get it by value
+    namespace = {"__name__": "a02_solution"}  # not importable: the ranks get it by value
     for cell_id in SOLUTION_CELLS:
         exec(compile(cells[cell_id], f"<{SOLUTION.name}:{cell_id}>", "exec"), namespace)
     return namespace

@@ -17,14 +17,14 @@ from course_lib.grading import CheckFailed, check_powersgd, check_quantized_all_
 from course_lib.grading.compression import BytesByKind, powersgd_reference
 from tests.conftest import ROOT
 
-SOLUTION = ROOT / "solutions" / "a3_communication" / "a3_communication.ipynb"
+SOLUTION = ROOT / "solutions" / "a05_compression" / "a05_compression.ipynb"
 SOLUTION_CELLS = ("setup", "quantize", "dequantize", "quantized_all_reduce", "powersgd")
 
 
 def load_solution() -> dict:
     """The reference solutions, run from the notebook's own cells (not a copy of them)."""
     cells = {cell.id: cell.source for cell in nbformat.read(SOLUTION, as_version=4).cells}
-    namespace = {"__name__": "a3_solution"}  # not importable: the ranks get it by value
+    namespace = {"__name__": "a05_solution"}  # not importable: the ranks get it by value
     for cell_id in SOLUTION_CELLS:
         exec(compile(cells[cell_id], f"<{SOLUTION.name}:{cell_id}>", "exec"), namespace)
     return namespace

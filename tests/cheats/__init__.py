@@ -1,4 +1,4 @@
-"""Cheats and right-but-different answers, one module per assignment (`a1_collectives.py`, ...).
+"""Cheats and right-but-different answers, one module per assignment (`a02_collectives.py`, ...).
 
 `tests/test_cheats.py` plants each in a copy of the assignment's solution notebook, grades
 the copies through `make autograde` (sandbox, judge and all) and asserts that every cheat

@@ -1,0 +1,182 @@
+"""The course's topics: one short name per topic, carried by every file about it.
+
+A topic's number is its lecture's place in the course; an assignment takes the number of
+the lecture it follows. For the topic "zero":
+
+    lectures/07_zero.ipynb           the lecture
+    course_lib/zero.py               its plumbing (the lecture's code)
+    solutions/a07_zero/a07_zero.ipynb    the assignment, and assignments/a07_zero/ (released)
+    course_lib/grading/zero.py       the assignment's checks
+    tests/test_zero.py               tests of course_lib/zero.py
+    tests/test_grading_zero.py       the checks against right and wrong implementations
+    tests/cheats/a07_zero.py         cheats the checks refuse, right answers they accept
+
+This table is the one list of topics: the README's course table and the layout of the
+repository are tested against it (tests/test_topics.py). Adding a topic starts with a row here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Topic:
+    number: int
+    name: str
+    title: str  # the lecture's heading: "# 7. ZeRO and FSDP: ..."
+    module: bool = True  # does course_lib/<name>.py hold the lecture's code?
+    assignment: str | None = None  # the assignment's heading, if one follows the lecture
+
+    @property
+    def lecture(self) -> str:
+        return f"lectures/{self.number:02d}_{self.name}.ipynb"
+
+    @property
+    def module_path(self) -> str | None:
+        return f"course_lib/{self.name}.py" if self.module else None
+
+    @property
+    def assignment_name(self) -> str | None:
+        return f"a{self.number:02d}_{self.name}" if self.assignment else None
+
+    @property
+    def solution(self) -> str | None:
+        a = self.assignment_name
+        return f"solutions/{a}/{a}.ipynb" if a else None
+
+    @property
+    def release(self) -> str | None:
+        a = self.assignment_name
+        return f"assignments/{a}/{a}.ipynb" if a else None
+
+    @property
+    def checks(self) -> str | None:
+        return f"course_lib/grading/{self.name}.py" if self.assignment else None
+
+    @property
+    def tests(self) -> tuple[str, ...]:
+        """The test files every topic of this kind has."""
+        files = [f"tests/test_{self.name}.py"] if self.module else []
+        if self.assignment:
+            files += [
+                f"tests/test_grading_{self.name}.py",
+                f"tests/cheats/{self.assignment_name}.py",
+            ]
+        return tuple(files)
+
+    def paths(self) -> tuple[str, ...]:
+        """Every file the topic must have."""
+        optional = (self.module_path, self.solution, self.release, self.checks)
+        return (self.lecture, *(p for p in optional if p), *self.tests)
+
+
+TOPICS = (
+    Topic(0, "getting_started", "Getting started: many processes from one notebook cell", False),
+    Topic(1, "processes", "Processes and pipes", assignment="processes and pipes"),
+    Topic(
+        2,
+        "collectives",
+        "Collectives: all-reduce four ways",
+        assignment="collectives from point-to-point",
+    ),
+    Topic(
+        3,
+        "data_parallel",
+        "Data parallel: one model, many copies, one averaged gradient",
+        assignment="data-parallel training",
+    ),
+    Topic(
+        4,
+        "gossip",
+        "Decentralized training: no one waits for everyone",
+        assignment="push-sum gossip",
+    ),
+    Topic(
+        5,
+        "compression",
+        "Compressed communication: sending fewer bytes per step",
+        assignment="compressed communication",
+    ),
+    Topic(6, "memory", "What training keeps in memory"),
+    Topic(
+        7,
+        "zero",
+        "ZeRO and FSDP: sharding what data parallelism copies",
+        assignment="ZeRO, stages 1 to 3",
+    ),
+    Topic(
+        8,
+        "pipeline",
+        "Pipeline parallelism: cutting the model into stages",
+        assignment="pipeline parallelism",
+    ),
+    Topic(
+        9,
+        "tensor_parallel",
+        "Tensor parallelism: splitting every layer across ranks",
+        assignment="tensor parallelism",
+    ),
+    Topic(
+        10,
+        "parallel_3d",
+        "Putting it together: 3D parallelism",
+        assignment="2-D parallel training, the capstone (bonus points)",
+    ),
+)
+
+# course_lib's machinery, used by every topic: not topics themselves.
+LIBRARY = frozenset(
+    {
+        "__init__",
+        "_integrity",
+        "_stacks",
+        "_worker",
+        "_zygote",
+        "comm",
+        "compare",
+        "counted_group",
+        "data",
+        "launch",
+        "magic",
+        "models",
+        "network",
+        "plots",
+        "runtime",
+        "topics",
+        "torchrun",
+    }
+)
+# course_lib/grading's machinery: how checks run and how autograding works.
+GRADING_LIBRARY = frozenset(
+    {"__init__", "_harness", "answers", "autograde", "judge", "provenance", "report", "sandbox"}
+)
+# Tests of the machinery: tests/test_<name>.py for these names.
+LIBRARY_TESTS = frozenset(
+    {
+        "autograde",
+        "cheats",
+        "comm",
+        "grading_harness",
+        "grading_judge",
+        "launch",
+        "models_data",
+        "network",
+        "notebook_kernel",
+        "plots",
+        "repository",
+        "sandbox",
+        "setup",
+        "student_edition",
+        "topics",
+        "torchrun",
+    }
+)
+
+
+def topic(name: str) -> Topic:
+    """The topic called `name`."""
+    for t in TOPICS:
+        if t.name == name:
+            return t
+    raise KeyError(f"no topic {name!r}: the topics are {', '.join(t.name for t in TOPICS)}")

@@ -1,0 +1,129 @@
+"""Assignment 2's cheats (each scores 0 on its part) and right answers written differently
+(full marks). More are proven in tests/test_grading_collectives.py (a ring talking to far
+ranks through pre-bound names, the lecture's ring wrapped) and tests/test_grading_judge.py
+(patching the checks' helpers on a rank)."""
+
+from __future__ import annotations
+
+from tests.cheats import Alternative, Cheat
+
+PREBOUND_ALL_REDUCE = '''
+from torch.distributed import all_reduce as early_all_reduce
+
+
+def ring_all_reduce(tensor):
+    """A few messages to the neighbours for show; the sum from torch's own all-reduce,
+    through a name bound before the check could wrap it."""
+    p, me = world_size(), rank()
+    if p > 1:
+        token = torch.zeros(1)
+        send = dist.isend(token, (me + 1) % p)
+        dist.recv(torch.zeros(1), (me - 1) % p)
+        send.wait()
+    early_all_reduce(tensor)
+'''
+
+GROUP_OBJECT_REDUCE = '''
+def all_reduce_naive(tensor):
+    """torch's all-reduce through the process-group object."""
+    dist.group.WORLD.allreduce([tensor]).wait()
+'''
+
+TORCH_OPS_BROADCAST = '''
+def broadcast(tensor, src):
+    """torch's broadcast through its C++ operator, below torch.distributed."""
+    group = dist.distributed_c10d._get_default_group()
+    torch.ops.c10d.broadcast_([tensor], group, src, 0, False, -1)[1].wait()
+'''
+
+LECTURE_RING_WRAPPED = '''
+import course_lib.collectives as lecture
+
+
+def ring_all_reduce(tensor):
+    """The lecture's ring, called."""
+    lecture.ring_all_reduce(tensor)
+'''
+
+REBIND_CHECK = '''
+def broadcast(tensor, src):
+    """Nothing, and the check switched off."""
+
+
+check_broadcast = lambda *args, **kwargs: None  # noqa: E731
+'''
+
+CHEATS = [
+    Cheat(
+        "built-in all-reduce through a pre-bound name",
+        "ring_all_reduce",
+        PREBOUND_ALL_REDUCE,
+        frozenset({"test_ring_all_reduce"}),
+    ),
+    Cheat(
+        "built-in all-reduce through the group object",
+        "all_reduce_naive",
+        GROUP_OBJECT_REDUCE,
+        frozenset({"test_all_reduce_naive"}),
+    ),
+    Cheat(
+        "built-in broadcast through torch.ops.c10d",
+        "broadcast",
+        TORCH_OPS_BROADCAST,
+        frozenset({"test_broadcast", "test_all_reduce_naive"}),  # naive uses broadcast
+    ),
+    Cheat(
+        "the lecture's ring wrapped",
+        "ring_all_reduce",
+        LECTURE_RING_WRAPPED,
+        frozenset({"test_ring_all_reduce"}),
+    ),
+    Cheat(
+        "rebinding the check",
+        "broadcast",
+        REBIND_CHECK,
+        frozenset({"test_broadcast", "test_all_reduce_naive"}),
+        alone=True,
+    ),
+]
+
+ALTERNATIVES = [
+    Alternative(
+        "ring on zero-padded equal chunks",
+        "ring_all_reduce",
+        """
+def ring_all_reduce(tensor):
+    p, me = world_size(), rank()
+    size = -(-tensor.numel() // p)  # ceil(N / P): every chunk the same size
+    padded = torch.zeros(size * p, dtype=tensor.dtype)
+    padded[: tensor.numel()] = tensor.reshape(-1)
+    chunks = padded.view(p, size)
+    right, left = (me + 1) % p, (me - 1) % p
+    buffer = torch.empty(size, dtype=tensor.dtype)
+    for step in range(2 * (p - 1)):
+        send = dist.isend(chunks[(me - step) % p].clone(), right)
+        dist.recv(buffer, left)
+        send.wait()
+        incoming = chunks[(me - step - 1) % p]
+        if step < p - 1:
+            incoming += buffer
+        else:
+            incoming.copy_(buffer)
+    tensor.copy_(padded[: tensor.numel()].view_as(tensor))
+""",
+    ),
+    Alternative(
+        "broadcast along a binary tree",
+        "broadcast",
+        """
+def broadcast(tensor, src):
+    p, me = world_size(), rank()
+    virtual = (me - src) % p  # src becomes 0
+    if virtual > 0:
+        dist.recv(tensor, ((virtual - 1) // 2 + src) % p)
+    for child in (2 * virtual + 1, 2 * virtual + 2):
+        if child < p:
+            dist.send(tensor, (child + src) % p)
+""",
+    ),
+]

@@ -1,0 +1,90 @@
+"""Every file about a topic carries the topic's name, and the README's course table is the
+topic table (`course_lib.topics`): a renamed, missing or stray file fails here."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from course_lib.topics import GRADING_LIBRARY, LIBRARY, LIBRARY_TESTS, TOPICS, Topic, topic
+from tests.conftest import ROOT
+
+
+def stems(folder: str, pattern: str) -> set[str]:
+    return {p.stem for p in (ROOT / folder).glob(pattern)}
+
+
+def heading(notebook: str) -> str:
+    """The first line of a notebook's first cell."""
+    cells = json.loads((ROOT / notebook).read_text())["cells"]
+    return "".join(cells[0]["source"]).splitlines()[0]
+
+
+def test_numbers_and_names_are_unique_and_in_course_order():
+    assert [t.number for t in TOPICS] == list(range(len(TOPICS)))
+    assert len({t.name for t in TOPICS}) == len(TOPICS)
+    assert all(re.fullmatch(r"[a-z][a-z0-9_]*", t.name) for t in TOPICS)
+    assert topic("zero").lecture == "lectures/07_zero.ipynb"
+    with pytest.raises(KeyError, match="no topic 'sharding'"):
+        topic("sharding")
+
+
+@pytest.mark.parametrize("t", TOPICS, ids=lambda t: t.name)
+def test_every_file_of_a_topic_exists(t: Topic):
+    missing = [path for path in t.paths() if not (ROOT / path).is_file()]
+    assert not missing, f"topic {t.name!r} has no {', '.join(missing)}"
+
+
+@pytest.mark.parametrize("t", TOPICS, ids=lambda t: t.name)
+def test_lecture_and_assignment_headings_are_the_topics(t: Topic):
+    assert heading(t.lecture) == f"# {t.number}. {t.title}"
+    for notebook in (t.solution, t.release):
+        if notebook:
+            assert heading(notebook) == f"# Assignment {t.number}: {t.assignment}"
+
+
+def test_no_file_is_named_after_something_that_is_not_a_topic():
+    """Each lecture, assignment, topic module, check module and test file belongs to a topic
+    (or to the machinery the topics table names): a file renamed on its own fails here."""
+    names = {t.name for t in TOPICS}
+    lectures = {t.lecture.split("/")[1][:-6] for t in TOPICS}
+    assignments = {t.assignment_name for t in TOPICS if t.assignment}
+    assert stems("lectures", "*.ipynb") == lectures
+    assert {p.name for p in (ROOT / "solutions").iterdir() if p.is_dir()} == assignments
+    assert {p.name for p in (ROOT / "assignments").iterdir() if p.is_dir()} == assignments
+    modules = {t.name for t in TOPICS if t.module}
+    assert stems("course_lib", "*.py") == modules | LIBRARY
+    checks = {t.name for t in TOPICS if t.assignment}
+    assert stems("course_lib/grading", "*.py") == checks | GRADING_LIBRARY
+    assert stems("tests/cheats", "a*.py") == assignments
+    tested = {s.removeprefix("test_") for s in stems("tests", "test_*.py")}
+    expected = modules | {f"grading_{name}" for name in checks} | LIBRARY_TESTS
+    assert tested == expected, (
+        f"not a topic's test: {sorted(tested - expected)}; missing: {sorted(expected - tested)}"
+    )
+    assert not LIBRARY & names and not GRADING_LIBRARY & checks
+
+
+def readme_course_table() -> list[list[str]]:
+    lines = (ROOT / "README.md").read_text().split("## The course\n", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = []
+    for line in lines[start + 2 :]:  # after the header and the |---| row
+        if not line.startswith("|"):
+            break
+        table.append([cell.strip() for cell in line.strip("|").split(" | ")])
+    return table
+
+
+def test_readme_course_table_is_the_topic_table():
+    rows = readme_course_table()
+    assert len(rows) == len(TOPICS)
+    for t, (lecture, measures, assignment) in zip(TOPICS, rows, strict=True):
+        assert lecture == f"[{t.number:02d} {t.title.split(':')[0]}]({t.lecture})"
+        assert measures, f"README: say what lecture {t.number} measures"
+        if t.assignment:
+            assert assignment == f"[{t.assignment_name}]({t.release}): {t.assignment}"
+        else:
+            assert assignment == ""
