@@ -12,18 +12,17 @@ the ring sends against 2(P-1)/P * N. Targets: within 1.5x of gloo at 64 MB; exac
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import nbformat
 import torch
 import torch.distributed as dist
 
 from course_lib import CommCounter, launch
 
 ROOT = Path(__file__).resolve().parents[1]
-SOLUTION = ROOT / "solutions" / "a02_collectives" / "a02_collectives.ipynb"
 SIZES_MB = (1, 4, 16, 64)
 WORLD_SIZES = (2, 4)
 REPEATS = 7
@@ -32,11 +31,10 @@ TARGET_RATIO = 1.5  # ring time / gloo time at the largest size
 
 def load_ring() -> Callable:
     """The solution's ring_all_reduce, defined by running its notebook cells."""
-    cells = {cell.id: cell.source for cell in nbformat.read(SOLUTION, as_version=4).cells}
-    namespace = {"__name__": "a02_solution"}  # not importable: ranks receive it by value
-    for cell_id in ("setup", "ring_all_reduce"):
-        exec(compile(cells[cell_id], f"<{SOLUTION.name}:{cell_id}>", "exec"), namespace)
-    return namespace["ring_all_reduce"]
+    sys.path.insert(0, str(ROOT))  # tests/ holds the one loader of solution notebooks
+    from tests.adapters import solution
+
+    return solution("collectives").ring_all_reduce
 
 
 def gloo_all_reduce(tensor: torch.Tensor) -> None:

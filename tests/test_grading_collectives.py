@@ -6,7 +6,6 @@ import sys
 import time
 
 import cloudpickle
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,24 +20,10 @@ from course_lib.grading import (
     check_reduce,
     check_reduce_scatter,
 )
-from tests.conftest import ROOT
+from tests.adapters import solution
 
-SOLUTION = ROOT / "solutions" / "a02_collectives" / "a02_collectives.ipynb"
-SOLUTION_CELLS = ("setup", "broadcast", "reduce", "all_gather", "reduce_scatter")
-SOLUTION_CELLS += ("all_reduce_naive", "ring_all_reduce")
 UNEVEN = [(1,), (2,), (7,), (3, 5), ()]  # fewer elements than ranks, not divisible, 0-d
-
-
-def load_solution() -> dict:
-    """The reference solutions, run from the notebook's own cells (not a copy of them)."""
-    cells = {cell.id: cell.source for cell in nbformat.read(SOLUTION, as_version=4).cells}
-    namespace = {"__name__": "a02_solution"}  # not importable: the ranks get it by value
-    for cell_id in SOLUTION_CELLS:
-        exec(compile(cells[cell_id], f"<{SOLUTION.name}:{cell_id}>", "exec"), namespace)
-    return namespace
-
-
-SOLVED = load_solution()
+SOLVED = solution("collectives")
 # Ship this module's functions to the ranks by value: a fresh rank then need not import it
 # (with pytest and nbformat), which costs seconds each time a check changes the world size.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -200,16 +185,16 @@ def ring_prebound_far_peer(tensor):
 @pytest.mark.parametrize(
     "check, fn",
     [
-        (check_broadcast, SOLVED["broadcast"]),
+        (check_broadcast, SOLVED.broadcast),
         (check_broadcast, broadcast_tree),
-        (check_reduce, SOLVED["reduce"]),
+        (check_reduce, SOLVED.reduce),
         (check_reduce, reduce_chain),
-        (check_all_gather, SOLVED["all_gather"]),
+        (check_all_gather, SOLVED.all_gather),
         (check_all_gather, all_gather_ring),
-        (check_reduce_scatter, SOLVED["reduce_scatter"]),
+        (check_reduce_scatter, SOLVED.reduce_scatter),
         (check_reduce_scatter, reduce_scatter_blocking),
-        (check_all_reduce, SOLVED["all_reduce_naive"]),
-        (check_all_reduce, SOLVED["ring_all_reduce"]),
+        (check_all_reduce, SOLVED.all_reduce_naive),
+        (check_all_reduce, SOLVED.ring_all_reduce),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
@@ -217,14 +202,14 @@ def test_checks_accept_right_implementations(check, fn):
     check(fn, shapes=UNEVEN)
 
 
-@pytest.mark.parametrize("fn", [SOLVED["ring_all_reduce"], ring_all_reduce_batched, ring_padded])
+@pytest.mark.parametrize("fn", [SOLVED.ring_all_reduce, ring_all_reduce_batched, ring_padded])
 def test_ring_check_accepts_right_rings(fn):
     check_all_reduce(fn, bandwidth_optimal=True, shapes=UNEVEN, seeds=[0, 1])
 
 
 def test_ring_check_accepts_the_solution_on_8_ranks():
     check_all_reduce(
-        SOLVED["ring_all_reduce"], bandwidth_optimal=True, world_sizes=[8], shapes=[(5,), (13,)]
+        SOLVED.ring_all_reduce, bandwidth_optimal=True, world_sizes=[8], shapes=[(5,), (13,)]
     )
 
 
@@ -309,28 +294,28 @@ def reduce_without_own(tensor, dst):
 
 
 def naive_only_on_rank_0(tensor):
-    SOLVED["reduce"](tensor, 0)
+    SOLVED.reduce(tensor, 0)
 
 
 def all_reduce_returns_new_tensor(tensor):
     """Computes the right sum, but in a new tensor: the caller's tensor is unchanged."""
     total = tensor.clone()
-    SOLVED["reduce"](total, 0)
-    SOLVED["broadcast"](total, 0)
+    SOLVED.reduce(total, 0)
+    SOLVED.broadcast(total, 0)
     return total
 
 
 def all_reduce_via_mean(tensor):
     """Averages (as for gradients), then scales back: int64 loses the remainder."""
-    SOLVED["reduce"](tensor, 0)
+    SOLVED.reduce(tensor, 0)
     if rank() == 0:
         tensor.copy_(tensor / world_size())
-    SOLVED["broadcast"](tensor, 0)
+    SOLVED.broadcast(tensor, 0)
     tensor.mul_(world_size())
 
 
 def broadcast_from_zero(tensor, src):
-    SOLVED["broadcast"](tensor, 0)
+    SOLVED.broadcast(tensor, 0)
 
 
 def broadcast_never_sent(tensor, src):
@@ -363,7 +348,7 @@ def all_gather_no_wait(tensor_list, tensor):
 
 def all_gather_rebinds(tensor_list, tensor):
     """Puts the input tensor itself into the list instead of copying it."""
-    SOLVED["all_gather"](tensor_list, tensor)
+    SOLVED.all_gather(tensor_list, tensor)
     tensor_list[rank()] = tensor
 
 
@@ -393,14 +378,14 @@ def reduce_scatter_into_input(output, input_list):
 
 def reduce_scatter_rebinds_output(output, input_list):
     total = input_list[rank()].clone()
-    SOLVED["reduce_scatter"](total, input_list)
+    SOLVED.reduce_scatter(total, input_list)
     output = total  # noqa: F841 (the mistake under test: only the local name changes)
 
 
 def ring_in_float64(tensor):
     """Sums a float64 copy "for precision": int64 values above 2**53 get rounded."""
     work = tensor.double()
-    SOLVED["ring_all_reduce"](work)
+    SOLVED.ring_all_reduce(work)
     tensor.copy_(work)
 
 
@@ -497,7 +482,7 @@ def all_reduce_direct(tensor):
 
 def test_a_passing_check_says_what_it_verified(capsys):
     check_all_reduce(
-        SOLVED["ring_all_reduce"], bandwidth_optimal=True, world_sizes=[3], shapes=[(7,)],
+        SOLVED.ring_all_reduce, bandwidth_optimal=True, world_sizes=[3], shapes=[(7,)],
         dtypes=[torch.float32],
     )  # fmt: skip
     out = capsys.readouterr().out
@@ -535,7 +520,7 @@ def test_direct_reduce_scatter_and_all_gather_earns_half():
 def test_ring_check_rejects_the_naive_all_reduce():
     # Right sums, but rank 0 talks to every rank and sends (P-1) N.
     text = expect_failure(
-        check_all_reduce, SOLVED["all_reduce_naive"], "talks only to its neighbours",
+        check_all_reduce, SOLVED.all_reduce_naive, "talks only to its neighbours",
         bandwidth_optimal=True, world_sizes=[4],
     )  # fmt: skip
     assert "[ring] failed" in text and "[bytes] failed" in text

@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 
 import cloudpickle
-import nbformat
 import numpy as np
 import pytest
 import torch
@@ -15,24 +14,11 @@ import torch.distributed as dist
 from course_lib import launch, rank, world_size
 from course_lib.grading import CheckFailed, check_powersgd, check_quantized_all_reduce
 from course_lib.grading.compression import BytesByKind, powersgd_reference
-from tests.conftest import ROOT
+from tests.adapters import solution
 
-SOLUTION = ROOT / "solutions" / "a05_compression" / "a05_compression.ipynb"
-SOLUTION_CELLS = ("setup", "quantize", "dequantize", "quantized_all_reduce", "powersgd")
-
-
-def load_solution() -> dict:
-    """The reference solutions, run from the notebook's own cells (not a copy of them)."""
-    cells = {cell.id: cell.source for cell in nbformat.read(SOLUTION, as_version=4).cells}
-    namespace = {"__name__": "a05_solution"}  # not importable: the ranks get it by value
-    for cell_id in SOLUTION_CELLS:
-        exec(compile(cells[cell_id], f"<{SOLUTION.name}:{cell_id}>", "exec"), namespace)
-    return namespace
-
-
-SOLVED = load_solution()
-quantize, dequantize = SOLVED["quantize"], SOLVED["dequantize"]
-quantized_all_reduce, PowerSGD = SOLVED["quantized_all_reduce"], SOLVED["PowerSGD"]
+SOLVED = solution("compression")
+quantize, dequantize = SOLVED.quantize, SOLVED.dequantize
+quantized_all_reduce, PowerSGD = SOLVED.quantized_all_reduce, SOLVED.PowerSGD
 # Ship this module's functions to the ranks by value: a fresh rank need not import it.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

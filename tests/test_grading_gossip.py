@@ -6,28 +6,15 @@ import re
 import sys
 
 import cloudpickle
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
 
 from course_lib.grading import CheckFailed, check_push_sum
 from course_lib.grading.gossip import in_neighbors, out_neighbors, push_sum_reference
-from tests.conftest import ROOT
+from tests.adapters import solution
 
-SOLUTION = ROOT / "solutions" / "a04_gossip" / "a04_gossip.ipynb"
-
-
-def load_solution() -> dict:
-    """The reference solution, run from the notebook's own cells (not a copy of them)."""
-    cells = {cell.id: cell.source for cell in nbformat.read(SOLUTION, as_version=4).cells}
-    namespace = {"__name__": "a04_solution"}  # not importable: the ranks get it by value
-    for cell_id in ("setup", "push_sum_step"):
-        exec(compile(cells[cell_id], f"<{SOLUTION.name}:{cell_id}>", "exec"), namespace)
-    return namespace
-
-
-push_sum_step = load_solution()["push_sum_step"]
+push_sum_step = solution("gossip").push_sum_step
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 

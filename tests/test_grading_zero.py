@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 import math
-from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from course_lib import rank, world_size
@@ -24,146 +21,13 @@ from course_lib.grading.zero import (
     shard_range,
 )
 from course_lib.models import TinyGPT, count_parameters
+from tests.adapters import mutant, solution
 
-# --- right implementations (the notebook's reference, in short) ---------------------------
+# --- right implementations: the solution notebook's, and others written differently -------
 
-
-def shard_numel(numel):
-    return math.ceil(numel / world_size())
-
-
-def padded(tensor):
-    flat = tensor.detach().reshape(-1)
-    return F.pad(flat, (0, shard_numel(flat.numel()) * world_size() - flat.numel()))
-
-
-def take_shard(tensor):
-    c = shard_numel(tensor.numel())
-    return padded(tensor)[rank() * c : (rank() + 1) * c].clone()
-
-
-def gather_full(shard, shape):
-    out = torch.empty(shard.numel() * world_size(), dtype=shard.dtype)
-    dist.all_gather_single(out, shard.detach().contiguous())
-    return out[: math.prod(shape)].view(shape)
-
-
-def reduce_scatter_mean(grad):
-    flat = padded(grad)
-    out = torch.empty(flat.numel() // world_size(), dtype=flat.dtype)
-    dist.reduce_scatter_single(out, flat)
-    return out / world_size()
-
-
-class ShardedOptimizer:
-    """ZeRO-1: reduce-scatter gradients, step this rank's shards, all-gather parameters."""
-
-    def __init__(self, params, optimizer_cls, **kwargs):
-        self.params = list(params)
-        self.shards = [nn.Parameter(take_shard(p)) for p in self.params]
-        self.optimizer = optimizer_cls(self.shards, **kwargs)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-        self.optimizer.zero_grad()
-
-    def reduce_gradients(self):
-        for p, shard in zip(self.params, self.shards, strict=True):
-            shard.grad = None if p.grad is None else reduce_scatter_mean(p.grad)
-
-    def gather_parameters(self):
-        for p, shard in zip(self.params, self.shards, strict=True):
-            p.copy_(gather_full(shard, p.shape))
-
-    @torch.no_grad()
-    def step(self):
-        self.reduce_gradients()
-        self.optimizer.step()
-        self.gather_parameters()
-
-
-class ShardedGradOptimizer(ShardedOptimizer):
-    """ZeRO-2: each gradient is reduce-scattered by a hook as soon as it is ready."""
-
-    def __init__(self, params, optimizer_cls, **kwargs):
-        super().__init__(params, optimizer_cls, **kwargs)
-        for p, shard in zip(self.params, self.shards, strict=True):
-            p.register_post_accumulate_grad_hook(partial(self.grad_ready, shard))
-
-    def grad_ready(self, shard, param):
-        grad = reduce_scatter_mean(param.grad)
-        shard.grad = grad if shard.grad is None else shard.grad + grad
-        param.grad = None
-
-    def reduce_gradients(self):
-        pass  # done during backward
-
-
-class GatherParameter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, shard, shape):
-        return gather_full(shard, shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_mean(grad), None
-
-
-def pack(module, tensor):
-    for name, full in module.gathered.items():
-        if tensor.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-            return module, name, tensor.size(), tensor.stride(), tensor.storage_offset()
-    return tensor
-
-
-def unpack(saved):
-    if isinstance(saved, torch.Tensor):
-        return saved
-    module, name, size, stride, offset = saved
-    return gather_full(module._parameters[name], module.full_shapes[name]).as_strided(
-        size, stride, offset
-    )
-
-
-def gather_parameters(module, args, save_shards=True):
-    module.gathered = {}
-    for name, shape in module.full_shapes.items():
-        full = GatherParameter.apply(module._parameters[name], shape)
-        module.__dict__[name] = module.gathered[name] = full
-    if save_shards:
-        module.saving = torch.autograd.graph.saved_tensors_hooks(partial(pack, module), unpack)
-        module.saving.__enter__()
-
-
-def free_parameters(module, args, output, save_shards=True, keep=False):
-    if save_shards:
-        module.saving.__exit__(None, None, None)
-    if not keep:
-        for name in module.full_shapes:
-            del module.__dict__[name]
-        module.gathered = {}
-
-
-def shard_module(model, take=take_shard, pre=gather_parameters, post=free_parameters):
-    """ZeRO-3: every parameter becomes its shard; layers gather just in time."""
-    for module in model.modules():
-        own = list(module.named_parameters(recurse=False))
-        if not own:
-            continue
-        module.full_shapes = {name: p.shape for name, p in own}
-        for name, p in own:
-            module._parameters[name] = nn.Parameter(take(p))
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
-    return model
-
-
-# --- right, in other styles ---------------------------------------------------------------
+A07 = solution("zero")
+ShardedOptimizer, ShardedGradOptimizer = A07.ShardedOptimizer, A07.ShardedGradOptimizer
+shard_module, padded = A07.shard_module, A07.padded
 
 
 class FlatShardedOptimizer:
@@ -214,15 +78,99 @@ class AllReduceGradOptimizer(ShardedGradOptimizer):
         param.grad = None
 
 
-# --- wrong implementations ----------------------------------------------------------------
+class TorchAdamWOnly(ShardedOptimizer):
+    def __init__(self, params, optimizer_cls, **kwargs):
+        assert optimizer_cls is torch.optim.AdamW, optimizer_cls
+        super().__init__(params, optimizer_cls, **kwargs)
 
 
-class FullStateOptimizer(ShardedOptimizer):
+# --- wrong implementations: named mutations of the solution ------------------------------
+
+# ZeRO-1 whose shards have numel // P + 1 elements: one too many whenever P divides numel.
+OverlappingShardOptimizer = mutant(
+    "zero",
+    "helpers",
+    ("chunk = math.ceil(flat.numel() / world_size())", "chunk = flat.numel() // world_size() + 1"),
+).ShardedOptimizer
+# ZeRO-1 that sums the gradient shards instead of averaging them.
+SummedOptimizer = mutant(
+    "zero", "helpers", ("return out / world_size()", "return out")
+).ShardedOptimizer
+# ZeRO-1 that copies back only its own shard's elements: the ranks drift apart.
+NoGatherOptimizer = mutant(
+    "zero",
+    "zero1",
+    (
+        "p.copy_(gather_full(shard, p.shape))",
+        "c, numel = shard.numel(), p.numel()\n"
+        "            lo, hi = min(rank() * c, numel), min((rank() + 1) * c, numel)\n"
+        "            p.view(-1)[lo:hi] = shard.detach()[: hi - lo]",
+    ),
+).ShardedOptimizer
+# ZeRO-2 that reduce-scatters in the hook but forgets to free the full gradient.
+KeepsFullGradOptimizer = mutant(
+    "zero", "zero2", ("param.grad = None  # the full gradient is gone", "pass  #")
+).ShardedGradOptimizer
+# ZeRO-3 that keeps each layer's gathered parameters after its forward.
+keep_gathered = mutant(
+    "zero",
+    "zero3",
+    ("    for name in module.full_shapes:\n        del module.__dict__[name]\n", ""),
+).shard_module
+# ZeRO-3 whose full parameters stay in autograd's saved tensors until backward.
+no_regather = mutant(
+    "zero",
+    "zero3",
+    ("    module.saving.__enter__()\n", ""),
+    ("    module.saving.__exit__(None, None, None)\n", ""),
+).shard_module
+# ZeRO-3 that frees the model's gathered parameters but keeps them in a dict of its own
+# (`STASH`), and the same calling gc.freeze() after each layer: frozen objects are skipped by
+# the garbage collector's scans, which the memory checks are built on.
+FREE = "    for name in module.full_shapes:\n        del"
+STASHED = "    STASH[id(module)] = dict(module.gathered)\n"
+keep_privately = mutant(
+    "zero",
+    "zero3",
+    ("def free_layer(", "STASH = {}\n\n\ndef free_layer("),
+    (FREE, STASHED + FREE),
+).shard_module
+keep_privately_frozen = mutant(
+    "zero",
+    "zero3",
+    ("def free_layer(", "import gc\n\nSTASH = {}\n\n\ndef free_layer("),
+    (FREE, STASHED + "    gc.freeze()\n" + FREE),
+).shard_module
+# ZeRO-3 whose shards are views of the padded full parameter (which stays alive).
+view_shards = mutant(
+    "zero",
+    "helpers",
+    ("[rank() * chunk : (rank() + 1) * chunk].clone()", "[rank() * chunk : (rank() + 1) * chunk]"),
+).shard_module
+# ZeRO-3 whose gradient shards are summed over the ranks, not averaged.
+summed_zero3 = mutant(
+    "zero",
+    "zero3",
+    (
+        "return reduce_scatter_mean(grad), None",
+        "return reduce_scatter_mean(grad) * world_size(), None",
+    ),
+).shard_module
+
+
+# --- wrong implementations: other designs ------------------------------------------------
+
+
+class FullStateOptimizer:
     """Every rank keeps optimizer state for the whole model (plain DP with averaging)."""
 
     def __init__(self, params, optimizer_cls, **kwargs):
         self.params = list(params)
         self.optimizer = optimizer_cls(self.params, **kwargs)
+        self.param_groups = self.optimizer.param_groups
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
 
     @torch.no_grad()
     def step(self):
@@ -232,25 +180,7 @@ class FullStateOptimizer(ShardedOptimizer):
         self.optimizer.step()
 
 
-class NoGatherOptimizer(ShardedOptimizer):
-    """Steps its shard and copies back only its own elements: the ranks drift apart."""
-
-    def gather_parameters(self):
-        for p, shard in zip(self.params, self.shards, strict=True):
-            c, numel = shard.numel(), p.numel()
-            lo, hi = min(rank() * c, numel), min((rank() + 1) * c, numel)
-            p.view(-1)[lo:hi] = shard.detach()[: hi - lo]
-
-
-class SummedOptimizer(ShardedOptimizer):
-    def reduce_gradients(self):
-        for p, shard in zip(self.params, self.shards, strict=True):
-            flat = padded(p.grad)
-            shard.grad = torch.empty(shard.numel(), dtype=flat.dtype)
-            dist.reduce_scatter_single(shard.grad, flat)
-
-
-class FloorShardOptimizer(ShardedOptimizer):
+class FloorShardOptimizer:
     """Shards of numel // P elements: the last numel % P elements belong to no rank."""
 
     def __init__(self, params, optimizer_cls, **kwargs):
@@ -261,58 +191,29 @@ class FloorShardOptimizer(ShardedOptimizer):
             for p, c in zip(self.params, chunks, strict=True)
         ]
         self.optimizer = optimizer_cls(self.shards, **kwargs)
+        self.param_groups = self.optimizer.param_groups
 
-    def reduce_gradients(self):
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self):
         for p, shard in zip(self.params, self.shards, strict=True):
             c = shard.numel()
             flat = p.grad.reshape(-1)[: c * world_size()].contiguous()
             shard.grad = torch.empty(c, dtype=flat.dtype)
             dist.reduce_scatter_single(shard.grad, flat)
             shard.grad /= world_size()
-
-    def gather_parameters(self):
+        self.optimizer.step()
         for p, shard in zip(self.params, self.shards, strict=True):
             out = torch.empty(shard.numel() * world_size(), dtype=shard.dtype)
             dist.all_gather_single(out, shard.detach())
             p.view(-1)[: out.numel()] = out
 
 
-class OverlappingShardOptimizer(ShardedOptimizer):
-    """Shards of numel // P + 1 elements: one too many whenever P divides numel."""
-
-    def __init__(self, params, optimizer_cls, **kwargs):
-        self.params = list(params)
-        self.shards = [nn.Parameter(self.take(p)) for p in self.params]
-        self.optimizer = optimizer_cls(self.shards, **kwargs)
-
-    @staticmethod
-    def pad(t):
-        flat = t.detach().reshape(-1)
-        c = flat.numel() // world_size() + 1
-        return F.pad(flat, (0, c * world_size() - flat.numel())), c
-
-    def take(self, p):
-        flat, c = self.pad(p)
-        return flat[rank() * c : (rank() + 1) * c].clone()
-
-    def reduce_gradients(self):
-        for p, shard in zip(self.params, self.shards, strict=True):
-            flat, c = self.pad(p.grad)
-            shard.grad = torch.empty(c, dtype=flat.dtype)
-            dist.reduce_scatter_single(shard.grad, flat)
-            shard.grad /= world_size()
-
-
 class NoParamGroups(ShardedOptimizer):
     param_groups = None
-
-
-class KeepsFullGradOptimizer(ShardedGradOptimizer):
-    """ZeRO-2 that reduce-scatters in the hook but forgets to free the full gradient."""
-
-    def grad_ready(self, shard, param):
-        grad = reduce_scatter_mean(param.grad)
-        shard.grad = grad if shard.grad is None else shard.grad + grad
 
 
 class HiddenFullGradOptimizer(ShardedGradOptimizer):
@@ -330,72 +231,6 @@ class HiddenFullGradOptimizer(ShardedGradOptimizer):
     def step(self):
         type(self).kept.clear()
         super().step()
-
-
-def keep_gathered(model):
-    """ZeRO-3 that keeps each layer's gathered parameters after its forward."""
-    return shard_module(model, post=partial(free_parameters, keep=True))
-
-
-def no_regather(model):
-    """ZeRO-3 whose full parameters stay in autograd's saved tensors until backward."""
-    return shard_module(
-        model,
-        pre=partial(gather_parameters, save_shards=False),
-        post=partial(free_parameters, save_shards=False),
-    )
-
-
-def keep_privately(model):
-    """ZeRO-3 that frees the model's gathered parameters but keeps them in a closure."""
-    stash = {}
-
-    def post(module, args, output):
-        stash[id(module)] = dict(module.gathered)
-        free_parameters(module, args, output)
-
-    return shard_module(model, post=post)
-
-
-def keep_privately_frozen(model):
-    """keep_privately, then gc.freeze() after each layer: frozen objects are skipped by the
-    garbage collector's scans, which the memory checks are built on."""
-    stash = {}
-
-    def post(module, args, output):
-        stash[id(module)] = dict(module.gathered)
-        free_parameters(module, args, output)
-        gc.freeze()
-
-    return shard_module(model, post=post)
-
-
-def view_shards(model):
-    """ZeRO-3 whose shards are views of the padded full parameter (which stays alive)."""
-
-    def take_view(tensor):
-        c = shard_numel(tensor.numel())
-        return padded(tensor)[rank() * c : (rank() + 1) * c]
-
-    return shard_module(model, take=take_view)
-
-
-class SummedGather(GatherParameter):
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_mean(grad) * world_size(), None
-
-
-def summed_zero3(model):
-    def pre(module, args):
-        module.gathered = {}
-        for name, shape in module.full_shapes.items():
-            full = SummedGather.apply(module._parameters[name], shape)
-            module.__dict__[name] = module.gathered[name] = full
-        module.saving = torch.autograd.graph.saved_tensors_hooks(partial(pack, module), unpack)
-        module.saving.__enter__()
-
-    return shard_module(model, pre=pre)
 
 
 def unsharded(model):
@@ -433,12 +268,6 @@ def test_a_passing_check_says_what_it_verified_with_the_bytes_it_measured(capsys
     assert f"gradients at most {shard_bytes(model, 2):,} of {shard_bytes(model, 2):,}" in out[0]
     assert out[1].startswith("check_zero3: passed. Verified 1 steps")
     assert f"held at most {shard_bytes(model, 2):,} of the {shard_bytes(model, 2):,}" in out[1]
-
-
-class TorchAdamWOnly(ShardedOptimizer):
-    def __init__(self, params, optimizer_cls, **kwargs):
-        assert optimizer_cls is torch.optim.AdamW, optimizer_cls
-        super().__init__(params, optimizer_cls, **kwargs)
 
 
 def test_the_ranks_step_with_torch_optim_adamw_as_the_reference_does():
