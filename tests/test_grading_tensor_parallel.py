@@ -27,98 +27,25 @@ from course_lib.grading.tensor_parallel import (
     expected_shards,
     head_rows,
 )
+from tests.adapters import solution
 
 # Fresh workers cannot import this test module: ship its classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-# --- right implementations ----------------------------------------------------------------
+# --- right implementations: the solution notebook's, and attention written differently ----
+
+A09 = solution("tensor_parallel")
+CopyToParallel, ReduceFromParallel = A09.CopyToParallel, A09.ReduceFromParallel
+GatherFromParallel = A09.GatherFromParallel
+ColumnParallelLinear, RowParallelLinear = A09.ColumnParallelLinear, A09.RowParallelLinear
+ParallelMLP, ParallelSelfAttention = A09.ParallelMLP, A09.ParallelSelfAttention
 
 
-class CopyToParallel(torch.autograd.Function):
-    """Identity in forward; all-reduce of the gradient in backward."""
+class AttentionColumnQKV(nn.Module):
+    """Right, in another style: the dense q, k, v rows reordered so that this rank's heads form
+    block r, taken by a column-parallel layer."""
 
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad
-
-
-class ReduceFromParallel(torch.autograd.Function):
-    """All-reduce in forward; identity in backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        x = x.clone()
-        dist.all_reduce(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class GatherFromParallel(torch.autograd.Function):
-    """All-gather along the last dimension in forward; own block of the gradient in backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        parts = [torch.empty_like(x) for _ in range(world_size())]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(world_size(), dim=-1)[rank()].contiguous()
-
-
-def rows(t, r=None):
-    r = rank() if r is None else r
-    n = t.shape[0] // world_size()
-    return t[r * n : (r + 1) * n]
-
-
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear, gather_output=False):
-        super().__init__()
-        self.gather_output = gather_output
-        self.weight = nn.Parameter(rows(linear.weight.detach()).clone())
-        bias = linear.bias
-        self.bias = None if bias is None else nn.Parameter(rows(bias.detach()).clone())
-
-    def forward(self, x):
-        y = F.linear(CopyToParallel.apply(x), self.weight, self.bias)
-        return GatherFromParallel.apply(y) if self.gather_output else y
-
-
-class RowParallelLinear(nn.Module):
-    def __init__(self, linear):
-        super().__init__()
-        self.weight = nn.Parameter(rows(linear.weight.detach().t()).t().clone())
-        bias = linear.bias
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
-
-    def forward(self, x):
-        y = ReduceFromParallel.apply(F.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
-
-
-class ParallelMLP(nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.fc = ColumnParallelLinear(block.fc)
-        self.proj = RowParallelLinear(block.proj)
-
-    def forward(self, x):
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class ParallelSelfAttention(nn.Module):
     def __init__(self, attn):
         super().__init__()
         d_model = attn.qkv.in_features
@@ -145,7 +72,7 @@ class ParallelSelfAttention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(batch, time, -1))
 
 
-class TorchSDPAAttention(ParallelSelfAttention):
+class TorchSDPAAttention(AttentionColumnQKV):
     """Right, in another style: torch's scaled_dot_product_attention for the local heads."""
 
     def forward(self, x):
@@ -227,7 +154,7 @@ class MLPBiasOnEveryRank(ParallelMLP):
         self.proj = RowBiasOnEveryRank(block.proj)
 
 
-class AttentionChunkedQKV(ParallelSelfAttention):
+class AttentionChunkedQKV(AttentionColumnQKV):
     """Heads split wrongly: block r of all 3*d rows, which mixes q, k and v."""
 
     def __init__(self, attn):
@@ -235,7 +162,7 @@ class AttentionChunkedQKV(ParallelSelfAttention):
         self.qkv = ColumnParallelLinear(attn.qkv)
 
 
-class AttentionAllHeadsEverywhere(ParallelSelfAttention):
+class AttentionAllHeadsEverywhere(AttentionColumnQKV):
     """Every rank computes all heads' output for its block but forgets the local head count."""
 
     def forward(self, x):
@@ -246,7 +173,7 @@ class AttentionAllHeadsEverywhere(ParallelSelfAttention):
             self.local_heads //= world_size()
 
 
-class AttentionBiasOnEveryRank(ParallelSelfAttention):
+class AttentionBiasOnEveryRank(AttentionColumnQKV):
     def __init__(self, attn):
         super().__init__(attn)
         self.proj = RowBiasOnEveryRank(attn.proj)
@@ -383,7 +310,7 @@ def test_parallel_mlp_accepts_a_right_implementation():
     check_parallel_mlp(ParallelMLP, seeds=(0, 1))
 
 
-@pytest.mark.parametrize("cls", [ParallelSelfAttention, TorchSDPAAttention])
+@pytest.mark.parametrize("cls", [ParallelSelfAttention, AttentionColumnQKV, TorchSDPAAttention])
 def test_parallel_attention_accepts_right_implementations(cls):
     check_parallel_attention(cls, seeds=(0, 1))
 
