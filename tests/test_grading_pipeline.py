@@ -26,6 +26,7 @@ from course_lib.grading.pipeline import (
     schedule_order,
     send_tensor,
 )
+from tests.adapters import mutant, solution
 
 # Fresh workers cannot import this test module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -34,59 +35,20 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 # --- the pipeline trainer -----------------------------------------------------------------
 
 
-def warmup_forwards(schedule, n_micro):
-    if schedule == "gpipe":
-        return n_micro
-    return min(world_size() - rank() - 1, n_micro)
-
-
-def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule, scale=True, warmup=None):
-    """Right: GPipe and 1F1B differ only in how many forwards run before the first backward."""
-    r, P = rank(), world_size()
-    first, last = r == 0, r == P - 1
-    xs, ys = inputs.tensor_split(n_micro), targets.tensor_split(n_micro)
-    in_flight, sends, total = {}, [], 0.0
-
-    def forward(i):
-        nonlocal total
-        x = xs[i] if first else recv_tensor(r - 1).requires_grad_()
-        y = stage(x)
-        if last:
-            y = loss_fn(y, ys[i]) / (n_micro if scale else 1)
-            total += y.item()
-        else:
-            sends.append(send_tensor(y, r + 1))
-        in_flight[i] = (x, y)
-
-    def backward(i):
-        x, y = in_flight.pop(i)
-        y.backward(None if last else recv_tensor(r + 1))
-        if not first:
-            sends.append(send_tensor(x.grad, r - 1))
-
-    w = warmup_forwards(schedule, n_micro) if warmup is None else warmup(schedule, n_micro)
-    for i in range(w):
-        forward(i)
-    for i in range(n_micro - w):
-        forward(w + i)
-        backward(i)
-    for i in range(n_micro - w, n_micro):
-        backward(i)
-    for send in sends:
-        send.wait()
-    return total if last else None
-
-
-def step_unscaled(*args):
-    return pipeline_step(*args, scale=False)
-
-
-def step_1f1b_keeps_everything(*args):
-    return pipeline_step(*args, warmup=lambda schedule, n: n)
-
-
-def step_1f1b_one_too_many(*args):
-    return pipeline_step(*args, warmup=lambda s, n: min(world_size() - rank(), n))
+A08 = solution("pipeline")
+pipeline_step = A08.pipeline_step
+WARMUP = 'warmup = n_micro if schedule == "gpipe" else min(P - r - 1, n_micro)'
+# Named mutations of the solution: the loss not divided by n_micro; 1F1B that runs every
+# forward first (GPipe's memory); 1F1B with one warm-up forward too many.
+step_unscaled = mutant(
+    "pipeline", "pipeline_step", ("loss_fn(y, ys[i]) / n_micro", "loss_fn(y, ys[i])")
+).pipeline_step
+step_1f1b_keeps_everything = mutant(
+    "pipeline", "pipeline_step", (WARMUP, "warmup = n_micro")
+).pipeline_step
+step_1f1b_one_too_many = mutant(
+    "pipeline", "pipeline_step", ("min(P - r - 1, n_micro)", "min(P - r, n_micro)")
+).pipeline_step
 
 
 def step_zeroes_between_micro_batches(stage, *args):
@@ -211,50 +173,24 @@ def test_bad_pipeline_arguments_are_refused():
 # --- simulated schedules ------------------------------------------------------------------
 
 
-def simulate_schedule(P, m, schedule, t_forward=1.0, t_backward=1.0, bubble=None, late=0.0):
-    """Right: each stage runs its schedule's order, each op as soon as it can."""
-    orders = []
-    for s in range(P):
-        w = m if schedule == "gpipe" else min(P - s - 1, m)
-        ops = [("F", i) for i in range(w)]
-        for i in range(m - w):
-            ops += [("F", w + i), ("B", i)]
-        orders.append(ops + [("B", i) for i in range(m - w, m)])
-    end, free, timeline, nxt = {}, [0.0] * P, [[] for _ in range(P)], [0] * P
-    while sum(nxt) < 2 * P * m:
-        for s in range(P):
-            while nxt[s] < len(orders[s]):
-                kind, i = orders[s][nxt[s]]
-                if kind == "F":
-                    dep = ("F", i, s - 1) if s > 0 else None
-                else:
-                    dep = ("B", i, s + 1) if s < P - 1 else ("F", i, s)
-                if dep is not None and dep not in end:
-                    break
-                start = max(free[s], end[dep] + late if dep else 0.0)
-                finish = start + (t_forward if kind == "F" else t_backward)
-                timeline[s].append((kind, i, start, finish))
-                end[kind, i, s], free[s] = finish, finish
-                nxt[s] += 1
-    makespan = max(end.values())
-    fraction = 1 - m * (t_forward + t_backward) / makespan
-    return {
-        "timeline": timeline,
-        "makespan": makespan,
-        "bubble_fraction": fraction if bubble is None else bubble(P, m),
-    }
-
-
-def simulate_off_by_one(P, m, schedule, **times):
-    return simulate_schedule(P, m, schedule, **times, bubble=lambda P, m: (P - 1) / (m + P))
-
-
-def simulate_with_a_gap(P, m, schedule, **times):
-    return simulate_schedule(P, m, schedule, **times, late=1.0)
-
-
-def simulate_1f1b_as_gpipe(P, m, schedule, **times):
-    return simulate_schedule(P, m, "gpipe", **times)
+simulate_schedule = A08.simulate_schedule
+# Named mutations: the bubble formula off by one; every operation one time unit late; 1F1B
+# run as GPipe.
+simulate_off_by_one = mutant(
+    "pipeline",
+    "simulate_schedule",
+    ('"bubble_fraction": 1 - busy / (P * makespan)', '"bubble_fraction": (P - 1) / (m + P)'),
+).simulate_schedule
+simulate_with_a_gap = mutant(
+    "pipeline",
+    "simulate_schedule",
+    ("end[dependency] if dependency", "end[dependency] + 1.0 if dependency"),
+).simulate_schedule
+simulate_1f1b_as_gpipe = mutant(
+    "pipeline",
+    "simulate_schedule",
+    ('warmup = m if schedule == "gpipe" else min(P - s - 1, m)', "warmup = m"),
+).simulate_schedule
 
 
 def simulate_without_dependencies(P, m, schedule, t_forward=1.0, t_backward=1.0):
@@ -300,30 +236,7 @@ def test_simulate_schedule_rejects_wrong_implementations(fn, message):
 # --- the optimal partition ----------------------------------------------------------------
 
 
-def optimal_partition(layer_times, activation_sizes, n_machines, bandwidth=1.0, weight_sizes=None):
-    """Right: A(j, m) over prefixes of j layers on m machines, with the argmin kept."""
-    n = len(layer_times)
-    weights = weight_sizes or [0.0] * n
-
-    def T(i, j, k):
-        sync = sum(2 * w / bandwidth for w in weights[i:j]) if k > 1 else 0.0
-        return max(sum(layer_times[i:j]), sync) / k
-
-    A, choice = {}, {}
-    for j in range(1, n + 1):
-        for m in range(1, n_machines + 1):
-            A[j, m], choice[j, m] = T(0, j, m), None
-            for i in range(1, j):
-                for k in range(1, m):
-                    t = max(A[i, m - k], 2 * activation_sizes[i - 1] / bandwidth, T(i, j, k))
-                    if t < A[j, m]:
-                        A[j, m], choice[j, m] = t, (i, k)
-    stages, j, m = [], n, n_machines
-    while choice[j, m] is not None:
-        i, k = choice[j, m]
-        stages.append((i, j, k))
-        j, m = i, m - k
-    return A[n, n_machines], [(0, j, m), *reversed(stages)]
+optimal_partition = A08.optimal_partition
 
 
 def partition_greedy(layer_times, activation_sizes, n_machines, bandwidth=1.0, weight_sizes=None):
@@ -357,31 +270,12 @@ def partition_ignoring_communication(layer_times, activation_sizes, n_machines, 
     return value, stages
 
 
-def partition_one_machine_per_stage(
-    layer_times, activation_sizes, n_machines, bandwidth=1.0, weight_sizes=None
-):
-    """Wrong: the last stage always gets one machine (m' = 1 only)."""
-    n = len(layer_times)
-    w = weight_sizes or [0.0] * n
-
-    def T(i, j, k):
-        sync = sum(2 * x / bandwidth for x in w[i:j]) if k > 1 else 0.0
-        return max(sum(layer_times[i:j]), sync) / k
-
-    A, choice = {}, {}
-    for j in range(1, n + 1):
-        for m in range(1, n_machines + 1):
-            A[j, m], choice[j, m] = T(0, j, m), None
-            for i in range(1, j):
-                if m > 1:
-                    t = max(A[i, m - 1], 2 * activation_sizes[i - 1] / bandwidth, T(i, j, 1))
-                    if t < A[j, m]:
-                        A[j, m], choice[j, m] = t, i
-    stages, j, m = [], n, n_machines
-    while choice[j, m] is not None:
-        stages.append((choice[j, m], j, 1))
-        j, m = choice[j, m], m - 1
-    return A[n, n_machines], [(0, j, m), *reversed(stages)]
+# Named mutation: the last stage always gets one machine (m' = 1 only).
+partition_one_machine_per_stage = mutant(
+    "pipeline",
+    "optimal_partition",
+    ("for m_last in range(1, m):", "for m_last in range(1, min(m, 2)):"),
+).optimal_partition
 
 
 def test_optimal_partition_accepts_a_right_implementation():
