@@ -17,23 +17,15 @@ from course_lib.grading import (
     check_ping_pong,
     check_round_trip_time,
 )
+from tests.adapters import mutant, solution
 
-FORK = multiprocessing.get_context("fork")
+FORK = multiprocessing.get_context("fork")  # for the answers written in other styles
 
 # --- ping and pong ------------------------------------------------------------------------
 
 
-def ping(conn, rounds):
-    replies = []
-    for i in range(rounds):
-        conn.send(i)
-        replies.append(conn.recv())
-    return replies
-
-
-def pong(conn, rounds):
-    for _ in range(rounds):
-        conn.send(conn.recv() + 1)
+A01 = solution("processes")
+ping, pong = A01.ping, A01.pong
 
 
 def ping_polling(conn, rounds):
@@ -57,14 +49,18 @@ def pong_counting(conn, rounds):
     return done
 
 
-def pong_echo(conn, rounds):
-    for _ in range(rounds):
-        conn.send(conn.recv())
-
-
-def pong_one_short(conn, rounds):
-    for _ in range(rounds - 1):
-        conn.send(conn.recv() + 1)
+# Named mutations of the solution: a pong that echoes, and one that stops a reply short.
+pong_echo = mutant(
+    "processes", "ping_pong", ("conn.send(conn.recv() + 1)", "conn.send(conn.recv())")
+).pong
+pong_one_short = mutant(
+    "processes",
+    "ping_pong",
+    (
+        "for _ in range(rounds):\n        conn.send",
+        "for _ in range(rounds - 1):\n        conn.send",
+    ),
+).pong
 
 
 def ping_fabricates(conn, rounds):
@@ -120,23 +116,7 @@ def test_ping_pong_rejects_wrong_implementations(ping_fn, pong_fn, message):
 # --- the chain ----------------------------------------------------------------------------
 
 
-def relay(index, inbox, outbox):
-    total, path = inbox.recv()
-    outbox.send((total + index, [*path, index]))
-
-
-def run_chain(n, relay_fn):
-    pipes = [FORK.Pipe(duplex=False) for _ in range(n + 1)]
-    processes = [
-        FORK.Process(target=relay_fn, args=(k, pipes[k][0], pipes[k + 1][1])) for k in range(n)
-    ]
-    for p in processes:
-        p.start()
-    pipes[0][1].send((0, []))
-    result = pipes[n][0].recv()
-    for p in processes:
-        p.join()
-    return result
+relay, run_chain = A01.relay, A01.run_chain
 
 
 def run_chain_backwards(n, relay_fn):
@@ -155,13 +135,22 @@ def run_chain_backwards(n, relay_fn):
     return result
 
 
-def relay_adds_twice(index, inbox, outbox):
-    total, path = inbox.recv()
-    outbox.send((total + 2 * index, [*path, index]))
-
-
-def relay_drops_message(index, inbox, outbox):
-    inbox.recv()
+# Named mutations: a relay that adds its index twice, one that never passes the message on, a
+# chain whose pipes are wired backwards, and one that never reads the last pipe.
+relay_adds_twice = mutant(
+    "processes", "chain", ("outbox.send((total + index,", "outbox.send((total + 2 * index,")
+).relay
+relay_drops_message = mutant(
+    "processes", "chain", ("    outbox.send((total + index, path + [index]))\n", "")
+).relay
+run_chain_miswired = mutant(
+    "processes",
+    "chain",
+    ("args=(k, pipes[k][0], pipes[k + 1][1])", "args=(k, pipes[k + 1][0], pipes[k][1])"),
+).run_chain
+run_chain_forgets_result = mutant(
+    "processes", "chain", ("result = pipes[n][0].recv()", "result = (0, [])")
+).run_chain
 
 
 def run_chain_in_one_process(n, relay_fn):
@@ -170,30 +159,6 @@ def run_chain_in_one_process(n, relay_fn):
     for k in range(n):
         relay_fn(k, pipes[k][0], pipes[k + 1][1])
     return pipes[n][0].recv()
-
-
-def run_chain_miswired(n, relay_fn):
-    pipes = [FORK.Pipe(duplex=False) for _ in range(n + 1)]
-    processes = [
-        FORK.Process(target=relay_fn, args=(k, pipes[k + 1][0], pipes[k][1])) for k in range(n)
-    ]
-    for p in processes:
-        p.start()
-    pipes[0][1].send((0, []))
-    return pipes[n][0].recv()
-
-
-def run_chain_forgets_result(n, relay_fn):
-    pipes = [FORK.Pipe(duplex=False) for _ in range(n + 1)]
-    processes = [
-        FORK.Process(target=relay_fn, args=(k, pipes[k][0], pipes[k + 1][1])) for k in range(n)
-    ]
-    for p in processes:
-        p.start()
-    pipes[0][1].send((0, []))
-    for p in processes:
-        p.join()
-    return (0, [])
 
 
 @pytest.mark.parametrize("chain_fn", [run_chain, run_chain_backwards])
@@ -226,20 +191,7 @@ def test_chain_rejects_wrong_implementations(relay_fn, chain_fn, message):
 # --- torch.distributed ping-pong ----------------------------------------------------------
 
 
-def dist_ping_pong(rounds):
-    out = []
-    for i in range(rounds):
-        if rank() == 0:
-            dist.send(torch.tensor([float(i)], dtype=torch.float64), dst=1)
-            reply = torch.zeros(1, dtype=torch.float64)
-            dist.recv(reply, src=1)
-            out.append(reply.item())
-        else:
-            got = torch.zeros(1, dtype=torch.float64)
-            dist.recv(got, src=0)
-            out.append(got.item())
-            dist.send(got + 1, dst=0)
-    return out
+dist_ping_pong = A01.dist_ping_pong
 
 
 def dist_ping_pong_async(rounds):
@@ -258,18 +210,16 @@ def dist_ping_pong_async(rounds):
     return out
 
 
-def dist_no_plus_one(rounds):
-    out = []
-    for i in range(rounds):
-        t = torch.tensor([float(i)], dtype=torch.float64)
-        if rank() == 0:
-            dist.send(t, 1)
-            dist.recv(t, 1)
-        else:
-            dist.recv(t, 0)
-            dist.send(t, 0)
-        out.append(t.item())
-    return out
+# Named mutations: rank 1 sends back what it got; both ranks send float32.
+dist_no_plus_one = mutant(
+    "processes", "dist_ping_pong", ("dist.send(buffer + 1, dst=0)", "dist.send(buffer, dst=0)")
+).dist_ping_pong
+dist_float32 = mutant(
+    "processes",
+    "dist_ping_pong",
+    ("buffer = torch.zeros(1, dtype=torch.float64)", "buffer = torch.zeros(1)"),
+    ("torch.tensor([float(i)], dtype=torch.float64)", "torch.tensor([float(i)])"),
+).dist_ping_pong
 
 
 def dist_broadcast(rounds):
@@ -278,23 +228,6 @@ def dist_broadcast(rounds):
         t = torch.tensor([float(i)], dtype=torch.float64)
         dist.broadcast(t, src=0)
         out.append(t.item() + (1 if rank() == 0 else 0))
-    return out
-
-
-def dist_float32(rounds):
-    out = []
-    for i in range(rounds):
-        t = torch.tensor([float(i)])
-        if rank() == 0:
-            dist.send(t, 1)
-            dist.recv(t, 1)
-        else:
-            dist.recv(t, 0)
-            out.append(t.item())
-            t += 1
-            dist.send(t, 0)
-            continue
-        out.append(t.item())
     return out
 
 
@@ -340,19 +273,7 @@ def test_dist_ping_pong_rejects_wrong_implementations(fn, message):
 # --- round-trip time ----------------------------------------------------------------------
 
 
-def round_trip_time(nbytes, repeats):
-    message = torch.zeros(nbytes, dtype=torch.uint8)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        if rank() == 0:
-            dist.send(message, 1)
-            dist.recv(message, 1)
-        else:
-            dist.recv(message, 0)
-            dist.send(message, 0)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+round_trip_time = A01.round_trip_time
 
 
 def rtt_constant(nbytes, repeats):
