@@ -31,18 +31,13 @@ from course_lib.grading.data_parallel import (
     shard_sizes,
 )
 from course_lib.grading.provenance import Provenance
+from tests.adapters import solution
 
 # --- sync_gradients -----------------------------------------------------------------------
 
 
-def sync_gradients(model, num_samples):
-    """Right: learn the total, weight this rank's gradient by its share, sum."""
-    total = torch.tensor(num_samples)
-    dist.all_reduce(total)
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad *= num_samples / total.item()
-            dist.all_reduce(p.grad)
+A03 = solution("data_parallel")
+sync_gradients = A03.sync_gradients
 
 
 def sync_weights_in_float32(model, num_samples):
@@ -300,8 +295,12 @@ def rule_buckets(params, cap_bytes, order="reverse", new_at=lambda size, cap: si
     return [b for b in out if b]
 
 
-class DDP(nn.Module):
-    """Right: buckets by the assignment's rule, flattened with torch.cat when full."""
+DDP = A03.DDP
+
+
+class TemplateDDP(nn.Module):
+    """Right, in another style: DDP cut into small methods (buckets by the assignment's rule,
+    flattened with torch.cat when full), so that each wrong DDP below changes one of them."""
 
     def __init__(self, module, bucket_cap_mb=25.0):
         super().__init__()
@@ -365,7 +364,7 @@ class DDP(nn.Module):
         self.ready = [0] * len(self.buckets)
 
 
-class DDPGradersBuckets(DDP):
+class DDPGradersBuckets(TemplateDDP):
     """Forms its buckets with the grader's own rule."""
 
     def make_buckets(self, bucket_cap_mb):
@@ -423,7 +422,7 @@ class DDPOtherStyle(nn.Module):
         self.waiting = [set(map(id, b)) for b in self.buckets]
 
 
-class DDPGroupObject(DDP):
+class DDPGroupObject(TemplateDDP):
     """Right: launches through the process-group object, which returns a Work at once."""
 
     def launch(self, i):
@@ -441,37 +440,37 @@ class TorchDDP(nn.parallel.DistributedDataParallel):
         pass
 
 
-class DDPSum(DDP):
+class DDPSum(TemplateDDP):
     def average(self, flat):
         pass
 
 
-class DDPRank0Average(DDP):
+class DDPRank0Average(TemplateDDP):
     def average(self, flat):
         if rank() == 0:
             flat /= world_size()
 
 
-class DDPNoBroadcast(DDP):
+class DDPNoBroadcast(TemplateDDP):
     def broadcast_state(self):
         pass
 
 
-class DDPParamsOnlyBroadcast(DDP):
+class DDPParamsOnlyBroadcast(TemplateDDP):
     def broadcast_state(self):
         with torch.no_grad():
             for p in self.module.parameters():
                 dist.broadcast(p, src=0)
 
 
-class DDPAllAtTheEnd(DDP):
+class DDPAllAtTheEnd(TemplateDDP):
     """Right buckets, but all sent after backward: no overlap."""
 
     def grad_ready(self, param):
         pass
 
 
-class DDPOneCallAtTheEnd(DDP):
+class DDPOneCallAtTheEnd(TemplateDDP):
     """One all-reduce of everything after backward: neither buckets nor overlap."""
 
     def make_buckets(self, bucket_cap_mb):
@@ -481,22 +480,22 @@ class DDPOneCallAtTheEnd(DDP):
         pass
 
 
-class DDPPerParameter(DDP):
+class DDPPerParameter(TemplateDDP):
     def make_buckets(self, bucket_cap_mb):
         return [[p] for p in reversed(list(self.module.parameters())) if p.requires_grad]
 
 
-class DDPForwardOrder(DDP):
+class DDPForwardOrder(TemplateDDP):
     def make_buckets(self, bucket_cap_mb):
         return rule_buckets(self.module.parameters(), bucket_cap_mb * MB, order="forward")
 
 
-class DDPDecimalMegabyte(DDP):
+class DDPDecimalMegabyte(TemplateDDP):
     def make_buckets(self, bucket_cap_mb):
         return rule_buckets(self.module.parameters(), bucket_cap_mb * 1e6)
 
 
-class DDPNewBucketAtTheCap(DDP):
+class DDPNewBucketAtTheCap(TemplateDDP):
     """Starts a new bucket when the next parameter would *reach* the cap (>=, not >)."""
 
     def make_buckets(self, bucket_cap_mb):
@@ -516,17 +515,17 @@ def torch_rule_buckets(params, cap_bytes):
     return [b for b in out if b]
 
 
-class DDPTorchRule(DDP):
+class DDPTorchRule(TemplateDDP):
     def make_buckets(self, bucket_cap_mb):
         return torch_rule_buckets(self.module.parameters(), bucket_cap_mb * MB)
 
 
-class DDPNoWriteBack(DDP):
+class DDPNoWriteBack(TemplateDDP):
     def write_back(self, i, flat):
         pass
 
 
-class DDPWaitsForEveryGradient(DDP):
+class DDPWaitsForEveryGradient(TemplateDDP):
     """Deadlocks: waits for the bucket holding the parameter that never gets a gradient."""
 
     def flush_incomplete(self):
@@ -534,14 +533,14 @@ class DDPWaitsForEveryGradient(DDP):
             time.sleep(0.01)
 
 
-class DDPSynchronousInHook(DDP):
+class DDPSynchronousInHook(TemplateDDP):
     def launch(self, i):
         flat = self.flatten(i)
         dist.all_reduce(flat)
         self.pending[i] = (_Done(), flat)
 
 
-class DDPWaitsInHook(DDP):
+class DDPWaitsInHook(TemplateDDP):
     def launch(self, i):
         super().launch(i)
         self.pending[i][0].wait()
@@ -552,7 +551,7 @@ class _Done:
         pass
 
 
-class DDPZeroGradForUnused(DDP):
+class DDPZeroGradForUnused(TemplateDDP):
     def write_back(self, i, flat):
         offset = 0
         for p in self.buckets[i]:
@@ -560,7 +559,7 @@ class DDPZeroGradForUnused(DDP):
             offset += p.numel()
 
 
-class DDPHidesParameters(DDP):
+class DDPHidesParameters(TemplateDDP):
     """Keeps the model out of nn.Module's sight: the wrapper has no parameters at all."""
 
     def __init__(self, module, bucket_cap_mb=25.0):
@@ -571,7 +570,7 @@ class DDPHidesParameters(DDP):
         return self.hidden(*args, **kwargs)
 
 
-class DDPBucketsFrozen(DDP):
+class DDPBucketsFrozen(TemplateDDP):
     def make_buckets(self, bucket_cap_mb):
         return [[p] for p in reversed(list(self.module.parameters()))]
 
@@ -581,12 +580,12 @@ class DDPBucketsFrozen(DDP):
             super().write_back(i, flat)
 
 
-class DDPZeroGradDoesNothing(DDP):
+class DDPZeroGradDoesNothing(TemplateDDP):
     def zero_grad(self, set_to_none=True):
         pass
 
 
-class DDPFakeBuckets(DDP):
+class DDPFakeBuckets(TemplateDDP):
     """A cheat: all-reduces of zeros during backward for show, the real average in one
     synchronous call afterwards."""
 
@@ -624,7 +623,7 @@ class DDPAveragesWithAllGather(DDPFakeBuckets):
                 p.grad.copy_(gathered.view(world_size(), *p.shape).mean(dim=0))
 
 
-class DDPWithLectureCode(DDP):
+class DDPWithLectureCode(TemplateDDP):
     """No buckets of its own: the lecture's allreduce_gradients after backward."""
 
     def grad_ready(self, param):
@@ -634,14 +633,14 @@ class DDPWithLectureCode(DDP):
         lecture.allreduce_gradients(self.module)
 
 
-class DDPNoCommunication(DDP):
+class DDPNoCommunication(TemplateDDP):
     """Each rank keeps its own gradients."""
 
     def finish_gradient_synchronization(self):
         pass
 
 
-@pytest.mark.parametrize("cls", [DDP, DDPOtherStyle, DDPGroupObject])
+@pytest.mark.parametrize("cls", [DDP, TemplateDDP, DDPOtherStyle, DDPGroupObject])
 @pytest.mark.parametrize(
     "options",
     [

@@ -83,7 +83,9 @@ def test_edition_leaves_out_solutions_answer_tests_and_instructor_tools(edition)
     files = [str(p.relative_to(edition)) for p in edition.rglob("*") if p.is_file()]
     assert not (edition / "solutions").exists()
     assert not [f for f in files if re.match(r"tests/(test_grading_|test_autograde|cheats/)", f)]
-    assert not [f for f in files if f.startswith(("bench/", "tools/", ".ci/"))]
+    assert not [f for f in files if f.startswith(("bench/", "tools/", ".ci/", "docs/"))]
+    # The planted bugs quote lines of the solutions; adapters.py runs the solutions.
+    assert not {"tests/grading_course.py", "tests/adapters.py", "CONTRIBUTING.md"} & set(files)
     makefile = (edition / "Makefile").read_text()
     assert "autograde" not in makefile and "release" not in makefile
     readme = (edition / "README.md").read_text()

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from course_lib.launch import LaunchTimeout, RankError, WorkerDied, WorkerPool
+from course_lib.topics import TOPICS
 
 RESULT = "result"  # the property every part has: the answer is right
 MAX_SHOWN = 3  # failing cases shown per property
@@ -175,21 +176,12 @@ class Verdict:
         raise CheckFailed(f"{self.check}: " + "\n".join(lines), weights=self.weights, failed=failed)
 
 
-# The lectures' own implementations live in these course_lib modules. Several would answer an
-# assignment as they are (the lecture's ring all-reduce, push-sum step, tensor-parallel layers),
-# so a check refuses an answer that is one of them: the assignments ask for your own code.
+# The lectures' own implementations live in the topics' course_lib modules. Several would
+# answer an assignment as they are (the lecture's ring all-reduce, push-sum step,
+# tensor-parallel layers), so a check refuses an answer that is one of them: the assignments
+# ask for your own code.
 LECTURE_MODULES = frozenset(
-    f"course_lib.{name}"
-    for name in (
-        "collectives",
-        "compression",
-        "data_parallel",
-        "gossip",
-        "pipeline",
-        "parallel_3d",
-        "tensor_parallel",
-        "zero",
-    )
+    f"course_lib.{t.name}" for t in TOPICS if t.module_path and t.assignment
 )
 
 
