@@ -24,7 +24,8 @@ from course_lib.grading.parallel_3d import (
     split_counts,
     tp_shard,
 )
-from course_lib.runtime import rank, world_size
+from course_lib.runtime import world_size
+from tests.adapters import mutant, solution
 
 # Fresh workers cannot import this test module: ship its functions and classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -33,50 +34,13 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 # --- right implementations ----------------------------------------------------------------
 
 
-def process_grid(world, tp):
-    if world % tp:
-        raise ValueError(f"tp_size={tp} does not divide world_size={world}")
-    grid = torch.arange(world).view(world // tp, tp)  # row: a TP group; column: a DP group
-    return grid.tolist(), grid.T.tolist()
-
-
-def make_groups(tp):
-    tp_groups, dp_groups = process_grid(world_size(), tp)
-    mine = {}
-    for kind, groups in (("tp", tp_groups), ("dp", dp_groups)):
-        for ranks in groups:  # every rank creates every group, in the same order
-            group = dist.new_group(ranks)
-            if rank() in ranks:
-                mine[kind] = group
-    return mine["tp"], mine["dp"]
-
-
-class GPT2D(nn.Module):
-    """TinyGPT with course_lib's tensor-parallel blocks."""
-
-    def __init__(self, model, tp_group, dp_group):
-        super().__init__()
-        self.embed, self.head = model.embed, model.head
-        self.blocks = nn.ModuleList(tpl.ParallelBlock(b, tp_group) for b in model.blocks)
-
-    def forward(self, idx):
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def train_step(model, optimizer, x, y, dp_group):
-    me, size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
-    xs, ys = data.shard(x, me, size), data.shard(y, me, size)
-    optimizer.zero_grad()
-    loss = models.lm_loss(model(xs), ys)
-    loss.backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad, group=dp_group)
-        p.grad /= size
-    optimizer.step()
-    return loss.item()
+A10 = solution("parallel_3d")
+process_grid, make_groups, GPT2D, train_step = (
+    A10.process_grid,
+    A10.make_groups,
+    A10.GPT2D,
+    A10.train_step,
+)
 
 
 def train_step_flat_avg(model, optimizer, x, y, dp_group):
@@ -242,42 +206,33 @@ class GPT2DRenamed(nn.Module):
         return self.head(x)
 
 
-def train_step_world(model, optimizer, x, y, dp_group):
-    """Averages over the whole world (divides by the DP size, so the scale looks right)."""
-    me, size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
-    optimizer.zero_grad()
-    models.lm_loss(model(data.shard(x, me, size)), data.shard(y, me, size)).backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= world_size()
-    optimizer.step()
-
-
-def train_step_sum(model, optimizer, x, y, dp_group):
-    me, size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
-    optimizer.zero_grad()
-    models.lm_loss(model(data.shard(x, me, size)), data.shard(y, me, size)).backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad, group=dp_group)
-    optimizer.step()
-
-
-def train_step_no_sync(model, optimizer, x, y, dp_group):
-    me, size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
-    optimizer.zero_grad()
-    models.lm_loss(model(data.shard(x, me, size)), data.shard(y, me, size)).backward()
-    optimizer.step()
-
-
-def train_step_same_batch(model, optimizer, x, y, dp_group):
-    """Every rank trains on the whole batch: the numbers are even right, the work is not."""
-    optimizer.zero_grad()
-    models.lm_loss(model(x), y).backward()
-    size = dist.get_world_size(dp_group)
-    for p in model.parameters():
-        dist.all_reduce(p.grad, group=dp_group)
-        p.grad /= size
-    optimizer.step()
+# Named mutations of the solution's train_step: gradients averaged over the whole world (with
+# the DP size's scale), summed and not averaged, not synchronised at all; every rank on the
+# whole batch; shards chosen by the global rank instead of the DP rank.
+SHARDS = "shard(x, dp_rank, dp_size), shard(y, dp_rank, dp_size)"
+train_step_world = mutant(
+    "parallel_3d",
+    "train_step",
+    ("dist.all_reduce(p.grad, group=dp_group)", "dist.all_reduce(p.grad)"),
+    ("p.grad /= dp_size", "p.grad /= world_size()"),
+).train_step
+train_step_sum = mutant(
+    "parallel_3d", "train_step", ("        p.grad /= dp_size", "        pass  #")
+).train_step
+train_step_no_sync = mutant(
+    "parallel_3d",
+    "train_step",
+    (
+        "    for p in model.parameters():\n        dist.all_reduce",
+        "    for p in []:\n        dist.all_reduce",
+    ),
+).train_step
+train_step_same_batch = mutant("parallel_3d", "train_step", (SHARDS, "x, y")).train_step
+train_step_global_rank_shard = mutant(
+    "parallel_3d",
+    "train_step",
+    (SHARDS, "shard(x, rank(), world_size()), shard(y, rank(), world_size())"),
+).train_step
 
 
 def train_step_whole_batch_unseen(model, optimizer, x, y, dp_group):
@@ -289,16 +244,6 @@ def train_step_whole_batch_unseen(model, optimizer, x, y, dp_group):
         model(data.shard(x, *shard_of))
     optimizer.zero_grad()
     models.lm_loss(type(model).forward(model, x), y).backward()
-    optimizer.step()
-
-
-def train_step_global_rank_shard(model, optimizer, x, y, dp_group):
-    optimizer.zero_grad()
-    xs, ys = data.shard(x, rank(), world_size()), data.shard(y, rank(), world_size())
-    models.lm_loss(model(xs), ys).backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad, group=dp_group)
-        p.grad /= dist.get_world_size(dp_group)
     optimizer.step()
 
 
