@@ -14,11 +14,11 @@ from course_lib.grading import CheckFailed, check_zero1, check_zero2, check_zero
 from course_lib.grading.zero import (
     SMALL,
     chunk_of,
+    chunk_range,
     held_bytes,
     measure_memory,
     optimizer_state_bytes,
     shard_bytes,
-    shard_range,
 )
 from course_lib.models import TinyGPT, count_parameters
 from tests.adapters import mutant, solution
@@ -371,8 +371,8 @@ def test_a_bad_world_size_or_batch_is_refused_before_running():
 
 @pytest.mark.parametrize("numel", [1, 3, 22, 37, 638])
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 7])
-def test_shard_ranges_cover_every_element_once_within_one_of_numel_over_p(numel, p):
-    ranges = [shard_range(numel, r, p) for r in range(p)]
+def test_chunk_ranges_cover_every_element_once_within_one_of_numel_over_p(numel, p):
+    ranges = [chunk_range(numel, r, p) for r in range(p)]
     covered = [i for lo, hi in ranges for i in range(lo, hi)]
     assert covered == list(range(numel))
     assert all(hi - lo <= numel / p + 1 for lo, hi in ranges)

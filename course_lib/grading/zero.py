@@ -6,7 +6,7 @@
 
 The sharding rule, the same for every stage (as in FSDP): each parameter is flattened and
 padded with zeros to a multiple of P; rank r owns the r-th of P equal chunks, which holds
-c = ceil(numel / P) elements (`shard_range`).
+c = ceil(numel / P) elements (`chunk_range`).
 
 Each check trains `TinyGPT(SMALL)` (tensor sizes not divisible by 2, 3 or 4, so shards are
 uneven) for a few AdamW steps in float64, with every global batch split across the ranks and
@@ -55,10 +55,10 @@ KEPT_SLACK = 1024
 # --- the sharding rule ----------------------------------------------------------------------
 
 
-def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+def chunk_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
     """[start, stop) of the flattened elements rank `rank` owns; chunks hold
     ceil(numel / world_size) elements, the last one(s) fewer (padding makes up the rest)."""
-    chunk = math.ceil(numel / world_size)
+    chunk = shard_numel(numel, world_size)
     return min(rank * chunk, numel), min((rank + 1) * chunk, numel)
 
 
@@ -986,5 +986,5 @@ __all__ = [
     "reference",
     "shard_bytes",
     "shard_numel",
-    "shard_range",
+    "chunk_range",
 ]
