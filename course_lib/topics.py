@@ -149,7 +149,17 @@ LIBRARY = frozenset(
 )
 # course_lib/grading's machinery: how checks run and how autograding works.
 GRADING_LIBRARY = frozenset(
-    {"__init__", "_harness", "answers", "autograde", "judge", "provenance", "report", "sandbox"}
+    {
+        "__init__",
+        "_harness",
+        "answers",
+        "training",
+        "autograde",
+        "judge",
+        "provenance",
+        "report",
+        "sandbox",
+    }
 )
 # Tests of the machinery: tests/test_<name>.py for these names.
 LIBRARY_TESTS = frozenset(

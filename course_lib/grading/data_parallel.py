@@ -45,6 +45,7 @@ from torch import nn
 from course_lib import comm, compare, data
 from course_lib.grading._harness import RESULT, CheckFailed, Verdict, fail, run_on_ranks
 from course_lib.grading.provenance import Provenance
+from course_lib.grading.training import make_optimizer, snapshot
 from course_lib.launch import LaunchTimeout
 from course_lib.models import MLP, TinyGPT
 from course_lib.runtime import rank, world_size
@@ -264,27 +265,8 @@ def rank_loss(kind: str, run: Run, output, target, sizes: list[int]) -> torch.Te
     return losses.sum() * (len(sizes) / sum(sizes))
 
 
-SGD_LR = 0.1
-ADAMW = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
-
-
-def make_optimizer(name: str, parameters) -> torch.optim.Optimizer:
-    """torch.optim's SGD or AdamW, the same on the ranks and in the single-process reference.
-    Weight decay moves a parameter that wrongly gets a (zero) gradient, so that mistake
-    shows; parameters without .grad are skipped."""
-    if name == "sgd":
-        return torch.optim.SGD(parameters, lr=SGD_LR)
-    if name == "adamw":
-        return torch.optim.AdamW(parameters, **ADAMW, foreach=False)
-    raise ValueError(f"unknown optimizer {name!r}: use 'sgd' or 'adamw'")
-
-
-def _snapshot(named) -> dict[str, torch.Tensor | None]:
-    return {name: None if t is None else t.detach().clone() for name, t in named}
-
-
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return _snapshot((name, p.grad) for name, p in model.named_parameters())
+    return snapshot((name, p.grad) for name, p in model.named_parameters())
 
 
 # --- what runs on each rank ---------------------------------------------------------------
@@ -307,8 +289,8 @@ def _train_one(impl: Callable, kind: str, run: Run) -> dict:
         _watch_gradients(module, ready)  # before the student's hooks: ours run first
         model = impl(module, bucket_cap_mb=run.cap_mb())
         initial = {
-            "params": _snapshot(model.named_parameters()),
-            "buffers": _snapshot(model.named_buffers()),
+            "params": snapshot(model.named_parameters()),
+            "buffers": snapshot(model.named_buffers()),
         }
     else:
         model, initial = build_model(run, run.seed), None
@@ -344,7 +326,7 @@ def _train_one(impl: Callable, kind: str, run: Run) -> dict:
                     "x": x,
                     "y": y,
                     "grads": grads,
-                    "params": _snapshot(model.named_parameters()),
+                    "params": snapshot(model.named_parameters()),
                     "calls": [
                         {
                             "nbytes": c.nbytes,
@@ -426,7 +408,7 @@ class _Replay:
             g = grads.get(self.prefix + name)
             p.grad = g.detach().to(p.dtype).clone() if isinstance(g, torch.Tensor) else None
         self.optimizer.step()
-        return {self.prefix + n: p for n, p in _snapshot(self.model.named_parameters()).items()}
+        return {self.prefix + n: p for n, p in snapshot(self.model.named_parameters()).items()}
 
 
 def _local_grads(kind: str, run: Run, step: dict, name: str) -> list[torch.Tensor]:

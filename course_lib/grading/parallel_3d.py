@@ -41,8 +41,8 @@ from torch import nn
 from course_lib import comm, compare, data, models
 from course_lib.comm import CommCounter
 from course_lib.grading._harness import Verdict, fail, run_on_ranks
-from course_lib.grading.data_parallel import SGD_LR, make_optimizer
 from course_lib.grading.provenance import Provenance
+from course_lib.grading.training import SGD_LR, make_optimizer, snapshot
 from course_lib.launch import launch
 from course_lib.memory import storage_bytes
 from course_lib.runtime import world_size
@@ -314,10 +314,6 @@ class Run2D:
         return data.batches(x, y, self.batch_size, self.steps, seed=self.seed)
 
 
-def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
 def _secret_batches(run: Run2D) -> list[dict]:
     """This rank's global batches: its DP replica's shard is real, drawn from a secret that
     only its TP partners share; the other replicas' rows are noise drawn by this rank alone.
@@ -349,7 +345,7 @@ def _train_on_rank(make_groups, model_2d, train_step, run: Run2D) -> dict:
         tp_group, dp_group = make_groups(run.tp_size)
     groups = {"tp": group_ranks(tp_group), "dp": group_ranks(dp_group)}
     model = model_2d(models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE), tp_group, dp_group)
-    initial = _snapshot(model)
+    initial = snapshot(model.named_parameters())
     optimizer = make_optimizer("sgd", model.parameters())
     steps, inputs = [], []
     with CollectiveLog() as log:
@@ -359,7 +355,9 @@ def _train_on_rank(make_groups, model_2d, train_step, run: Run2D) -> dict:
             train_step(model, optimizer, batch["x"], batch["y"], dp_group)
             seen, inputs[:] = list(inputs), []
             calls = [vars(call) for call in log.take()]  # plain data for the trip back
-            steps.append({"params": _snapshot(model), "seen": seen, "calls": calls})
+            steps.append(
+                {"params": snapshot(model.named_parameters()), "seen": seen, "calls": calls}
+            )
     return {
         "groups": groups,
         "initial": initial,
@@ -386,13 +384,15 @@ def _reference(run: Run2D, batches: list) -> dict:
     optimizer = make_optimizer("sgd", model.parameters())
     steps = []
     for x, y in batches:
-        before = _snapshot(model)
+        before = snapshot(model.named_parameters())
         optimizer.zero_grad()
         models.lm_loss(model(x), y).backward()
         optimizer.step()
-        steps.append({"before": before, "after": _snapshot(model), "batch": (x, y)})
+        steps.append(
+            {"before": before, "after": snapshot(model.named_parameters()), "batch": (x, y)}
+        )
     return {
-        "initial": _snapshot(models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE)),
+        "initial": snapshot(models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE).named_parameters()),
         "steps": steps,
     }
 

@@ -37,8 +37,8 @@ from torch import nn
 from course_lib import compare, data
 from course_lib.comm import POINT_TO_POINT, CommCounter
 from course_lib.grading._harness import CheckFailed, Verdict, fail, run_on_ranks
-from course_lib.grading.data_parallel import make_optimizer
 from course_lib.grading.provenance import Provenance
+from course_lib.grading.training import make_optimizer
 from course_lib.models import MLP, GPTConfig, TinyGPT, lm_loss
 from course_lib.runtime import rank, world_size
 

@@ -34,6 +34,7 @@ from torch import nn
 from course_lib import _worker, compare, data
 from course_lib.comm import CommCounter
 from course_lib.grading._harness import Verdict, fail, run_on_ranks
+from course_lib.grading.training import ADAMW, make_optimizer, snapshot
 from course_lib.launch import launch
 from course_lib.models import GPTConfig, TinyGPT, lm_loss
 from course_lib.runtime import rank, world_size
@@ -41,7 +42,6 @@ from course_lib.runtime import rank, world_size
 # Every tensor of this model has a size that 2, 3 or 4 do not all divide (d_model 22,
 # d_ff 37, vocab 29, 7 positions), so shards come out uneven.
 SMALL = GPTConfig(vocab_size=29, seq_len=7, d_model=22, n_heads=2, n_layers=2, d_ff=37)
-ADAMW = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 # float64 rounding between a split and a whole batch is ~1e-17 in the gradients and ~1e-14
 # after a few AdamW steps (measured); 1e-10 leaves room and still catches any real mistake.
 TOLERANCE = {"rtol": 1e-10, "atol": 1e-10}
@@ -266,10 +266,6 @@ def global_batches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return data.batches(x, y, run.batch_size, run.steps, seed=run.seed)
 
 
-def _clone(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {name: t.detach().clone() for name, t in named}
-
-
 def _visible_shards(optimizer: object, model: nn.Module, ranks: int) -> list | None:
     """The tensors an optimizer steps, if they are exactly the model's shards in order
     (one 1-D tensor of ceil(numel / P) elements per parameter); else None."""
@@ -313,7 +309,7 @@ def _train_stage12(impl: Callable, stage: int, run: Run) -> dict:
         if stage == 2 and shards is not None:
             record["grad_shards"] = [None if p.grad is None else p.grad.clone() for _, p in shards]
         optimizer.step()
-        record["params"] = _clone(model.named_parameters())
+        record["params"] = snapshot(model.named_parameters())
         record["state_bytes"] = optimizer_state_bytes(optimizer)
         record["state"] = _state_values(_visible_shards(optimizer, model, ranks))
         steps.append(record)
@@ -327,10 +323,10 @@ def _train_stage3(shard_module: Callable, run: Run) -> dict:
     model = build_model(run)
     model = shard_module(model) or model
     names = [name for name, _ in model.named_parameters()]
-    result = {"names": names, "initial": _clone(model.named_parameters()), "steps": []}
+    result = {"names": names, "initial": snapshot(model.named_parameters()), "steps": []}
     if any(p.dim() != 1 for p in model.parameters()):
         return result  # the check explains what a shard should look like
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, foreach=False)
+    optimizer = make_optimizer("adamw", model.parameters())
     for x, y in global_batches(run):
         x, y = data.shard(x, me, ranks), data.shard(y, me, ranks)
         optimizer.zero_grad()
@@ -356,7 +352,7 @@ def _train_stage3(shard_module: Callable, run: Run) -> dict:
                 "held_after_step": held_bytes(model),
                 "gathered_in_backward": _gathered_bytes(backward_traffic),
                 "grads": grads,
-                "shards": _clone(model.named_parameters()),
+                "shards": snapshot(model.named_parameters()),
             }
         )
     return result
@@ -376,19 +372,19 @@ def reference(run: Run, loss_scale: float = 1.0) -> dict:
     parameters and optimizer state (named); `loss_scale` > 1 trains on summed gradients
     instead of averaged ones (for telling that mistake apart)."""
     model = build_model(run)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, foreach=False)
+    optimizer = make_optimizer("adamw", model.parameters())
     steps = []
     for x, y in global_batches(run):
         optimizer.zero_grad()
         (loss_scale * lm_loss(model(x), y)).backward()
-        grads = _clone((n, p.grad) for n, p in model.named_parameters())
+        grads = snapshot((n, p.grad) for n, p in model.named_parameters())
         optimizer.step()
         state = {
             n: {k: optimizer.state[p][k].clone() for k in STATE_NAMES}
             for n, p in model.named_parameters()
         }
-        steps.append({"grads": grads, "params": _clone(model.named_parameters()), "state": state})
-    return {"initial": _clone(build_model(run).named_parameters()), "steps": steps}
+        steps.append({"grads": grads, "params": snapshot(model.named_parameters()), "state": state})
+    return {"initial": snapshot(build_model(run).named_parameters()), "steps": steps}
 
 
 # --- comparing ------------------------------------------------------------------------------
@@ -944,9 +940,9 @@ def _measure_on_rank(impl: Callable, stage: int, run: Run) -> dict[str, int]:
     model = build_model(run)
     if stage == 3:
         model = impl(model) or model
-        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, foreach=False)
+        optimizer = make_optimizer("adamw", model.parameters())
     elif stage == 0:
-        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, foreach=False)
+        optimizer = make_optimizer("adamw", model.parameters())
     else:
         optimizer = impl(model.parameters(), torch.optim.AdamW, **ADAMW)
     x, y = global_batches(run)[0]
