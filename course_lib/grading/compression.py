@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from course_lib import comm
 from course_lib.comm import CommCounter
+from course_lib.costs import all_reduce_bytes
 from course_lib.grading._harness import Verdict, fail, run_on_ranks
 from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank
@@ -556,7 +557,7 @@ def _judge_powersgd(check: str, case: PCase, records: list[list[dict]]) -> None:
     q0 = initial_q(m, r, case.seed)
     reference, _ = powersgd_reference(grads, r, q0)
     itemsize = torch.empty((), dtype=case.dtype).element_size()
-    compressed = 2 * (p - 1) * (n + m) * r * itemsize // p
+    compressed = all_reduce_bytes((n + m) * r * itemsize, p)
     for t in range(case.steps):
         at = f"{case}, step {t}"
         for w in range(p):
@@ -620,7 +621,7 @@ def _judge_powersgd(check: str, case: PCase, records: list[list[dict]]) -> None:
                     check,
                     f"{at}: rank {w} sent {sent} bytes ({calls}); all-reducing P ({n}x{r}) and "
                     f"Q ({m}x{r}) sends 2(P-1)/P (n + m) r = {compressed} bytes, while the "
-                    f"whole {n}x{m} matrix would send {2 * (p - 1) * n * m * itemsize // p}. "
+                    f"whole {n}x{m} matrix would send {all_reduce_bytes(n * m * itemsize, p)}. "
                     "All-reduce only P and Q, never M itself.",
                 )
             if p > 1 and sent == 0:
