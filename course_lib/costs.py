@@ -73,6 +73,34 @@ def all_to_all_bytes(nbytes, world: int):
     return ring_bytes(nbytes, world)
 
 
+def all_reduce_seconds(algorithm: str, nbytes: int, world: int, alpha: float, beta: float) -> float:
+    """Seconds one all-reduce of N bytes takes under the alpha-beta model of lecture 2 (Thakur,
+    Rabenseifner and Gropp, 2005): a message of b bytes costs alpha + b * beta (beta in seconds
+    per byte: 1 / bandwidth), each rank has its own full-duplex link, and a rank handles one
+    message per direction at a time.
+
+    naive 2(P-1)(a + Nb) (the root's link carries everything); tree 2 * sum over levels of
+    (children of the busiest parent)(a + Nb); butterfly log2(P)(a + Nb); ring 2(P-1)(a + Nb/P).
+    """
+    if world == 1:
+        return 0.0
+    n = nbytes
+    if algorithm == "naive":
+        return 2 * (world - 1) * (alpha + n * beta)
+    if algorithm == "tree":
+        messages, level_start = 0, 1  # nodes of level l are numbered 2**l - 1 .. 2**(l+1) - 2
+        while level_start < world:  # level_start: first node of the next level down
+            below = min(level_start + 1, world - level_start)  # nodes on the level below
+            messages += min(2, below)  # the level's first parent has the most children
+            level_start = 2 * level_start + 1
+        return 2 * messages * (alpha + n * beta)
+    if algorithm == "butterfly":
+        return math.log2(world) * (alpha + n * beta)
+    if algorithm == "ring":
+        return collective_steps("all_reduce", world) * (alpha + n / world * beta)
+    raise ValueError(f"unknown all-reduce algorithm {algorithm!r}")
+
+
 # How `CommCounter` counts each built-in collective (it cannot see inside the backend), for a
 # group of P ranks, N = bytes of the tensor argument. `busiest_bytes` is the same in numbers.
 COLLECTIVE_MODEL = {

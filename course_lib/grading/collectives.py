@@ -473,7 +473,7 @@ def _ring_budget(case: Case) -> int:
     """Bytes a rank may send in a ring all-reduce: 2(P-1) steps of one chunk each, a chunk
     padded up to ceil(N/P) elements at most."""
     p, itemsize = case.world_size, torch.empty((), dtype=case.dtype).element_size()
-    return 2 * (p - 1) * -(-_numel(case.shape) // p) * itemsize
+    return all_reduce_bytes(p * -(-_numel(case.shape) // p) * itemsize, p)
 
 
 def _judge_bytes(spec: _Spec, case: Case, records: list[dict]) -> None:

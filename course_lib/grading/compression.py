@@ -50,7 +50,7 @@ DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
 def payload_budget(numel: int, world_size: int) -> int:
     """Bytes of 8-bit tensors one rank may send: a ring all-reduce of int8 codes,
     2(P-1) chunks of ceil(N/P) elements, a quarter of what float32 costs."""
-    return 2 * (world_size - 1) * math.ceil(numel / world_size)
+    return all_reduce_bytes(world_size * math.ceil(numel / world_size), world_size)
 
 
 def scale_budget(numel: int, world_size: int) -> int:
