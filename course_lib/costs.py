@@ -195,7 +195,8 @@ def zero_comm_bytes(stage: str, model_bytes: float, world: int) -> float:
     `ZERO_PASSES` ring passes over the model: 2(P-1)/P M for DDP, ZeRO-1 and ZeRO-2, 3(P-1)/P M
     for ZeRO-3 (ZeRO paper, section 7)."""
     _check_stage(stage)
-    return ring_bytes(model_bytes, world, passes=ZERO_PASSES[stage])
+    # In float bytes, like `zero_bytes`: the textbook's share, not a count of whole bytes.
+    return ring_bytes(float(model_bytes), world, passes=ZERO_PASSES[stage])
 
 
 # --- memory: activations ---------------------------------------------------------------------

@@ -510,10 +510,11 @@ def comm_formula(
     """Bytes one rank sends in forward and in backward through `layer` with `world` ranks."""
     if layer not in ALL_REDUCES:
         raise ValueError(f"unknown layer {layer!r}; expected one of {LAYERS}")
-    activation = tokens * hidden * element_size
+    # Floats: the formula's exact share, not the whole bytes CommCounter rounds down to.
+    activation = float(tokens * hidden * element_size)
     forward, backward = (all_reduce_bytes(n * activation, world) for n in ALL_REDUCES[layer])
     if layer == "head + cross-entropy":  # max, sum of exponentials, target logit per token
-        forward += 3 * all_reduce_bytes(tokens * element_size, world)
+        forward += 3 * all_reduce_bytes(float(tokens * element_size), world)
     return forward, backward
 
 
@@ -792,7 +793,7 @@ def traffic_per_microbatch(
     activation = shape.seq * shape.batch * shape.hidden * element_size
     layers_per_stage = shape.layers / p
     return {
-        "TP": layers_per_stage * tp_layer_bytes(activation, t),
+        "TP": layers_per_stage * tp_layer_bytes(float(activation), t),
         "PP": pp_boundary_bytes(activation),
     }
 

@@ -153,6 +153,7 @@ def test_zero_comm_bytes_by_hand():
     assert zero_comm_bytes("zero2", 100, 4) == 150
     assert zero_comm_bytes("zero3", 100, 4) == 225  # + the second all-gather
     assert zero_comm_bytes("zero3", 90.0, 3) == pytest.approx(180, rel=1e-15)
+    assert zero_comm_bytes("ddp", 10, 3) == pytest.approx(40 / 3, rel=1e-15)  # not rounded
     with pytest.raises(ValueError, match="unknown stage"):
         zero_comm_bytes("fsdp", 100, 4)
 
