@@ -48,7 +48,7 @@ def ring_bytes(nbytes, world: int, passes: int = 1):
     """Bytes one rank sends in `passes` passes around a ring over an N-byte tensor cut into P
     chunks: each pass (a reduce-scatter, or an all-gather) sends the P-1 chunks that are not
     its own, (P-1)/P * N (Patarasuk and Yuan, 2009)."""
-    if isinstance(nbytes, int):
+    if isinstance(nbytes, int):  # whole bytes, rounded down, as CommCounter counts them
         return passes * (world - 1) * nbytes // world
     return passes * (world - 1) / world * nbytes
 
@@ -84,20 +84,19 @@ def all_reduce_seconds(algorithm: str, nbytes: int, world: int, alpha: float, be
     """
     if world == 1:
         return 0.0
-    n = nbytes
     if algorithm == "naive":
-        return 2 * (world - 1) * (alpha + n * beta)
+        return 2 * (world - 1) * (alpha + nbytes * beta)
     if algorithm == "tree":
         messages, level_start = 0, 1  # nodes of level l are numbered 2**l - 1 .. 2**(l+1) - 2
         while level_start < world:  # level_start: first node of the next level down
             below = min(level_start + 1, world - level_start)  # nodes on the level below
             messages += min(2, below)  # the level's first parent has the most children
             level_start = 2 * level_start + 1
-        return 2 * messages * (alpha + n * beta)
+        return 2 * messages * (alpha + nbytes * beta)
     if algorithm == "butterfly":
-        return math.log2(world) * (alpha + n * beta)
+        return math.log2(world) * (alpha + nbytes * beta)
     if algorithm == "ring":
-        return collective_steps("all_reduce", world) * (alpha + n / world * beta)
+        return collective_steps("all_reduce", world) * (alpha + nbytes / world * beta)
     raise ValueError(f"unknown all-reduce algorithm {algorithm!r}")
 
 
