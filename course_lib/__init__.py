@@ -13,6 +13,9 @@ judge that never runs student code, a sandbox), `counted_group` (the process gro
 ranks, which reports every call to `comm`), `_integrity` (has a rank's code changed the
 libraries the checks measure with?).
 
+`costs`: every cost model (alpha-beta time, collective volumes, ZeRO and activation memory,
+the bubble, TP/PP/CP/EP traffic), one function each, shared by lectures, planner and checks.
+
 The lectures' plumbing, one module each:
 - `processes` (1): message costs over pipes and gloo;
 - `collectives` (2): all-reduce algorithms and the ring's schedule;

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from course_lib.costs import all_reduce_seconds
 from course_lib.runtime import rank as _rank
 from course_lib.runtime import world_size as _world_size
 
@@ -314,28 +315,11 @@ def messages_sent(algorithm: str, numel: int, world: int, rank: int, root: int =
 def model_seconds(
     algorithm: str, numel: int, world: int, alpha: float, beta: float, element_size: int = 4
 ) -> float:
-    """Time the alpha-beta model predicts: a message of b bytes costs alpha + b * beta, each
-    rank has its own full-duplex link, and a rank handles one message per direction at a time.
-
-    naive 2(P-1)(a + Nb) (the root's link carries everything); tree 2 * sum over levels of
-    (children of the busiest parent)(a + Nb); butterfly log2(P)(a + Nb); ring 2(P-1)(a + Nb/P).
-    """
+    """Time the alpha-beta model predicts for one all-reduce of `numel` elements of
+    `element_size` bytes: `course_lib.costs.all_reduce_seconds` (alpha in seconds, beta in
+    seconds per byte)."""
     _check(algorithm, numel, world, 0)
-    if world == 1:
-        return 0.0
-    n = numel * element_size
-    if algorithm == "naive":
-        return 2 * (world - 1) * (alpha + n * beta)
-    if algorithm == "tree":
-        messages, level_start = 0, 1  # nodes of level l are numbered 2**l - 1 .. 2**(l+1) - 2
-        while level_start < world:  # level_start: first node of the next level down
-            below = min(level_start + 1, world - level_start)  # nodes on the level below
-            messages += min(2, below)  # the level's first parent has the most children
-            level_start = 2 * level_start + 1
-        return 2 * messages * (alpha + n * beta)
-    if algorithm == "butterfly":
-        return math.log2(world) * (alpha + n * beta)
-    return 2 * (world - 1) * (alpha + n / world * beta)
+    return all_reduce_seconds(algorithm, numel * element_size, world, alpha, beta)
 
 
 # --- measuring: who talks to whom, and how long it takes ---------------------------------

@@ -9,7 +9,7 @@ calls (send, recv, isend, irecv, and batch_isend_irecv through them) are counted
 the bytes of the tensor. What a built-in collective moves inside the backend cannot be seen
 from Python, so it is counted with the per-rank volume of the textbook algorithm in
 `COLLECTIVE_MODEL` (ring for all-reduce, all-gather and reduce-scatter; a flat tree for
-broadcast, reduce, gather and scatter), the volume the lectures' formulas describe.
+broadcast, reduce, gather and scatter), the formulas of `course_lib.costs` the lectures use.
 
 Calls made through a name bound before the counter started (`from torch.distributed import
 send`), through the process-group object, or from C++ (DistributedDataParallel's reducer) are
@@ -34,24 +34,13 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from course_lib import runtime
+from course_lib.costs import (
+    COLLECTIVE_MODEL,
+    all_gather_bytes,
+    all_reduce_bytes,
+    all_to_all_bytes,
+)
 
-# How each collective is counted, for a group of P ranks, N = bytes of the tensor argument.
-COLLECTIVE_MODEL = {
-    "all_reduce": "ring: sends and receives 2(P-1)/P * N",
-    "all_gather": "ring: sends and receives (P-1) * N (N = this rank's tensor)",
-    "all_gather_single": "ring: sends and receives (P-1) * N (N = this rank's input)",
-    "all_gather_into_tensor": "ring: sends and receives (P-1) * N (N = this rank's input)",
-    "reduce_scatter": "ring: sends and receives (P-1) * N (N = this rank's output)",
-    "reduce_scatter_single": "ring: sends and receives (P-1) * N (N = this rank's output)",
-    "reduce_scatter_tensor": "ring: sends and receives (P-1) * N (N = this rank's output)",
-    "broadcast": "flat tree: the source sends (P-1) * N, every other rank receives N",
-    "reduce": "flat tree: every other rank sends N, the destination receives (P-1) * N",
-    "gather": "flat tree: every other rank sends N, the destination receives (P-1) * N",
-    "scatter": "flat tree: the source sends (P-1) * N, every other rank receives N",
-    "all_to_all_single": "direct: sends and receives all but its own chunk",
-    "all_to_all": "direct: sends and receives all but its own chunk",
-    "barrier": "no payload: 0 bytes",
-}
 POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 
 
@@ -131,29 +120,30 @@ def _volume(op: str, args: dict) -> tuple[int, int]:
         return 0, 0
     p = _group_size(args.get("group"))
     if op == "all_reduce":
-        n = 2 * (p - 1) * _nbytes(args["tensor"]) // p
+        n = all_reduce_bytes(_nbytes(args["tensor"]), p)
         return n, n
     if op == "all_gather":
-        n = (p - 1) * _nbytes(args["tensor"])
+        n = all_gather_bytes(_nbytes(args["tensor"]), p)
         return n, n
     if op in ("all_gather_single", "all_gather_into_tensor"):
-        n = (p - 1) * _nbytes(args["input_tensor"])
+        n = all_gather_bytes(_nbytes(args["input_tensor"]), p)
         return n, n
     if op in ("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor"):
-        n = (p - 1) * _nbytes(args["output"])
+        n = all_gather_bytes(_nbytes(args["output"]), p)  # the mirror image of an all-gather
         return n, n
+    # A flat tree: the root sends (or receives) N to (from) each of the P-1 others.
     if op == "broadcast":
         n = _nbytes(args["tensor"])
-        return ((p - 1) * n, 0) if _is_root(args, "src") else (0, n)
+        return (all_gather_bytes(n, p), 0) if _is_root(args, "src") else (0, n)
     if op in ("reduce", "gather"):
         n = _nbytes(args["tensor"])
-        return (0, (p - 1) * n) if _is_root(args, "dst") else (n, 0)
+        return (0, all_gather_bytes(n, p)) if _is_root(args, "dst") else (n, 0)
     if op == "scatter":
         n = _nbytes(args["tensor"])
-        return ((p - 1) * n, 0) if _is_root(args, "src") else (0, n)
+        return (all_gather_bytes(n, p), 0) if _is_root(args, "src") else (0, n)
     if op == "all_to_all_single":
-        sent = _nbytes(args["input"]) * (p - 1) // p
-        received = _nbytes(args["output"]) * (p - 1) // p
+        sent = all_to_all_bytes(_nbytes(args["input"]), p)
+        received = all_to_all_bytes(_nbytes(args["output"]), p)
         return sent, received
     if op == "all_to_all":
         me = dist.get_rank(args.get("group"))

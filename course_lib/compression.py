@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from course_lib import models, plots
 from course_lib.comm import CommCounter
+from course_lib.costs import all_gather_bytes, all_reduce_bytes, alpha_beta_time, collective_steps
 from course_lib.data import shard
 from course_lib.network import SlowNetwork
 from course_lib.runtime import device, rank, world_size
@@ -172,12 +173,13 @@ def quantized_bytes(numel: int, world: int, chunk_size: int = CHUNK) -> int:
     """Bytes one rank sends in `quantized_all_reduce`: (P-1) parts of int8 values and fp32
     scales in each phase, so 2 (P-1)/P N (1 + 4/chunk) for N elements (whole chunks)."""
     part = part_size(numel, world, chunk_size)
-    return 2 * (world - 1) * (part + 4 * part // chunk_size)
+    # The all-to-all sends P-1 parts of int8 values and scales, the all-gather as many.
+    return 2 * all_gather_bytes(part + 4 * part // chunk_size, world)
 
 
 def fp32_all_reduce_bytes(numel: int, world: int) -> int:
     """Bytes one rank sends in a ring all-reduce of `numel` fp32 values: 2 (P-1)/P * 4N."""
-    return 2 * (world - 1) * 4 * numel // world
+    return all_reduce_bytes(4 * numel, world)
 
 
 @dataclass
@@ -300,11 +302,6 @@ def feedback_hook(
     return _done(grads)
 
 
-def all_gather_bytes(payload_bytes: int, world: int) -> int:
-    """Bytes one rank sends in a ring all-gather of a `payload_bytes` payload: (P-1) * it."""
-    return (world - 1) * payload_bytes
-
-
 # --- PowerSGD: the compression ratio and torch's hook --------------------------------------
 
 
@@ -368,8 +365,12 @@ def bytes_per_step(
 def latency_steps(method: str, world: int) -> int:
     """Messages one after another per step: a ring all-reduce takes 2(P-1), an all-gather or
     an all-to-all P-1; PowerSGD runs three all-reduces, int8 an all-to-all and an all-gather."""
-    per_method = {"fp32": 2, "int8": 2, "powersgd": 6}
-    return per_method.get(method, 1) * (world - 1)
+    collectives = {
+        "fp32": ("all_reduce",),
+        "int8": ("all_to_all", "all_gather"),
+        "powersgd": ("all_reduce",) * 3,
+    }
+    return sum(collective_steps(op, world) for op in collectives.get(method, ("all_gather",)))
 
 
 def comm_seconds(
@@ -382,7 +383,7 @@ def comm_seconds(
 ) -> float:
     """Network time per step, alpha-beta model: latency_steps * latency + bytes / bandwidth."""
     sent = bytes_per_step(method, shapes, world, **options)
-    return latency_steps(method, world) * latency + sent / bandwidth
+    return alpha_beta_time(sent, latency, bandwidth, messages=latency_steps(method, world))
 
 
 # --- one training loop for every method ----------------------------------------------------

@@ -25,20 +25,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from course_lib.costs import BYTES_PER_PARAMETER
 from course_lib.models import GPTConfig
 
 GB = 1e9  # memory budgets are quoted in decimal gigabytes, as GPU data sheets do (80 GB)
-
-# The mixed-precision AdamW budget, bytes per parameter (ZeRO paper, section 3.1): the model
-# computes in bf16, and AdamW updates an fp32 master copy with two fp32 moments.
-BYTES_PER_PARAMETER = {
-    "weights": 2,  # bf16 copy used by forward and backward
-    "gradients": 2,  # bf16, produced by backward
-    "master weights": 4,  # fp32 copy the optimizer updates; small updates survive rounding
-    "optimizer: exp_avg": 4,  # Adam's first moment m, fp32
-    "optimizer: exp_avg_sq": 4,  # Adam's second moment v, fp32
-}
-
 
 # --- counting bytes ------------------------------------------------------------------------
 

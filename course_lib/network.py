@@ -16,7 +16,7 @@ would have needed:
   message, so a receiver that was waiting early still waits for a late sender.
 - a collective ends `collective_time` after the last rank of the group entered it: its
   textbook algorithm's steps (one latency each) plus the busiest rank's bytes (as counted by
-  `course_lib.comm.COLLECTIVE_MODEL`) over the bandwidth. The ranks exchange their start
+  `course_lib.costs.COLLECTIVE_MODEL`) over the bandwidth. The ranks exchange their start
   times in a small side all-reduce.
 - async calls (isend, irecv, `async_op=True`) return at once; `wait()` (and the future of
   `get_future()`) completes no earlier than the emulated finish.
@@ -42,31 +42,10 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from course_lib import comm, runtime
+from course_lib.costs import COLLECTIVE_MODEL, alpha_beta_time, busiest_bytes, collective_steps
 
 # Side messages carrying delivery times use the user's tag plus this, so they never match data.
 STAMP_TAG = 1 << 30
-
-
-def collective_steps(op: str, world_size: int) -> int:
-    """Messages one after another in the textbook algorithm: each costs one latency."""
-    p = world_size
-    if op == "all_reduce":
-        return 2 * (p - 1)  # ring: reduce-scatter then all-gather
-    if op == "barrier":
-        return math.ceil(math.log2(p)) if p > 1 else 0  # dissemination barrier
-    return p - 1  # ring all-gather / reduce-scatter; flat tree: the root's P-1 messages
-
-
-def busiest_bytes(op: str, nbytes: int, world_size: int) -> int:
-    """Bytes the busiest rank sends or receives, N = `nbytes` as `COLLECTIVE_MODEL` says."""
-    p = world_size
-    if op == "all_reduce":
-        return 2 * (p - 1) * nbytes // p
-    if op == "barrier":
-        return 0
-    if op in ("all_to_all", "all_to_all_single"):
-        return (p - 1) * nbytes // p
-    return (p - 1) * nbytes
 
 
 class SlowNetwork:
@@ -86,16 +65,15 @@ class SlowNetwork:
 
     def message_time(self, nbytes: int) -> float:
         """Seconds for one message of `nbytes` bytes: latency + bytes / bandwidth."""
-        return self.latency + nbytes / self.bandwidth
+        return alpha_beta_time(nbytes, self.latency, self.bandwidth)
 
     def collective_time(self, op: str, nbytes: int, world_size: int) -> float:
         """Seconds for collective `op` on N = `nbytes` (see `COLLECTIVE_MODEL`) and P ranks."""
-        if op not in comm.COLLECTIVE_MODEL:
-            raise ValueError(
-                f"unknown collective {op!r}; known: {', '.join(comm.COLLECTIVE_MODEL)}"
-            )
+        if op not in COLLECTIVE_MODEL:
+            raise ValueError(f"unknown collective {op!r}; known: {', '.join(COLLECTIVE_MODEL)}")
+        busiest = busiest_bytes(op, nbytes, world_size)
         steps = collective_steps(op, world_size)
-        return steps * self.latency + busiest_bytes(op, nbytes, world_size) / self.bandwidth
+        return alpha_beta_time(busiest, self.latency, self.bandwidth, messages=steps)
 
     def __enter__(self) -> SlowNetwork:
         with _lock:
@@ -240,7 +218,7 @@ def _collective(net: SlowNetwork, op: str, args: dict, nbytes: int, call: Callab
         if async_op:
             exchange.wait()
         last_start, busiest = stamp.tolist()
-        return last_start + steps * net.latency + busiest / net.bandwidth
+        return last_start + alpha_beta_time(busiest, net.latency, net.bandwidth, messages=steps)
 
     if not async_op:
         net._sleep_until(finish())

@@ -35,18 +35,23 @@ import torch
 import torch.distributed as dist
 from matplotlib.patches import Patch
 
+from course_lib.costs import (
+    MIXED_ADAMW,
+    activation_memory,
+    bubble_formula,
+    zero_bytes,
+    zero_comm_bytes,
+)
 from course_lib.memory import GB, divisors
-from course_lib.pipeline import bubble_formula
 from course_lib.plots import NotebookFigure
 from course_lib.runtime import device
 from course_lib.tensor_parallel import (
     GPT3_175B,
     TransformerShape,
-    activation_memory,
     compute_seconds,
     traffic_per_microbatch,
 )
-from course_lib.zero import MIXED_ADAMW, STAGES, comm_formula, formula_bytes
+from course_lib.zero import STAGES
 
 DIMENSIONS = ("tp", "pp", "dp")  # innermost (neighbouring ranks) first, as in picotron
 CHECKPOINTING = ("none", "selective", "full")
@@ -286,7 +291,7 @@ def state_bytes(model: Model, plan: Plan) -> dict[str, float]:
     """Bytes per GPU of bf16 weights, bf16 gradients and AdamW's fp32 state (16 bytes per
     parameter, lecture 6) for its share of the parameters, with the plan's ZeRO stage over
     the DP group (lecture 7)."""
-    return formula_bytes(plan.zero, params_per_gpu(model, plan), plan.dp, MIXED_ADAMW)
+    return zero_bytes(plan.zero, params_per_gpu(model, plan), plan.dp, MIXED_ADAMW)
 
 
 def activation_bytes(model: Model, plan: Plan, micro_batches: int) -> float:
@@ -312,7 +317,7 @@ def dp_traffic(zero: str, model_bytes: float, dp: int, micro_batches: int) -> fl
     (2(P-1)/P M). ZeRO-2 keeps only a shard of the gradients, so it reduce-scatters after
     every micro-batch, then all-gathers the parameters once: (m+1)(P-1)/P M. ZeRO-3 gathers
     the parameters twice and reduce-scatters once per micro-batch: 3m(P-1)/P M."""
-    once = comm_formula(zero, model_bytes, dp)  # the lecture-7 formula, one micro-batch
+    once = zero_comm_bytes(zero, model_bytes, dp)  # the lecture-7 formula, one micro-batch
     per_step = {"ddp": 1, "zero1": 1, "zero2": (micro_batches + 1) / 2, "zero3": micro_batches}
     return once * per_step[zero]
 

@@ -30,6 +30,7 @@ from IPython.display import display
 from matplotlib.figure import Figure
 from torch import nn
 
+from course_lib.costs import bubble_formula, pp_boundary_bytes
 from course_lib.memory import SavedTensors
 from course_lib.plots import NotebookFigure
 from course_lib.runtime import device, rank, world_size
@@ -171,12 +172,6 @@ class Timeline:
             Task(t.stage, t.kind, t.micro, t.chunk, t.start - origin, t.end - origin) for t in tasks
         ]
         return cls(len(logs), shifted, schedule or logs[0].schedule, measured=True)
-
-
-def bubble_formula(n_stages: int, m: int, chunks: int = 1) -> float:
-    """Idle share of GPipe and 1F1B, (P-1)/(m+P-1); with `chunks` interleaved model chunks
-    per stage, (P-1)/(chunks*m + P-1)."""
-    return (n_stages - 1) / (chunks * m + n_stages - 1)
 
 
 def bubble_fraction(timeline: Timeline) -> float:
@@ -513,7 +508,8 @@ class PipelineWidget(widgets.VBox):
                 return
             self.timeline = simulate(P, m, schedule)
             chunks = 2 if schedule == "interleaved" else 1
-            formula = (P - 1) / P if schedule == "naive" else bubble_formula(P, m, chunks)
+            # The naive schedule runs one micro-batch at a time: m = 1.
+            formula = bubble_formula(P, 1 if schedule == "naive" else m, chunks)
             self.figure = plot_schedule(
                 self.timeline,
                 titles=[
@@ -569,6 +565,11 @@ def _sync_times(weight_sizes: Sequence[float] | None, n: int, bandwidth: float) 
     return [2.0 * w / bandwidth for w in sizes]
 
 
+def _link_times(activation_sizes: Sequence[float], bandwidth: float) -> list[float]:
+    # The link after layer i carries its activations forward and their gradients back.
+    return [pp_boundary_bytes(a) / bandwidth for a in activation_sizes]
+
+
 def _check_partition_input(layer_times, activation_sizes, n_machines, bandwidth) -> None:
     if not layer_times or len(layer_times) != len(activation_sizes):
         raise ValueError(
@@ -601,7 +602,7 @@ def optimal_partition(
     _check_partition_input(layer_times, activation_sizes, n_machines, bandwidth)
     n = len(layer_times)
     sync = _sync_times(weight_sizes, n, bandwidth)
-    comm = [2.0 * a / bandwidth for a in activation_sizes]
+    comm = _link_times(activation_sizes, bandwidth)
     # best[j][k]: (A(j, k), the stages achieving it) for layers 0..j on k machines
     best: list[list[tuple[float, tuple[Stage, ...]]]] = [
         [None] * (n_machines + 1) for _ in range(n)
@@ -635,11 +636,12 @@ def brute_force_partition(
     _check_partition_input(layer_times, activation_sizes, n_machines, bandwidth)
     n = len(layer_times)
     sync = _sync_times(weight_sizes, n, bandwidth)
+    comm = _link_times(activation_sizes, bandwidth)
     best: Partition | None = None
     for n_stages in range(1, min(n, n_machines) + 1):
         for cuts in itertools.combinations(range(n - 1), n_stages - 1):
             bounds = [-1, *cuts, n - 1]
-            links = max((2.0 * activation_sizes[c] / bandwidth for c in cuts), default=0.0)
+            links = max((comm[c] for c in cuts), default=0.0)
             if replicate:  # every way to give each stage at least one of the machines
                 splits = [
                     [b - a for a, b in zip((0, *cut), (*cut, n_machines), strict=True)]

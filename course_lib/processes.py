@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import runtime
+from course_lib.costs import alpha_beta_time
 
 CHANNELS = ("pipe", "queue")
 
@@ -272,7 +273,7 @@ class LinkFit:
 
     def predict(self, nbytes: np.ndarray | Sequence[float] | float) -> np.ndarray:
         """Seconds the model predicts for messages of `nbytes` bytes."""
-        return self.alpha + np.asarray(nbytes, dtype=float) / self.beta
+        return alpha_beta_time(np.asarray(nbytes, dtype=float), self.alpha, self.beta)
 
     def __str__(self) -> str:
         return f"alpha = {1e6 * self.alpha:.1f} us, beta = {self.beta / 1e9:.2f} GB/s"

@@ -6,7 +6,7 @@
     attn = ParallelSelfAttention.from_dense(dense_attn) # heads split across ranks
     emb = VocabParallelEmbedding.from_dense(dense_emb)  # vocabulary rows split across ranks
     loss = vocab_parallel_cross_entropy(local_logits, targets)   # softmax over a split vocabulary
-    activation_memory(s, b, h, a, t=8, sequence_parallel=True)  # bytes per layer, Korthikanti
+    activation_table(GPT3_175B)                         # GB of activations per GPU, by TP degree
 
 Everything rests on two autograd functions of the Megatron paper (Shoeybi et al., 2019):
 
@@ -22,8 +22,9 @@ an optional `group` (default: every rank), the tensor-parallel group of a 2-D la
 Below the layers, the lecture's measurements and formulas: `run_against_dense` (one layer
 against its dense original, with the bytes `CommCounter` saw) and `comm_formula`; torch's
 `parallelize_module` version of the MLP (`run_torch_mlp`); activation memory per layer
-(`activation_memory`, Korthikanti et al., 2022); and TP against PP traffic per micro-batch
-(`traffic_per_microbatch`, `link_table`).
+(`activation_table`, from `course_lib.costs.activation_memory`); and TP against PP traffic
+per micro-batch (`traffic_per_microbatch`, `link_table`). The formulas live in
+`course_lib.costs`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch import nn
 
 from course_lib import models
 from course_lib.comm import CommCounter
+from course_lib.costs import activation_memory, all_reduce_bytes, pp_boundary_bytes, tp_layer_bytes
 from course_lib.memory import SavedTensors
 
 if TYPE_CHECKING:  # matplotlib is imported only where a figure is drawn
@@ -502,21 +504,17 @@ ALL_REDUCES = {
 LAYERS = tuple(ALL_REDUCES)
 
 
-def all_reduce_bytes(nbytes: float, world: int) -> float:
-    """Bytes one rank sends in a ring all-reduce of `nbytes`: 2 (P-1)/P of them."""
-    return 2 * (world - 1) / world * nbytes
-
-
 def comm_formula(
     layer: str, tokens: int, hidden: int, world: int, element_size: int = 4
 ) -> tuple[float, float]:
     """Bytes one rank sends in forward and in backward through `layer` with `world` ranks."""
     if layer not in ALL_REDUCES:
         raise ValueError(f"unknown layer {layer!r}; expected one of {LAYERS}")
-    activation = tokens * hidden * element_size
+    # Floats: the formula's exact share, not the whole bytes CommCounter rounds down to.
+    activation = float(tokens * hidden * element_size)
     forward, backward = (all_reduce_bytes(n * activation, world) for n in ALL_REDUCES[layer])
     if layer == "head + cross-entropy":  # max, sum of exponentials, target logit per token
-        forward += 3 * all_reduce_bytes(tokens * element_size, world)
+        forward += 3 * all_reduce_bytes(float(tokens * element_size), world)
     return forward, backward
 
 
@@ -709,52 +707,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-# --- activation memory ------------------------------------------------------------------------
-
-# What one transformer layer keeps for backward in 16-bit training with dropout (Korthikanti et
-# al., 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4), for
-# s tokens per sequence, b sequences, hidden size h and a heads. Each term: (what, bytes in
-# units of sbh or of as^2b, is it split by tensor parallelism?). 2 bytes per 16-bit value,
-# 1 byte per dropout-mask entry.
-ACTIVATION_TERMS = [
-    ("LayerNorm inputs (2 layer norms)", 4, "sbh", False),
-    ("attention: QKV projection input", 2, "sbh", False),
-    ("attention: Q and K, for QK^T", 4, "sbh", True),
-    ("attention: softmax output", 2, "as^2b", True),
-    ("attention: softmax dropout mask", 1, "as^2b", True),
-    ("attention: dropout output, for x V", 2, "as^2b", True),
-    ("attention: V", 2, "sbh", True),
-    ("attention: output projection input", 2, "sbh", True),
-    ("attention: dropout mask", 1, "sbh", False),
-    ("MLP: first linear input", 2, "sbh", False),
-    ("MLP: GeLU input (4h wide)", 8, "sbh", True),
-    ("MLP: second linear input (4h wide)", 8, "sbh", True),
-    ("MLP: dropout mask", 1, "sbh", False),
-]
-
-
-def activation_memory(
-    s: int,
-    b: int,
-    h: int,
-    a: int,
-    t: int = 1,
-    *,
-    sequence_parallel: bool = False,
-    recompute_attention: bool = False,
-) -> float:
-    """Bytes of activations one transformer layer keeps, from `ACTIVATION_TERMS`:
-    sbh(34 + 5as/h) alone; sbh(10 + 24/t + 5as/(ht)) with tensor parallelism over t ranks;
-    sbh(34/t + 5as/(ht)) with sequence parallelism too (it splits the other terms along the
-    sequence); `recompute_attention` (selective recomputation) drops the as^2b terms."""
-    total = 0.0
-    for _, coefficient, unit, split_by_tp in ACTIVATION_TERMS:
-        if unit == "as^2b" and recompute_attention:
-            continue
-        size = coefficient * (s * b * h if unit == "sbh" else a * s * s * b)
-        total += size / t if split_by_tp or sequence_parallel else size
-    return total
-
+# --- activation memory (the formula: `course_lib.costs.activation_memory`) ---------------------
 
 VARIANTS = {  # label: keyword arguments of activation_memory
     "TP": {},
@@ -840,8 +793,8 @@ def traffic_per_microbatch(
     activation = shape.seq * shape.batch * shape.hidden * element_size
     layers_per_stage = shape.layers / p
     return {
-        "TP": layers_per_stage * 4 * all_reduce_bytes(activation, t),
-        "PP": 2 * activation,
+        "TP": layers_per_stage * tp_layer_bytes(float(activation), t),
+        "PP": pp_boundary_bytes(activation),
     }
 
 

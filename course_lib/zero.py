@@ -2,7 +2,7 @@
 
     run = train_stage("zero3", batches, lr=1e-2)        # on every rank, inside `launch`
     run.memory, run.comm_received, run.params           # bytes this rank held, moved, result
-    formula_bytes("zero2", n_params, world)             # the ZeRO paper's bytes per rank
+    zero_bytes("zero2", n_params, world)                # the ZeRO paper's bytes per rank
     save_sharded(model, optimizer, path)                # each rank writes its own shard
     consolidate(path)                                   # the full state, in one process
 
@@ -48,8 +48,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from course_lib import models
 from course_lib.comm import CommCounter
+from course_lib.costs import ZERO_SHARDED, zero_bytes
 from course_lib.data import shard
-from course_lib.memory import BYTES_PER_PARAMETER, storage_bytes
+from course_lib.memory import storage_bytes
 from course_lib.runtime import device, rank, world_size
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -73,56 +74,10 @@ TOOLS = {
 }
 KINDS = ("params", "grads", "optimizer_state")
 
-# Bytes per parameter of AdamW training. In fp32 the parameters *are* the weights AdamW
-# updates (no master copy): 4 + 4 + two 4-byte moments. In mixed precision (lecture 6) the
-# bf16 weights and gradients take 2 bytes each, and the optimizer keeps 12: an fp32 master
-# copy and the two fp32 moments.
-FP32_ADAMW = {"params": 4, "grads": 4, "optimizer_state": 8}
-MIXED_ADAMW = {
-    "params": BYTES_PER_PARAMETER["weights"],
-    "grads": BYTES_PER_PARAMETER["gradients"],
-    "optimizer_state": sum(
-        b for k, b in BYTES_PER_PARAMETER.items() if k not in ("weights", "gradients")
-    ),
-}
-SHARDED = {  # which kinds of state each stage divides among the P ranks
-    "ddp": (),
-    "zero1": ("optimizer_state",),
-    "zero2": ("optimizer_state", "grads"),
-    "zero3": ("optimizer_state", "grads", "params"),
-}
-# Model sizes received per rank per step, times (P-1)/P: DDP all-reduces the gradients (2);
-# ZeRO-1/2 reduce-scatter them and all-gather the parameters (1 + 1); ZeRO-3 all-gathers the
-# parameters for forward and again for backward, and reduce-scatters the gradients (1 + 1 + 1).
-COMM_MODEL_SIZES = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3}
-
 
 def _check_stage(stage: str) -> None:
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; use one of {', '.join(STAGES)}")
-
-
-# --- the formulas -------------------------------------------------------------------------
-
-
-def formula_bytes(
-    stage: str, n_params: float, world: int, bytes_per_param: Mapping[str, float] = FP32_ADAMW
-) -> dict[str, float]:
-    """Bytes of params, grads and optimizer state one rank holds under `stage` with `world`
-    ranks: the kinds the stage shards are divided by `world`, the others are whole."""
-    _check_stage(stage)
-    if world < 1:
-        raise ValueError(f"world must be >= 1, got {world}")
-    return {
-        kind: bytes_per_param[kind] * n_params / (world if kind in SHARDED[stage] else 1)
-        for kind in KINDS
-    }
-
-
-def comm_formula(stage: str, model_bytes: float, world: int) -> float:
-    """Bytes one rank receives per step under `stage` with ring collectives."""
-    _check_stage(stage)
-    return COMM_MODEL_SIZES[stage] * (world - 1) / world * model_bytes
 
 
 # --- counting what a rank holds -----------------------------------------------------------
@@ -378,7 +333,7 @@ def memory_table(
     lines = [head + f"{'formula':>9}{'measured/formula':>18}   (KiB per rank)"]
     for (stage, world), memory in runs.items():
         kinds = memory.kinds()
-        formula = sum(formula_bytes(stage, n_params, world).values())
+        formula = sum(zero_bytes(stage, n_params, world).values())
         cells = "".join(f"{kinds[k] / unit:>9.1f}" for k in KINDS)
         lines.append(
             f"{stage:<7}{world:>3}{cells}{memory.total / unit:>9.1f}{formula / unit:>9.1f}"
@@ -404,7 +359,7 @@ def plot_memory(runs: Mapping[tuple[str, int], StageMemory], n_params: int):
             label = kind if (stage, world) == next(iter(runs)) else None
             ax.bar(x, value / 1024, width * 0.9, bottom=bottom, color=colours[kind], label=label)
             bottom += value / 1024
-        formula = sum(formula_bytes(stage, n_params, world).values()) / 1024
+        formula = sum(zero_bytes(stage, n_params, world).values()) / 1024
         ax.plot([x - width * 0.45, x + width * 0.45], [formula] * 2, "k-", lw=2)
         ax.text(x, bottom, f"P={world}", ha="center", va="bottom", fontsize=7)
     ax.plot([], [], "k-", lw=2, label="formula (fp32 AdamW)")
@@ -428,7 +383,7 @@ def plot_stages(world: int = 4):
         for r in range(world):
             for k, kind in enumerate(KINDS):
                 for c in range(world):
-                    held = kind not in SHARDED[stage] or c == r
+                    held = kind not in ZERO_SHARDED[stage] or c == r
                     x = k * (world + 1) + c
                     ax.add_patch(
                         Rectangle(

@@ -14,13 +14,12 @@ import pytest
 import torch
 
 from course_lib import RankError, WorkerPool, compare, data, models, rank, world_size, zero
+from course_lib.costs import zero_comm_bytes
 from course_lib.zero import (
     STAGES,
     build,
     checkpoint_files,
-    comm_formula,
     consolidate,
-    formula_bytes,
     full_parameters,
     load_sharded,
     save_sharded,
@@ -53,36 +52,6 @@ def chunk_numel(shape, r, p):
     size = math.ceil(shape[0] / p)
     rows = max(0, min(size, shape[0] - r * size))
     return rows * math.prod(shape[1:])
-
-
-# --- formulas (no ranks needed) -------------------------------------------------------------
-
-
-def test_mixed_precision_formulas_are_the_zero_papers():
-    n, p = 7e9, 64
-    mixed = {"params": 2, "grads": 2, "optimizer_state": 12}
-    totals = {s: sum(formula_bytes(s, n, p, mixed).values()) for s in STAGES}
-    assert totals["ddp"] == pytest.approx(16 * n)
-    assert totals["zero1"] == pytest.approx(4 * n + 12 * n / p)
-    assert totals["zero2"] == pytest.approx(2 * n + 14 * n / p)
-    assert totals["zero3"] == pytest.approx(16 * n / p)
-
-
-def test_fp32_formulas_and_comm_formula():
-    n, p = 1000, 4
-    totals = {s: sum(formula_bytes(s, n, p).values()) for s in STAGES}
-    assert totals == pytest.approx(
-        {
-            "ddp": 16 * n,
-            "zero1": 8 * n + 8 * n / p,
-            "zero2": 4 * n + 12 * n / p,
-            "zero3": 16 * n / p,
-        }
-    )
-    assert comm_formula("ddp", 100, 4) == pytest.approx(150)
-    assert comm_formula("zero3", 100, 4) == pytest.approx(225)
-    with pytest.raises(ValueError, match="unknown stage 'zero4'"):
-        formula_bytes("zero4", n, p)
 
 
 # --- bytes held, and traffic, on 4 ranks -----------------------------------------------------
@@ -148,7 +117,7 @@ def test_zero3_gathers_one_unit_at_a_time(measured):
 def test_traffic_per_step_matches_the_ring_formula(measured, stage):
     for r, per_stage in enumerate(measured):
         run = per_stage[stage][0]
-        expected = comm_formula(stage, 4 * run.n_params, P)
+        expected = zero_comm_bytes(stage, 4 * run.n_params, P)
         assert run.comm_received == pytest.approx(expected, rel=1e-9), f"rank {r}"
 
 
@@ -164,7 +133,7 @@ def test_zero_redundancy_optimizer_adds_broadcasts_to_ddps_all_reduce(measured):
     for per_stage in measured:
         run, expected, _, _ = per_stage["zero1"]
         own = expected["optimizer_state"] // 2  # bytes of the parameters this rank owns
-        assert run.comm_received == comm_formula("ddp", model_bytes, P) + model_bytes - own
+        assert run.comm_received == zero_comm_bytes("ddp", model_bytes, P) + model_bytes - own
 
 
 # --- training matches single-process AdamW ---------------------------------------------------

@@ -30,6 +30,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from course_lib import comm
 from course_lib.comm import CommCounter
+from course_lib.costs import all_reduce_bytes
 from course_lib.grading._harness import RESULT, Verdict, fail, run_on_ranks
 from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank
@@ -472,7 +473,7 @@ def _ring_budget(case: Case) -> int:
     """Bytes a rank may send in a ring all-reduce: 2(P-1) steps of one chunk each, a chunk
     padded up to ceil(N/P) elements at most."""
     p, itemsize = case.world_size, torch.empty((), dtype=case.dtype).element_size()
-    return 2 * (p - 1) * -(-_numel(case.shape) // p) * itemsize
+    return all_reduce_bytes(p * -(-_numel(case.shape) // p) * itemsize, p)
 
 
 def _judge_bytes(spec: _Spec, case: Case, records: list[dict]) -> None:
@@ -487,8 +488,8 @@ def _judge_bytes(spec: _Spec, case: Case, records: list[dict]) -> None:
                 spec.check,
                 f"{case}: rank {r} sent {record['sent']} bytes; a ring all-reduce of "
                 f"N = {numel} elements ({numel * itemsize} bytes) sends at most "
-                f"2(P-1)/P * N = {2 * (p - 1) * numel * itemsize / p:g} bytes per rank, and "
-                f"at most 2(P-1) chunks of ceil(N/P) elements, {allowed} bytes, when chunks "
+                f"2(P-1)/P * N = {all_reduce_bytes(float(numel * itemsize), p):g} bytes per rank, "
+                f"and at most 2(P-1) chunks of ceil(N/P) elements, {allowed} bytes, when chunks "
                 "are padded. Does each step send one chunk of about N/P elements, not the "
                 "whole tensor?",
                 prop="bytes",

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from course_lib import comm
 from course_lib.comm import CommCounter
+from course_lib.costs import all_reduce_bytes
 from course_lib.grading._harness import Verdict, fail, run_on_ranks
 from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank
@@ -49,7 +50,7 @@ DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
 def payload_budget(numel: int, world_size: int) -> int:
     """Bytes of 8-bit tensors one rank may send: a ring all-reduce of int8 codes,
     2(P-1) chunks of ceil(N/P) elements, a quarter of what float32 costs."""
-    return 2 * (world_size - 1) * math.ceil(numel / world_size)
+    return all_reduce_bytes(world_size * math.ceil(numel / world_size), world_size)
 
 
 def scale_budget(numel: int, world_size: int) -> int:
@@ -556,7 +557,7 @@ def _judge_powersgd(check: str, case: PCase, records: list[list[dict]]) -> None:
     q0 = initial_q(m, r, case.seed)
     reference, _ = powersgd_reference(grads, r, q0)
     itemsize = torch.empty((), dtype=case.dtype).element_size()
-    compressed = 2 * (p - 1) * (n + m) * r * itemsize // p
+    compressed = all_reduce_bytes((n + m) * r * itemsize, p)
     for t in range(case.steps):
         at = f"{case}, step {t}"
         for w in range(p):
@@ -620,7 +621,7 @@ def _judge_powersgd(check: str, case: PCase, records: list[list[dict]]) -> None:
                     check,
                     f"{at}: rank {w} sent {sent} bytes ({calls}); all-reducing P ({n}x{r}) and "
                     f"Q ({m}x{r}) sends 2(P-1)/P (n + m) r = {compressed} bytes, while the "
-                    f"whole {n}x{m} matrix would send {2 * (p - 1) * n * m * itemsize // p}. "
+                    f"whole {n}x{m} matrix would send {all_reduce_bytes(n * m * itemsize, p)}. "
                     "All-reduce only P and Q, never M itself.",
                 )
             if p > 1 and sent == 0:

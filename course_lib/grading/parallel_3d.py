@@ -40,6 +40,7 @@ from torch import nn
 
 from course_lib import comm, compare, data, models
 from course_lib.comm import CommCounter
+from course_lib.costs import all_reduce_bytes, tp_layer_bytes
 from course_lib.grading._harness import Verdict, fail, run_on_ranks
 from course_lib.grading.provenance import Provenance
 from course_lib.grading.training import SGD_LR, make_optimizer, snapshot
@@ -707,8 +708,8 @@ def formula(
     split, replicated = split_counts(config)
     held = element_size * (replicated + split / tp)
     activation = batch_size / dp * config.seq_len * config.d_model * element_size
-    tp_sent = 4 * config.n_layers * 2 * (tp - 1) / tp * activation
-    dp_sent = 2 * (dp - 1) / dp * held
+    tp_sent = config.n_layers * tp_layer_bytes(activation, tp)
+    dp_sent = all_reduce_bytes(held, dp)
     return {
         "params": held,
         "grads": held,

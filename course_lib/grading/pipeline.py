@@ -36,6 +36,7 @@ from torch import nn
 
 from course_lib import compare, data
 from course_lib.comm import POINT_TO_POINT, CommCounter
+from course_lib.costs import bubble_formula
 from course_lib.grading._harness import CheckFailed, Verdict, fail, run_on_ranks
 from course_lib.grading.provenance import Provenance
 from course_lib.grading.training import make_optimizer
@@ -517,7 +518,7 @@ def _check_timeline(check: str, case: tuple, result: object) -> None:
                 f"{at}: {key} is {got!r}, but the timeline gives {want:.10g}"
                 + (" (the idle share of P x makespan)" if key == "bubble_fraction" else ""),
             )
-    formula = (P - 1) / (m + P - 1)
+    formula = bubble_formula(P, m)
     if not math.isclose(bubble, formula, rel_tol=1e-9, abs_tol=1e-12):
         fail(
             check,

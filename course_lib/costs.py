@@ -1,0 +1,289 @@
+"""Every cost model of the course, one small function each: the lectures, the planner,
+`CommCounter`, the emulated network and the checks all take their formulas from here.
+
+    alpha_beta_time(nbytes, latency, bandwidth)     # seconds for one message
+    all_reduce_bytes(nbytes, world)                 # 2(P-1)/P * N, a ring all-reduce
+    zero_bytes("zero2", n_params, world)            # bytes of state a rank holds under ZeRO
+    activation_memory(s, b, h, a, t)                # sbh(34 + 5as/h), split by TP and SP
+    bubble_formula(n_stages, m)                     # (P-1)/(m+P-1) of 1F1B and GPipe
+
+Conventions: P (`world`) ranks in the group, N (`nbytes`) bytes of the whole tensor unless a
+docstring says otherwise; volumes are the bytes one rank sends (in these algorithms it
+receives as many). Whole bytes in, whole bytes out: an int N gives an int, rounded down, as
+`CommCounter` counts it; a float N gives the exact float.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+# --- time: the alpha-beta model -------------------------------------------------------------
+
+
+def alpha_beta_time(nbytes, latency: float, bandwidth: float, messages: int = 1):
+    """Seconds to send `nbytes` bytes in `messages` messages one after another: each message
+    pays the latency alpha (s), and the bytes cross the link at `bandwidth` (bytes/s):
+    messages * alpha + N / beta (Hockney's model). Works on numpy arrays of sizes too."""
+    return messages * latency + nbytes / bandwidth
+
+
+def collective_steps(op: str, world: int) -> int:
+    """Messages one after another in the textbook algorithm of collective `op`, each costing
+    one latency: 2(P-1) for a ring all-reduce (reduce-scatter, then all-gather), ceil(log2 P)
+    for a dissemination barrier, P-1 for a ring all-gather or reduce-scatter, a direct
+    all-to-all, and the root of a flat tree."""
+    p = world
+    if op == "all_reduce":
+        return 2 * (p - 1)
+    if op == "barrier":
+        return math.ceil(math.log2(p)) if p > 1 else 0
+    return p - 1
+
+
+# --- volume: bytes a rank sends in each collective -------------------------------------------
+
+
+def ring_bytes(nbytes, world: int, passes: int = 1):
+    """Bytes one rank sends in `passes` passes around a ring over an N-byte tensor cut into P
+    chunks: each pass (a reduce-scatter, or an all-gather) sends the P-1 chunks that are not
+    its own, (P-1)/P * N (Patarasuk and Yuan, 2009)."""
+    if isinstance(nbytes, int):  # whole bytes, rounded down, as CommCounter counts them
+        return passes * (world - 1) * nbytes // world
+    return passes * (world - 1) / world * nbytes
+
+
+def all_reduce_bytes(nbytes, world: int):
+    """Ring all-reduce: a reduce-scatter then an all-gather, 2(P-1)/P * N per rank, nearly
+    2N whatever P (bandwidth-optimal)."""
+    return ring_bytes(nbytes, world, passes=2)
+
+
+def all_gather_bytes(piece_bytes, world: int):
+    """All-gather of one `piece_bytes` piece per rank: a rank sends (P-1) pieces, its own and
+    the P-2 it passes on. A reduce-scatter into `piece_bytes` outputs sends the same, and so
+    does the root of a flat-tree broadcast, scatter, gather or reduce (one piece per other
+    rank)."""
+    return (world - 1) * piece_bytes
+
+
+def all_to_all_bytes(nbytes, world: int):
+    """All-to-all of an N-byte tensor cut into P chunks: a rank sends every chunk but its own
+    straight to its owner, (P-1)/P * N, the volume of one ring pass."""
+    return ring_bytes(nbytes, world)
+
+
+def all_reduce_seconds(algorithm: str, nbytes: int, world: int, alpha: float, beta: float) -> float:
+    """Seconds one all-reduce of N bytes takes under the alpha-beta model of lecture 2 (Thakur,
+    Rabenseifner and Gropp, 2005): a message of b bytes costs alpha + b * beta (beta in seconds
+    per byte: 1 / bandwidth), each rank has its own full-duplex link, and a rank handles one
+    message per direction at a time.
+
+    naive 2(P-1)(a + Nb) (the root's link carries everything); tree 2 * sum over levels of
+    (children of the busiest parent)(a + Nb); butterfly log2(P)(a + Nb); ring 2(P-1)(a + Nb/P).
+    """
+    if world == 1:
+        return 0.0
+    if algorithm == "naive":
+        return 2 * (world - 1) * (alpha + nbytes * beta)
+    if algorithm == "tree":
+        messages, level_start = 0, 1  # nodes of level l are numbered 2**l - 1 .. 2**(l+1) - 2
+        while level_start < world:  # level_start: first node of the next level down
+            below = min(level_start + 1, world - level_start)  # nodes on the level below
+            messages += min(2, below)  # the level's first parent has the most children
+            level_start = 2 * level_start + 1
+        return 2 * messages * (alpha + nbytes * beta)
+    if algorithm == "butterfly":
+        return math.log2(world) * (alpha + nbytes * beta)
+    if algorithm == "ring":
+        return collective_steps("all_reduce", world) * (alpha + nbytes / world * beta)
+    raise ValueError(f"unknown all-reduce algorithm {algorithm!r}")
+
+
+# How `CommCounter` counts each built-in collective (it cannot see inside the backend), for a
+# group of P ranks, N = bytes of the tensor argument. `busiest_bytes` is the same in numbers.
+COLLECTIVE_MODEL = {
+    "all_reduce": "ring: sends and receives 2(P-1)/P * N",
+    "all_gather": "ring: sends and receives (P-1) * N (N = this rank's tensor)",
+    "all_gather_single": "ring: sends and receives (P-1) * N (N = this rank's input)",
+    "all_gather_into_tensor": "ring: sends and receives (P-1) * N (N = this rank's input)",
+    "reduce_scatter": "ring: sends and receives (P-1) * N (N = this rank's output)",
+    "reduce_scatter_single": "ring: sends and receives (P-1) * N (N = this rank's output)",
+    "reduce_scatter_tensor": "ring: sends and receives (P-1) * N (N = this rank's output)",
+    "broadcast": "flat tree: the source sends (P-1) * N, every other rank receives N",
+    "reduce": "flat tree: every other rank sends N, the destination receives (P-1) * N",
+    "gather": "flat tree: every other rank sends N, the destination receives (P-1) * N",
+    "scatter": "flat tree: the source sends (P-1) * N, every other rank receives N",
+    "all_to_all_single": "direct: sends and receives all but its own chunk",
+    "all_to_all": "direct: sends and receives all but its own chunk",
+    "barrier": "no payload: 0 bytes",
+}
+
+
+def busiest_bytes(op: str, nbytes: int, world: int) -> int:
+    """Bytes the busiest rank of collective `op` sends or receives, N = `nbytes` as
+    `COLLECTIVE_MODEL` reads it (a flat tree's busiest rank is its root)."""
+    if op == "all_reduce":
+        return all_reduce_bytes(nbytes, world)
+    if op == "barrier":
+        return 0
+    if op in ("all_to_all", "all_to_all_single"):
+        return all_to_all_bytes(nbytes, world)
+    return all_gather_bytes(nbytes, world)
+
+
+# --- memory: bytes per parameter and ZeRO ----------------------------------------------------
+
+# The mixed-precision AdamW budget, bytes per parameter (ZeRO paper, Rajbhandari et al. 2020,
+# section 3.1): the model computes in bf16, and AdamW updates an fp32 master copy with two fp32
+# moments. 2 + 2 + 12 = 16 bytes.
+BYTES_PER_PARAMETER = {
+    "weights": 2,  # bf16 copy used by forward and backward
+    "gradients": 2,  # bf16, produced by backward
+    "master weights": 4,  # fp32 copy the optimizer updates; small updates survive rounding
+    "optimizer: exp_avg": 4,  # Adam's first moment m, fp32
+    "optimizer: exp_avg_sq": 4,  # Adam's second moment v, fp32
+}
+
+# The same, grouped as ZeRO shards them. In fp32 the parameters *are* the weights AdamW
+# updates (no master copy): 4 + 4 + two 4-byte moments. In mixed precision the bf16 weights
+# and gradients take 2 bytes each, and the optimizer keeps 12: the master copy and the moments.
+FP32_ADAMW = {"params": 4, "grads": 4, "optimizer_state": 8}
+MIXED_ADAMW = {
+    "params": BYTES_PER_PARAMETER["weights"],
+    "grads": BYTES_PER_PARAMETER["gradients"],
+    "optimizer_state": sum(
+        b for k, b in BYTES_PER_PARAMETER.items() if k not in ("weights", "gradients")
+    ),
+}
+ZERO_SHARDED = {  # which kinds of state each stage divides among the P ranks
+    "ddp": (),
+    "zero1": ("optimizer_state",),
+    "zero2": ("optimizer_state", "grads"),
+    "zero3": ("optimizer_state", "grads", "params"),
+}
+# Ring passes over the model per step (each (P-1)/P of its bytes): DDP all-reduces the
+# gradients (2); ZeRO-1/2 reduce-scatter them and all-gather the parameters (1 + 1); ZeRO-3
+# all-gathers the parameters for forward and again for backward, and reduce-scatters the
+# gradients (1 + 1 + 1).
+ZERO_PASSES = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3}
+
+
+def _check_stage(stage: str) -> None:
+    if stage not in ZERO_SHARDED:
+        raise ValueError(f"unknown stage {stage!r}; use one of {', '.join(ZERO_SHARDED)}")
+
+
+def zero_bytes(
+    stage: str, n_params: float, world: int, bytes_per_param: Mapping[str, float] = FP32_ADAMW
+) -> dict[str, float]:
+    """Bytes of each kind of state in `bytes_per_param` (params, grads, optimizer_state) one
+    rank holds under ZeRO `stage` with `world` ranks (ZeRO paper, figure 1): the kinds the
+    stage shards are divided by P, the others are whole."""
+    _check_stage(stage)
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    return {
+        kind: b * n_params / (world if kind in ZERO_SHARDED[stage] else 1)
+        for kind, b in bytes_per_param.items()
+    }
+
+
+def zero_comm_bytes(stage: str, model_bytes: float, world: int) -> float:
+    """Bytes one rank receives (and sends) per step under ZeRO `stage` with ring collectives,
+    `ZERO_PASSES` ring passes over the model: 2(P-1)/P M for DDP, ZeRO-1 and ZeRO-2, 3(P-1)/P M
+    for ZeRO-3 (ZeRO paper, section 7)."""
+    _check_stage(stage)
+    # In float bytes, like `zero_bytes`: the textbook's share, not a count of whole bytes.
+    return ring_bytes(float(model_bytes), world, passes=ZERO_PASSES[stage])
+
+
+# --- memory: activations ---------------------------------------------------------------------
+
+# What one transformer layer keeps for backward in 16-bit training with dropout (Korthikanti et
+# al., 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4), for
+# s tokens per sequence, b sequences, hidden size h and a heads. Each term: (what, bytes in
+# units of sbh or of as^2b, is it split by tensor parallelism?). 2 bytes per 16-bit value,
+# 1 byte per dropout-mask entry.
+ACTIVATION_TERMS = [
+    ("LayerNorm inputs (2 layer norms)", 4, "sbh", False),
+    ("attention: QKV projection input", 2, "sbh", False),
+    ("attention: Q and K, for QK^T", 4, "sbh", True),
+    ("attention: softmax output", 2, "as^2b", True),
+    ("attention: softmax dropout mask", 1, "as^2b", True),
+    ("attention: dropout output, for x V", 2, "as^2b", True),
+    ("attention: V", 2, "sbh", True),
+    ("attention: output projection input", 2, "sbh", True),
+    ("attention: dropout mask", 1, "sbh", False),
+    ("MLP: first linear input", 2, "sbh", False),
+    ("MLP: GeLU input (4h wide)", 8, "sbh", True),
+    ("MLP: second linear input (4h wide)", 8, "sbh", True),
+    ("MLP: dropout mask", 1, "sbh", False),
+]
+
+
+def activation_memory(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    *,
+    sequence_parallel: bool = False,
+    recompute_attention: bool = False,
+) -> float:
+    """Bytes of activations one transformer layer keeps, from `ACTIVATION_TERMS`:
+    sbh(34 + 5as/h) alone; sbh(10 + 24/t + 5as/(ht)) with tensor parallelism over t ranks;
+    sbh(34/t + 5as/(ht)) with sequence parallelism too (it splits the other terms along the
+    sequence); `recompute_attention` (selective recomputation) drops the as^2b terms."""
+    total = 0.0
+    for _, coefficient, unit, split_by_tp in ACTIVATION_TERMS:
+        if unit == "as^2b" and recompute_attention:
+            continue
+        size = coefficient * (s * b * h if unit == "sbh" else a * s * s * b)
+        total += size / t if split_by_tp or sequence_parallel else size
+    return total
+
+
+# --- pipeline parallelism --------------------------------------------------------------------
+
+
+def bubble_formula(n_stages: int, m: int, chunks: int = 1) -> float:
+    """Idle share of GPipe and 1F1B with P stages and m micro-batches, (P-1)/(m+P-1) (Huang
+    et al., 2019); with `chunks` interleaved model chunks per stage, (P-1)/(chunks*m + P-1)
+    (Narayanan et al., 2021). m = 1 is the naive pipeline, (P-1)/P."""
+    return (n_stages - 1) / (chunks * m + n_stages - 1)
+
+
+def pp_boundary_bytes(activation_bytes):
+    """Bytes crossing one pipeline-stage boundary per micro-batch: the activation forward and
+    its gradient back, 2 * the activation."""
+    return 2 * activation_bytes
+
+
+# --- tensor, context and expert parallelism --------------------------------------------------
+
+
+def tp_layer_bytes(activation_bytes, t: int):
+    """Bytes one rank sends per transformer layer and micro-batch under Megatron tensor
+    parallelism over t ranks (Shoeybi et al., 2019): two all-reduces of the sbh activation in
+    forward (after attention and after the MLP) and two in backward, 4 * 2(t-1)/t * sbh.
+    Sequence parallelism swaps each all-reduce for a reduce-scatter and an all-gather: the
+    same bytes."""
+    return 4 * all_reduce_bytes(activation_bytes, t)
+
+
+def ep_bytes(token_bytes, world: int):
+    """Bytes one rank sends per MoE layer in forward under expert parallelism over P ranks:
+    an all-to-all dispatches its `token_bytes` of routed tokens to the experts' ranks and
+    another brings the outputs back (combine), 2 * (P-1)/P * N with tokens spread evenly
+    (GShard, Lepikhin et al., 2020). Backward does the same again."""
+    return 2 * all_to_all_bytes(token_bytes, world)
+
+
+def ring_attention_bytes(kv_bytes, world: int):
+    """Bytes one rank sends per attention pass under ring attention (context parallelism over
+    P ranks, Liu et al., 2023): each rank holds K and V for 1/P of the sequence and passes
+    blocks around the ring P-1 times, (P-1)/P of `kv_bytes`, the K and V of the whole
+    sequence."""
+    return ring_bytes(kv_bytes, world)
