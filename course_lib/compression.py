@@ -4,11 +4,12 @@
     dequantize(q)                                   # within scale / 2 of grad, element by element
     quantized_all_reduce(grad)                      # the sum over ranks, sending only 8-bit data
     compress_with_feedback(grad, error, TopK(0.01)) # error feedback: keep what was not sent
-    run = train("powersgd", batches, sizes=...)     # on every rank, inside `launch`
+    run = train_compressed("powersgd", batches, sizes=...)  # on every rank, in `launch`
 
-Every method here is a DDP communication hook (`build_ddp`), so one training loop (`train`)
-runs them all and counts the same things: the loss, the bytes sent (`CommCounter`) and the
-wall-clock time of every step, optionally on an emulated slow network (`SlowNetwork`).
+Every method here is a DDP communication hook (`build_ddp`), so one training loop
+(`train_compressed`) runs them all and counts the same things: the loss, the bytes sent
+(`CommCounter`) and the wall-clock time of every step, optionally on an emulated slow
+network (`SlowNetwork`).
 
 - "fp32": torch's `allreduce_hook`, the uncompressed reference (a ring all-reduce).
 - "int8": `quantized_hook`, an all-reduce whose payloads are 8-bit (fp32 arithmetic).
@@ -427,7 +428,7 @@ def build_ddp(
 
 @dataclass
 class Run:
-    """What one rank measured in `train`: one entry per step."""
+    """What one rank measured in `train_compressed`: one entry per step."""
 
     method: str
     losses: list[float] = field(default_factory=list)  # loss on this rank's shard
@@ -437,7 +438,7 @@ class Run:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
 
 
-def train(
+def train_compressed(
     method: str,
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     *,
@@ -483,12 +484,12 @@ def mean_losses(per_rank: Sequence[Run]) -> list[float]:
 # --- pictures -------------------------------------------------------------------------------
 
 
-def plot_curves(
+def plot_loss_curves(
     curves: dict[str, tuple[Sequence[float], Sequence[float]]],
     xlabel: str,
     ylabel: str = "training loss",
     title: str = "",
-    logy: bool = True,
+    log_y: bool = True,
 ) -> Figure:
     """One line per label from {label: (x, y)}, as `loss_curves` gives them."""
     return plots.plot_curves(
@@ -496,13 +497,13 @@ def plot_curves(
         xlabel,
         ylabel,
         title,
-        log_y=logy,
+        log_y=log_y,
         x_values={label: x for label, (x, _) in curves.items()},
     )
 
 
 def loss_curves(runs: dict[str, Sequence[Run]], against: str = "step") -> dict:
-    """Curves for `plot_curves` from {label: per-rank runs}: mean loss against the step
+    """Curves for `plot_loss_curves` from {label: per-rank runs}: mean loss against the step
     number, or against rank 0's cumulative wall-clock seconds (`against="time"`)."""
     curves = {}
     for label, per_rank in runs.items():

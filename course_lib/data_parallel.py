@@ -2,11 +2,11 @@
 
     host_step(model, opt, loss_fn, x, y)                  # rank 0 is the host
     log = train_data_parallel(model, opt, loss_fn, batches)  # all-reduce DP, with timings
-    timeline = Timeline(ddp_model)                        # when each layer / bucket ran
+    timeline = DDPTimeline(ddp_model)                     # when each layer / bucket ran
     plot_timeline({r: log.events for r, log in enumerate(logs)})
 
 Every rank holds the whole model. The host scheme routes all gradients and parameters through
-rank 0; all-reduce data parallel averages gradients among equals. `Timeline` watches torch's
+rank 0; all-reduce data parallel averages gradients among equals. `DDPTimeline` watches torch's
 own DistributedDataParallel (buckets, overlap) through autograd hooks and a DDP comm hook; it
 never replaces DDP's bucketing.
 """
@@ -189,7 +189,7 @@ class TrainLog:
     step_s: list[float] = field(default_factory=list)  # wall time of the whole step
     backward_s: list[float] = field(default_factory=list)  # backward (DDP's overlapped comm too)
     sync_s: list[float] = field(default_factory=list)  # all-reduce after backward (0 for DDP)
-    events: list[Event] = field(default_factory=list)  # filled when a Timeline is given
+    events: list[Event] = field(default_factory=list)  # filled when a DDPTimeline is given
 
 
 def straggle(slow_rank: int | None, delay_s: float) -> None:
@@ -206,7 +206,7 @@ def train_data_parallel(
     *,
     sync: Callable[[nn.Module], None] = allreduce_gradients,
     straggler: tuple[int, float] | None = None,
-    timeline: Timeline | None = None,
+    timeline: DDPTimeline | None = None,
 ) -> TrainLog:
     """Synchronous data-parallel training: each rank trains on its shard of every full batch.
 
@@ -263,7 +263,7 @@ def _no_span(kind: str, name: str) -> Iterator[None]:
 # --- 3. watching backward and DDP's buckets ------------------------------------------------
 
 
-class Timeline:
+class DDPTimeline:
     """Records when each layer's backward and each gradient all-reduce start and end.
 
     Layers: a hook on each layer's output marks the start of its backward (its output's
@@ -330,7 +330,7 @@ class Timeline:
 
 
 def timed_allreduce_hook(
-    timeline: Timeline, bucket: dist.GradBucket
+    timeline: DDPTimeline, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """A DDP comm hook: average the bucket like DDP's default hook, and record when its
     all-reduce starts and completes."""
@@ -349,7 +349,7 @@ def timed_allreduce_hook(
 # DDP checks a comm hook's annotations as objects; `from __future__ import annotations` left
 # them as strings, so give it the objects it compares against.
 timed_allreduce_hook.__annotations__.update(
-    bucket=dist.GradBucket, timeline=Timeline, **{"return": torch.futures.Future[torch.Tensor]}
+    bucket=dist.GradBucket, timeline=DDPTimeline, **{"return": torch.futures.Future[torch.Tensor]}
 )
 
 
@@ -381,7 +381,7 @@ def plot_timeline(
     }
     starts = [e.start for events in chosen.values() for e in events]
     if not starts:
-        raise ValueError(f"no events to plot (step={step}); was a Timeline given?")
+        raise ValueError(f"no events to plot (step={step}); was a DDPTimeline given?")
     origin = min(starts)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.45 * 2 * len(chosen) + 1.2))

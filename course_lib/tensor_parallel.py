@@ -72,7 +72,7 @@ def shard_range(n: int, rank: int, size: int, what: str = "dimension") -> tuple[
 # --- f and g, and the two ways to enter or leave a split last dimension ----------------------
 
 
-class CopyToTensorParallel(torch.autograd.Function):
+class CopyToParallel(torch.autograd.Function):
     """Megatron's f: forward passes the input through; backward sums the ranks' gradients,
     because every rank used the same input for a different part of the computation."""
 
@@ -89,7 +89,7 @@ class CopyToTensorParallel(torch.autograd.Function):
         return grad, None
 
 
-class ReduceFromTensorParallel(torch.autograd.Function):
+class ReduceFromParallel(torch.autograd.Function):
     """Megatron's g: forward sums the ranks' partial results; backward passes the gradient
     through, because every rank holds the same (replicated) output and its gradient."""
 
@@ -105,7 +105,7 @@ class ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
-class GatherFromTensorParallel(torch.autograd.Function):
+class GatherFromParallel(torch.autograd.Function):
     """Forward: all-gather the ranks' slices of the last dimension into the whole tensor.
     Backward: keep this rank's slice of the gradient."""
 
@@ -125,7 +125,7 @@ class GatherFromTensorParallel(torch.autograd.Function):
         return grad[..., start:end].contiguous(), None
 
 
-class ScatterToTensorParallel(torch.autograd.Function):
+class ScatterToParallel(torch.autograd.Function):
     """Forward: keep this rank's slice of the last dimension. Backward: all-gather the
     slices' gradients into the gradient of the whole tensor."""
 
@@ -137,27 +137,27 @@ class ScatterToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return GatherFromTensorParallel.apply(grad, ctx.group), None
+        return GatherFromParallel.apply(grad, ctx.group), None
 
 
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """f: identity forward, all-reduce backward."""
-    return CopyToTensorParallel.apply(x, group)
+    return CopyToParallel.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """g: all-reduce forward, identity backward."""
-    return ReduceFromTensorParallel.apply(x, group)
+    return ReduceFromParallel.apply(x, group)
 
 
 def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-gather the last dimension forward, keep this rank's slice backward."""
-    return GatherFromTensorParallel.apply(x, group)
+    return GatherFromParallel.apply(x, group)
 
 
 def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Keep this rank's slice of the last dimension forward, all-gather backward."""
-    return ScatterToTensorParallel.apply(x, group)
+    return ScatterToParallel.apply(x, group)
 
 
 # --- linear layers ----------------------------------------------------------------------------

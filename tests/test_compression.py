@@ -31,7 +31,7 @@ from course_lib.compression import (
     quantized_all_reduce,
     quantized_bytes,
     quantized_sum_bound,
-    train,
+    train_compressed,
 )
 
 P = 4
@@ -186,7 +186,9 @@ def test_quantized_hook_average_within_bound(pool4):
 
 def _train_pair(method_a, method_b, steps, **options):
     b = batches(steps)
-    return train(method_a, b, sizes=SIZES, **options), train(method_b, b, sizes=SIZES, **options)
+    return train_compressed(method_a, b, sizes=SIZES, **options), train_compressed(
+        method_b, b, sizes=SIZES, **options
+    )
 
 
 def test_powersgd_hook_exact_before_start_then_bytes_match_formula(pool4):
@@ -218,7 +220,7 @@ def test_powersgd_matches_plain_ddp_parameters_before_start(pool4):
 
 
 def _bytes_of(method):
-    run = train(method, batches(3), sizes=SIZES, topk_fraction=0.1)
+    run = train_compressed(method, batches(3), sizes=SIZES, topk_fraction=0.1)
     return run.bytes_sent
 
 
@@ -231,7 +233,7 @@ def test_bytes_per_step_match_formula(pool4, method):
 
 
 def _step_and_wait(method, network):
-    run = train(method, batches(3), sizes=SIZES, network=network)
+    run = train_compressed(method, batches(3), sizes=SIZES, network=network)
     return run.step_s, run.wait_s
 
 

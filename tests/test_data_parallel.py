@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib import CommCounter, RankError, WorkerPool, compare, data, models, rank
 from course_lib.data_parallel import (
-    Timeline,
+    DDPTimeline,
     flat_parameters,
     host_step,
     plot_timeline,
@@ -152,7 +152,7 @@ def test_allreduce_loop_and_torch_ddp_agree(pool4):
 def timeline_run(use_ddp, bucket_cap_mb):
     model = models.MLP(SIZES)
     trained = DDP(model, bucket_cap_mb=bucket_cap_mb) if use_ddp else model
-    timeline = Timeline(trained)
+    timeline = DDPTimeline(trained)
     optimizer = make_optimizer("sgd", trained.parameters())
     return train_data_parallel(trained, optimizer, F.mse_loss, full_batches(), timeline=timeline)
 
@@ -199,7 +199,7 @@ def test_timeline_records_are_well_formed_and_ordered(pool4, use_ddp):
 def gradients_after_one_backward(with_timeline):
     model = DDP(models.MLP(SIZES), bucket_cap_mb=0.001)
     if with_timeline:
-        Timeline(model)
+        DDPTimeline(model)
     x, y = full_batches()[0]
     F.mse_loss(model(data.shard(x, rank(), P)), data.shard(y, rank(), P)).backward()
     return {name: p.grad.clone() for name, p in model.module.named_parameters()}
