@@ -13,6 +13,13 @@ judge that never runs student code, a sandbox), `counted_group` (the process gro
 ranks, which reports every call to `comm`), `_integrity` (has a rank's code changed the
 libraries the checks measure with?).
 
+The launcher's parts, one module each (besides `_zygote`, the fork server, and `_worker`, a rank):
+- `pool`: `WorkerPool`, warm ranks reused call after call;
+- `calls`: one call: the function pickled by value, the ranks' answers gathered;
+- `errors`: what a failed call raises, and the messages that say where each rank was;
+- `rank_process`: the launcher's handle on one rank's process, and its start methods;
+- `protocol`: the messages between the launcher, the fork server and the ranks.
+
 The lectures' plumbing, one module each:
 - `processes` (1): message costs over pipes and gloo;
 - `collectives` (2): all-reduce algorithms and the ring's schedule;

@@ -138,7 +138,8 @@ def kernel():
 SETUP = """
 import os, subprocess, time
 from course_lib import launch
-from course_lib.launch import default_pool, _fork_server
+from course_lib.launch import default_pool
+from course_lib.rank_process import fork_server
 
 def wait_forever():
     time.sleep(300)
@@ -149,7 +150,7 @@ def sleep_with_child(folder):
     time.sleep(300)
 
 launch(lambda: None, world_size=2)
-print("PIDS", *default_pool().pids, _fork_server().pid, os.getpid())
+print("PIDS", *default_pool().pids, fork_server().pid, os.getpid())
 """
 
 
