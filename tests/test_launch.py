@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import gc
 import os
 import random
@@ -22,8 +23,8 @@ import course_lib
 from course_lib import LaunchTimeout, RankError, WorkerDied, WorkerPool, launch
 from course_lib.calls import pickle_call
 from course_lib.launch import default_pool, resolve_backend
-from course_lib.rank_process import fork_server
-from tests.conftest import ROOT, alive, all_gone, descendants
+from course_lib.rank_process import RankProcess, fork_server
+from tests.conftest import ROOT, alive, all_gone, descendants, wait_until
 
 # --- functions run on the ranks (module level, so workers import them by reference) -------
 
@@ -536,6 +537,67 @@ def test_ctrl_c_stops_the_ranks_and_reports_where_they_were(run_script):
     assert "Interrupted: stopped all 2 ranks" in err
     assert "time.sleep(300)" in err
     assert all_gone(pids, 5)
+
+
+def own_pid():
+    return os.getpid()
+
+
+def test_ctrl_c_while_a_pool_starts_leaves_no_rank_and_the_next_start_works(monkeypatch):
+    """Ctrl-C while the fork server starts rank 1: rank 0 is stopped, rank 1 (forked, but its
+    pid never reached the pool) too, and the next start gets the pids of its own ranks, not
+    the late reply meant for the interrupted start."""
+    server = fork_server()
+    gets = []
+
+    def get_interrupted_on_rank_one(*args, **kwargs):
+        gets.append(1)
+        if len(gets) == 2:
+            raise KeyboardInterrupt  # as a SIGINT landing in this wait does
+        return queue_get(*args, **kwargs)
+
+    queue_get = server._forked.get
+    monkeypatch.setattr(server._forked, "get", get_interrupted_on_rank_one)
+    with WorkerPool(2) as pool:
+        with pytest.raises(KeyboardInterrupt):
+            pool.launch(noop)
+        monkeypatch.undo()
+        assert pool.launch(own_pid) == pool.pids
+        ranks = set(pool.pids)
+        assert wait_until(lambda: {p.pid for p in psutil.Process(server.pid).children()} == ranks)
+
+
+def sleep_long():
+    time.sleep(300)
+
+
+def test_a_second_ctrl_c_while_ranks_are_stopped_still_gives_fresh_ranks(monkeypatch):
+    """A second Ctrl-C that cuts short the stopping of the ranks after the first: the next
+    call must not go to ranks still running the interrupted one."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with WorkerPool(2) as pool:
+            pool.launch(noop)
+            old = pool.pids
+            kills = []
+
+            def kill_interrupted_once(worker):
+                kills.append(worker.rank)
+                if len(kills) == 1:
+                    raise KeyboardInterrupt  # the second Ctrl-C, before any rank is stopped
+                real_kill(worker)
+
+            real_kill = RankProcess.kill
+            monkeypatch.setattr(RankProcess, "kill", kill_interrupted_once)
+            threading.Timer(1.0, _thread.interrupt_main).start()  # the first Ctrl-C
+            with pytest.raises(KeyboardInterrupt):
+                pool.launch(sleep_long, timeout=60)
+            monkeypatch.undo()
+            assert pool.launch(own_pid, timeout=20) == pool.pids
+            assert not set(pool.pids) & set(old)
+        assert all_gone(old, 5)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # --- networking ---------------------------------------------------------------------------
