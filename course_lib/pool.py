@@ -1,13 +1,10 @@
 """`WorkerPool`: warm ranks with a live process group, reused call after call.
 
-    with WorkerPool(4) as pool:
-        pool.launch(step, model_state)   # same arguments as `launch`
-
 A call: the pool pickles the function by value (`calls`), sends it to every rank
-(`protocol.Call`), then handles the events its rank processes report (`rank_process`) until
-every rank has answered and shown all it printed. If a rank raises or dies, all ranks are
-stopped and the error names the first; if ranks hang, their stacks are taken and they are
-stopped; on Ctrl-C, the same, and the stacks are printed.
+(`protocol.Call`), then handles what its ranks' processes report (`rank_process`) until every
+rank has answered and shown all it printed. If a rank raises or dies, all ranks are stopped
+and the error names the first (`errors`); if ranks hang, or on Ctrl-C, each running rank is
+asked where it is (a stack dump on SIGUSR1) before all are stopped.
 """
 
 from __future__ import annotations
