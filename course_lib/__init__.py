@@ -16,6 +16,14 @@ libraries the checks measure with?).
 `costs`: every cost model (alpha-beta time, collective volumes, ZeRO and activation memory,
 the bubble, TP/PP/CP/EP traffic), one function each, shared by lectures, planner and checks.
 
+The launcher's parts, one module each (besides `_zygote`, the fork server, and `_worker`, a
+rank):
+- `pool`: `WorkerPool`, warm ranks reused call after call;
+- `calls`: one call: the function pickled by value, the ranks' answers gathered;
+- `errors`: what a failed call raises, and the messages that say where each rank was;
+- `rank_process`: the launcher's handle on one rank's process, and its start methods;
+- `protocol`: the messages between the launcher, the fork server and the ranks.
+
 The lectures' plumbing, one module each:
 - `processes` (1): message costs over pipes and gloo;
 - `collectives` (2): all-reduce algorithms and the ring's schedule;

@@ -2,9 +2,9 @@
 
 A worker is started by the fork server (`_zygote.py`) or, as a fallback, as
 `python -m course_lib._worker SPEC FD`. It talks to the launcher over one connection (calls
-in, replies out). Its stdout and stderr are pipes that the launcher reads and prints with a
-rank prefix; after each call the worker writes an end mark on both, so the launcher knows it
-has shown every line of that call before it returns.
+in, replies out: `protocol` has the messages). Its stdout and stderr are pipes that the
+launcher reads and prints with a rank prefix; after each call the worker writes an end mark
+on both, so the launcher knows it has shown every line of that call before it returns.
 
 Between calls a warm worker puts back what a call may have changed (random states, default
 dtype, global module hooks, imported user modules, environment, child processes), so a call
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import _integrity, counted_group, runtime
+from course_lib.protocol import Call, Raised, Ready, Result, decode, encode
 
 END_MARK = b"\x00course_lib:end:"
 PARENT_POLL_S = 0.2
@@ -82,19 +83,18 @@ def serve(spec: dict, conn: Connection) -> None:
     # Untrusted code (a submission being graded) may run here: take the fingerprint of the
     # libraries before any of it has run, and check it after every call.
     fingerprint = _integrity.Fingerprint() if spec.get("untrusted") else None
-    conn.send_bytes(pickle.dumps(("ready", os.getpid(), threading.main_thread().ident)))
+    conn.send_bytes(encode(Ready(os.getpid(), threading.main_thread().ident)))
     while True:
         try:
-            message = pickle.loads(conn.recv_bytes())
+            call = decode(conn.recv_bytes())
         except EOFError:
             return  # the launcher closed the pool
-        call_id, payload, context = message
-        reply = _run_call(call_id, payload, context, spec)
-        _end_call(call_id)
+        reply = _run_call(call, spec)
+        _end_call(call.id)
         changed = fingerprint.changes() if fingerprint is not None else []
         if changed:
-            reply = _tampering_reply(call_id, changed)
-        conn.send_bytes(reply)
+            reply = _tampering_reply(call.id, changed)
+        conn.send_bytes(encode(reply))
         if changed:
             os._exit(3)  # a process whose libraries were changed is not used again
         baseline.restore()
@@ -166,10 +166,10 @@ def _join_process_group(spec: dict) -> None:
 # --- one call -----------------------------------------------------------------------------
 
 
-def _run_call(call_id: int, payload: bytes, context: dict, spec: dict) -> bytes:
-    _apply_context(context, spec)
+def _run_call(call: Call, spec: dict) -> Result | Raised:
+    _apply_context(call, spec)
     try:
-        fn, args, kwargs = cloudpickle.loads(payload)
+        fn, args, kwargs = cloudpickle.loads(call.payload)
         # Unpickling an Answer (grading: the student's code as source) imported its module.
         answers = sys.modules.get("course_lib.grading.answers")
         if answers is not None and answers.contains_answer((args, kwargs)):
@@ -181,40 +181,32 @@ def _run_call(call_id: int, payload: bytes, context: dict, spec: dict) -> bytes:
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
     except BaseException as exc:  # noqa: BLE001 (SystemExit from student code is an error too)
-        return _error_reply(call_id, exc)
+        return _raised(call.id, exc)
     try:
         data = _dumps_safe(value) if spec.get("untrusted") else _dumps_result(value)
     except Exception as exc:  # noqa: BLE001
-        return _error_reply(call_id, exc, "the function's return value cannot be sent back")
-    broken = not dist.is_initialized()
-    return pickle.dumps(("ok", call_id, data, broken))
+        return _raised(call.id, exc, "the function's return value cannot be sent back")
+    return Result(call.id, data, broken=not dist.is_initialized())
 
 
-def _apply_context(context: dict, spec: dict) -> None:
+def _apply_context(call: Call, spec: dict) -> None:
     """Run the call where the launcher is: its environment, working directory and sys.path."""
     os.environ.clear()
-    os.environ.update(context["env"])
+    os.environ.update(call.env)
     os.environ.update(spec["env"])
-    os.chdir(context["cwd"])
-    sys.path[:] = context["sys_path"]
+    os.chdir(call.cwd)
+    sys.path[:] = call.sys_path
     # Source of notebook cells, so that tracebacks on this rank can quote their lines.
-    linecache.cache.update(context["linecache"])
+    linecache.cache.update(call.linecache)
 
 
-def _error_reply(call_id: int, exc: BaseException, note: str | None = None) -> bytes:
+def _raised(call_id: int, exc: BaseException, note: str | None = None) -> Raised:
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next  # hide this module's frames: the student's code comes first
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     message = str(exc) if note is None else f"{note}: {exc}"
-    return pickle.dumps(("error", call_id, type(exc).__name__, message, text, _pickled(exc)))
-
-
-def _pickled(exc: BaseException) -> bytes | None:
-    try:
-        return cloudpickle.dumps(exc)
-    except Exception:  # noqa: BLE001
-        return None
+    return Raised(call_id, type(exc).__name__, message, text)
 
 
 class _ResultPickler(cloudpickle.Pickler):
@@ -241,13 +233,13 @@ def _dumps_safe(value: object) -> bytes:
     return buffer.getvalue()
 
 
-def _tampering_reply(call_id: int, changed: list[str]) -> bytes:
+def _tampering_reply(call_id: int, changed: list[str]) -> Raised:
     shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
     message = (
         f"code run on this rank changed {shown}. The checks measure with these, so changing "
         "them is tampering with the grading: this part scores 0."
     )
-    return pickle.dumps(("error", call_id, "TamperingDetected", message, message + "\n", None))
+    return Raised(call_id, "TamperingDetected", message, message + "\n")
 
 
 def _end_call(call_id: int) -> None:

@@ -12,7 +12,7 @@ touches CUDA, which is what makes forking it safe; the notebook kernel itself is
 from __future__ import annotations
 
 import gc
-import json
+import itertools
 import os
 import queue
 import select
@@ -22,7 +22,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
+
+from course_lib.protocol import Exited, Fork, Forked, decode, encode
 
 POLL_S = 0.2
 
@@ -47,7 +50,8 @@ class ForkServer:
         self._lock = threading.Lock()
         self._exit_codes: dict[int, int] = {}
         self._exited = threading.Condition()
-        self._forked: queue.Queue[int | None] = queue.Queue()
+        self._requests = itertools.count(1)
+        self._forked: queue.Queue[Forked | None] = queue.Queue()
         threading.Thread(target=self._listen, daemon=True).start()
 
     @property
@@ -61,20 +65,35 @@ class ForkServer:
         """Start one worker running `_worker.serve(spec, ...)` on fds (conn, out, err); return
         its pid. The first call waits for the server to finish importing torch."""
         with self._lock:
+            request = next(self._requests)
+            deadline = time.monotonic() + timeout
             try:
-                socket.send_fds(self._sock, [json.dumps(spec).encode()], fds)
-                pid = self._forked.get(timeout=timeout)
+                socket.send_fds(self._sock, [encode(Fork(request, spec))], fds)
+                reply = self._forked.get(timeout=timeout)
+                # Replies to requests whose callers gave up waiting (Ctrl-C while a pool
+                # started) come first: their ranks have nobody to talk to.
+                while reply is not None and reply.request != request:
+                    self._kill_unwanted(reply.pid)
+                    reply = self._forked.get(timeout=max(0.0, deadline - time.monotonic()))
             except (OSError, queue.Empty):
-                pid = None
-        if pid is None:
+                reply = None
+        if reply is None:
             raise RuntimeError("the course_lib fork server failed:\n" + self.log())
-        return pid
+        return reply.pid
 
     def exit_code(self, pid: int, timeout: float = 1.0) -> int | None:
         """Exit code of worker `pid` (negative: killed by that signal), if it has exited."""
         with self._exited:
             self._exited.wait_for(lambda: pid in self._exit_codes, timeout)
             return self._exit_codes.get(pid)
+
+    def _kill_unwanted(self, pid: int) -> None:
+        if self.exit_code(pid, 0) is None:  # not reaped: the number is still that rank's
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def log(self) -> str:
         """What the server wrote to stderr: why it failed to start, say."""
@@ -96,15 +115,15 @@ class ForkServer:
             if not message:
                 self._forked.put(None)
                 return
-            kind, pid, *code = json.loads(message)
-            if kind == "forked":
+            reply = decode(message)
+            if isinstance(reply, Forked):
                 with self._exited:  # a reused pid: forget the exit of its earlier owner
-                    self._exit_codes.pop(pid, None)
-                self._forked.put(pid)
-                continue
-            with self._exited:
-                self._exit_codes[pid] = code[0]
-                self._exited.notify_all()
+                    self._exit_codes.pop(reply.pid, None)
+                self._forked.put(reply)
+            elif isinstance(reply, Exited):
+                with self._exited:
+                    self._exit_codes[reply.pid] = reply.code
+                    self._exited.notify_all()
 
 
 # --- the server process -------------------------------------------------------------------
@@ -138,13 +157,13 @@ def main() -> None:
         message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
         if not message:
             break  # the launcher has gone
-        spec = json.loads(message)
+        fork = decode(message)
         pid = os.fork()
         if pid == 0:
-            _run_worker(_worker, sock, spec, fds)
+            _run_worker(_worker, sock, fork.spec, fds)
         for fd in fds:
             os.close(fd)
-        sock.send(json.dumps(["forked", pid]).encode())
+        sock.send(encode(Forked(fork.request, pid)))
     # Workers notice that their parent has gone and kill themselves.
 
 
@@ -181,7 +200,7 @@ def _report_exits(sock: socket.socket) -> None:
         if pid == 0:
             return
         try:
-            sock.send(json.dumps(["exited", pid, os.waitstatus_to_exitcode(status)]).encode())
+            sock.send(encode(Exited(pid, os.waitstatus_to_exitcode(status))))
         except OSError:
             return
 

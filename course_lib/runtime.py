@@ -47,7 +47,7 @@ def device() -> torch.device:
 
 def on_this_device(tensor: torch.Tensor, is_parameter: bool, requires_grad: bool) -> torch.Tensor:
     """A GPU tensor the launching process sent, rebuilt on this rank's device (see
-    `launch._CallPickler`)."""
+    `calls._CallPickler`)."""
     tensor = tensor.to(device())
     if is_parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import gc
 import os
 import random
@@ -20,10 +21,10 @@ import torch.distributed as dist
 
 import course_lib
 from course_lib import LaunchTimeout, RankError, WorkerDied, WorkerPool, launch
-from course_lib.launch import _fork_server, default_pool, resolve_backend
-from tests.conftest import ROOT, alive, all_gone, descendants
-
-launch_module = sys.modules["course_lib.launch"]  # `course_lib.launch` names the function too
+from course_lib.calls import pickle_call
+from course_lib.launch import default_pool, resolve_backend
+from course_lib.rank_process import RankProcess, fork_server
+from tests.conftest import ROOT, alive, all_gone, descendants, wait_until
 
 # --- functions run on the ranks (module level, so workers import them by reference) -------
 
@@ -325,7 +326,7 @@ def test_auto_says_once_which_backend_it_chose_and_why(
 ):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    monkeypatch.setattr(launch_module, "_said", set())
+    monkeypatch.setattr("course_lib.pool._said", set())
     assert resolve_backend("auto", world_size) == chosen
     assert resolve_backend("auto", world_size) == chosen
     err = capsys.readouterr().err
@@ -342,7 +343,7 @@ def test_nccl_ranks_wait_for_each_collective_so_a_hang_shows_its_line(monkeypatc
     the ranks' start-up settings are read, not run)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(launch_module, "_said", set())
+    monkeypatch.setattr("course_lib.pool._said", set())
     nccl, gloo = WorkerPool(2, "nccl"), WorkerPool(2, "gloo")
     assert nccl._rank_env(0, 29500)["TORCH_NCCL_BLOCKING_WAIT"] == "1"
     assert "TORCH_NCCL_BLOCKING_WAIT" not in gloo._rank_env(0, 29500)
@@ -402,8 +403,8 @@ def test_a_gpu_tensor_sent_to_the_ranks_lands_on_each_ranks_own_device(monkeypat
     rank. No GPU here: CPU tensors stand in for GPU ones on the way out, and the "meta"
     device for the rank's own GPU on the way in."""
     sent = (torch.ones(3), torch.nn.Parameter(torch.ones(2)), torch.zeros(1).requires_grad_())
-    monkeypatch.setattr(launch_module, "_on_gpu", lambda obj: any(obj is t for t in sent))
-    payload = launch_module._pickle_call(noop, sent, {})
+    monkeypatch.setattr("course_lib.calls._on_gpu", lambda obj: any(obj is t for t in sent))
+    payload = pickle_call(noop, sent, {})
     monkeypatch.setattr(course_lib.runtime, "device", lambda: torch.device("meta"))
     _, (plain, parameter, leaf), _ = cloudpickle.loads(payload)
     assert plain.is_meta and type(plain) is torch.Tensor and not plain.requires_grad
@@ -417,7 +418,7 @@ def test_closing_a_pool_never_signals_the_number_of_a_rank_that_is_gone(monkeypa
     pool = WorkerPool(2)
     pool.launch(exit_soon_on_rank_one)
     living, gone = pool.pids
-    server = _fork_server()
+    server = fork_server()
     assert server.exit_code(gone, timeout=10) == 0, "rank 1 should have left and been reaped"
     signalled = []
     for name in ("kill", "killpg"):
@@ -455,9 +456,9 @@ def test_the_fork_server_makes_no_cuda_call(tmp_path):
     calls = tmp_path / "calls.txt"
     script = (
         "from course_lib import launch\n"
-        "from course_lib.launch import _fork_server\n"
+        "from course_lib.rank_process import fork_server\n"
         "launch(lambda: None, world_size=2)\n"
-        "print(_fork_server().pid)\n"
+        "print(fork_server().pid)\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "CUDA_CALLS": str(calls)}
     result = subprocess.run(
@@ -477,7 +478,8 @@ def test_killing_the_launcher_leaves_no_process_behind(run_script, tmp_path):
         f"""
         import subprocess, time
         from course_lib import launch
-        from course_lib.launch import default_pool, _fork_server
+        from course_lib.launch import default_pool
+        from course_lib.rank_process import fork_server
 
         def work(path):
             child = subprocess.Popen(["sleep", "300"])
@@ -486,7 +488,7 @@ def test_killing_the_launcher_leaves_no_process_behind(run_script, tmp_path):
             time.sleep(300)
 
         launch(lambda: None, world_size=2)
-        print(*default_pool().pids, _fork_server().pid, flush=True)
+        print(*default_pool().pids, fork_server().pid, flush=True)
         launch(work, {str(tmp_path / "child-")!r}, world_size=2, timeout=600)
         """
     )
@@ -535,6 +537,71 @@ def test_ctrl_c_stops_the_ranks_and_reports_where_they_were(run_script):
     assert "Interrupted: stopped all 2 ranks" in err
     assert "time.sleep(300)" in err
     assert all_gone(pids, 5)
+
+
+def own_pid():
+    return os.getpid()
+
+
+def test_ctrl_c_while_a_pool_starts_leaves_no_rank_and_the_next_start_works(monkeypatch):
+    """Ctrl-C while the fork server starts rank 1: rank 0 is stopped, rank 1 (forked, but its
+    pid never reached the pool) too, and the next start gets the pids of its own ranks, not
+    the late reply meant for the interrupted start."""
+    server = fork_server()
+
+    def ranks_forked():
+        return {p.pid for p in psutil.Process(server.pid).children()}
+
+    others = ranks_forked()  # other pools' (launch's default pool's, say)
+    gets = []
+
+    def get_interrupted_on_rank_one(*args, **kwargs):
+        gets.append(1)
+        if len(gets) == 2:
+            raise KeyboardInterrupt  # as a SIGINT landing in this wait does
+        return queue_get(*args, **kwargs)
+
+    queue_get = server._forked.get
+    monkeypatch.setattr(server._forked, "get", get_interrupted_on_rank_one)
+    with WorkerPool(2) as pool:
+        with pytest.raises(KeyboardInterrupt):
+            pool.launch(noop)
+        monkeypatch.undo()
+        assert pool.launch(own_pid) == pool.pids
+        assert wait_until(lambda: ranks_forked() == others | set(pool.pids))
+
+
+def sleep_long():
+    time.sleep(300)
+
+
+def test_a_second_ctrl_c_while_ranks_are_stopped_still_gives_fresh_ranks(monkeypatch):
+    """A second Ctrl-C that cuts short the stopping of the ranks after the first: the next
+    call must not go to ranks still running the interrupted one."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with WorkerPool(2) as pool:
+            pool.launch(noop)
+            old = pool.pids
+            kills = []
+
+            def kill_interrupted_once(worker):
+                kills.append(worker.rank)
+                if len(kills) == 1:
+                    raise KeyboardInterrupt  # the second Ctrl-C, before any rank is stopped
+                real_kill(worker)
+
+            real_kill = RankProcess.kill
+            monkeypatch.setattr(RankProcess, "kill", kill_interrupted_once)
+            threading.Timer(1.0, _thread.interrupt_main).start()  # the first Ctrl-C
+            with pytest.raises(KeyboardInterrupt):
+                pool.launch(sleep_long, timeout=60)
+            monkeypatch.undo()
+            assert pool.launch(own_pid, timeout=20) == pool.pids
+            assert not set(pool.pids) & set(old)
+        assert all_gone(old, 5)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # --- networking ---------------------------------------------------------------------------

@@ -96,6 +96,16 @@ class Kernel:
             out += self._drain_iopub(msg_id)
         return reply, "".join(out)
 
+    def wait_for(self, msg_id: str, *texts: str, timeout: float = 60) -> str:
+        """Wait until the running cell has printed all of `texts`; return what it printed."""
+        out = []
+        deadline = time.monotonic() + timeout
+        while not all(text in "".join(out) for text in texts):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cell did not print {texts}; output so far: {''.join(out)}")
+            out += self._drain_iopub(msg_id)
+        return "".join(out)
+
     def run(self, code: str, timeout: float = 120) -> str:
         reply, out = self.finish(self.start(code), timeout)
         assert reply["status"] == "ok", out + str(reply)
@@ -138,9 +148,11 @@ def kernel():
 SETUP = """
 import os, subprocess, time
 from course_lib import launch
-from course_lib.launch import default_pool, _fork_server
+from course_lib.launch import default_pool
+from course_lib.rank_process import fork_server
 
 def wait_forever():
+    print("waiting", flush=True)
     time.sleep(300)
 
 def sleep_with_child(folder):
@@ -149,7 +161,7 @@ def sleep_with_child(folder):
     time.sleep(300)
 
 launch(lambda: None, world_size=2)
-print("PIDS", *default_pool().pids, _fork_server().pid, os.getpid())
+print("PIDS", *default_pool().pids, fork_server().pid, os.getpid())
 """
 
 
@@ -161,9 +173,11 @@ def pids_from(output: str) -> list[int]:
 def test_interrupting_the_kernel_stops_every_rank(kernel):
     *workers, _server, _kernel_pid = pids_from(kernel.run(SETUP))
     msg_id = kernel.start("launch(wait_forever, world_size=2, timeout=600)")
-    time.sleep(1.5)
+    # Interrupt once both ranks are in the call (a fixed sleep is too short on a busy machine)
+    before = kernel.wait_for(msg_id, "[rank 0] waiting", "[rank 1] waiting")
     kernel.manager.interrupt_kernel()
     reply, out = kernel.finish(msg_id, timeout=30)
+    out = before + out
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
     assert "Interrupted: stopped all 2 ranks" in out
     assert "--- rank 0 ---" in out and "--- rank 1 ---" in out
