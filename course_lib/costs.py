@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 # --- time: the alpha-beta model -------------------------------------------------------------
 
@@ -287,3 +288,42 @@ def ring_attention_bytes(kv_bytes, world: int):
     blocks around the ring P-1 times, (P-1)/P of `kv_bytes`, the K and V of the whole
     sequence."""
     return ring_bytes(kv_bytes, world)
+
+
+# --- a transformer's shape, and what it computes and sends per micro-batch ------------------
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """The sizes the formulas need: layers L, hidden h, heads a, sequence s, micro-batch b."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    batch: int = 1
+
+
+GPT3_175B = TransformerShape(layers=96, hidden=12288, heads=96, seq=2048, batch=1)
+
+
+def traffic_per_microbatch(
+    shape: TransformerShape, t: int, p: int, element_size: int = 2
+) -> dict[str, float]:
+    """Bytes one GPU sends per micro-batch (forward and backward) under tensor parallelism
+    over t ranks (4 all-reduces of an sbh activation per layer it holds) and at one
+    pipeline-stage boundary (the activation forward, its gradient back)."""
+    activation = shape.seq * shape.batch * shape.hidden * element_size
+    layers_per_stage = shape.layers / p
+    return {
+        "TP": layers_per_stage * tp_layer_bytes(float(activation), t),
+        "PP": pp_boundary_bytes(activation),
+    }
+
+
+def compute_seconds(shape: TransformerShape, t: int, p: int, flops_per_s: float) -> float:
+    """Seconds one GPU computes per micro-batch: forward + backward = 3 x forward FLOPs,
+    forward = 24bsh^2 + 4bs^2h per layer (the matmuls), split over t ranks and p stages."""
+    s, b, h = shape.seq, shape.batch, shape.hidden
+    per_layer = 3 * (24 * b * s * h * h + 4 * b * s * s * h)
+    return shape.layers / p * per_layer / t / flops_per_s

@@ -36,21 +36,19 @@ import torch.distributed as dist
 from matplotlib.patches import Patch
 
 from course_lib.costs import (
+    GPT3_175B,
     MIXED_ADAMW,
+    TransformerShape,
     activation_memory,
     bubble_formula,
+    compute_seconds,
+    traffic_per_microbatch,
     zero_bytes,
     zero_comm_bytes,
 )
 from course_lib.memory import GB, divisors
 from course_lib.plots import NotebookFigure
 from course_lib.runtime import device
-from course_lib.tensor_parallel import (
-    GPT3_175B,
-    TransformerShape,
-    compute_seconds,
-    traffic_per_microbatch,
-)
 from course_lib.zero import STAGES
 
 DIMENSIONS = ("tp", "pp", "dp")  # innermost (neighbouring ranks) first, as in picotron

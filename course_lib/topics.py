@@ -5,6 +5,7 @@ the lecture it follows. For the topic "zero":
 
     lectures/07_zero.ipynb           the lecture
     course_lib/zero.py               its plumbing (the lecture's code)
+    course_lib/measure/zero.py       what the lecture measures and draws, if long (optional)
     solutions/a07_zero/a07_zero.ipynb    the assignment, and assignments/a07_zero/ (released)
     course_lib/grading/zero.py       the assignment's checks
     tests/test_zero.py               tests of course_lib/zero.py

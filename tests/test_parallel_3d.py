@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 
 from course_lib import launch
+from course_lib.costs import TransformerShape
 from course_lib.parallel_3d import (
     GPT3,
     LLAMA_7B,
@@ -35,7 +36,6 @@ from course_lib.parallel_3d import (
     spans_nodes,
     summary,
 )
-from course_lib.tensor_parallel import TransformerShape
 
 RTOL = 1e-12  # the estimates are a few float operations: only rounding may differ
 

@@ -16,25 +16,29 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import CommCounter, WorkerPool, models, rank
-from course_lib.tensor_parallel import (
+from course_lib.costs import (
     GPT3_175B,
+    activation_memory,
+    compute_seconds,
+    traffic_per_microbatch,
+)
+from course_lib.measure.tensor_parallel import (
     LAYERS,
+    comm_formula,
+    measure_mlp_saved,
+    plot_activation_memory,
+    run_against_dense,
+    run_torch_mlp,
+)
+from course_lib.tensor_parallel import (
     ColumnParallelLinear,
     ParallelBlock,
     ParallelMLP,
     ParallelSelfAttention,
     RowParallelLinear,
     VocabParallelEmbedding,
-    activation_memory,
-    comm_formula,
-    compute_seconds,
     gelu_split_errors,
-    measure_mlp_saved,
-    plot_activation_memory,
-    run_against_dense,
-    run_torch_mlp,
     shard_range,
-    traffic_per_microbatch,
     vocab_parallel_cross_entropy,
 )
 

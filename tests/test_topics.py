@@ -56,6 +56,8 @@ def test_no_file_is_named_after_something_that_is_not_a_topic():
     assert {p.name for p in (ROOT / "assignments").iterdir() if p.is_dir()} == assignments
     modules = {t.name for t in TOPICS if t.module}
     assert stems("course_lib", "*.py") == modules | LIBRARY
+    # What a lecture measures and draws lives apart from the topic's code, under its name.
+    assert stems("course_lib/measure", "*.py") - {"__init__"} <= modules
     checks = {t.name for t in TOPICS if t.assignment}
     assert stems("course_lib/grading", "*.py") == checks | GRADING_LIBRARY
     assert stems("tests/cheats", "a*.py") == assignments

@@ -1,0 +1,349 @@
+"""What lecture 9 measures about tensor parallelism, and how it shows it.
+
+    runs = launch(run_all_layers, world_size=2)        # every layer against its dense original
+    print(layer_table(runs[0], tokens, hidden, 2))     # errors, and bytes against the formula
+    run_torch_mlp()                                    # torch's parallelize_module beside ours
+    activation_table(GPT3_175B)                        # GB of activations per GPU, by TP degree
+    link_table(GPT3_175B, t, p, links, flops_per_s)    # TP against PP traffic per micro-batch
+
+The layers are in `course_lib.tensor_parallel`, the formulas in `course_lib.costs`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import models
+from course_lib.comm import CommCounter
+from course_lib.costs import (
+    TransformerShape,
+    activation_memory,
+    all_reduce_bytes,
+    compute_seconds,
+    traffic_per_microbatch,
+)
+from course_lib.memory import SavedTensors
+from course_lib.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelBlock,
+    ParallelMLP,
+    ParallelSelfAttention,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    local_view,
+    shard_range,
+    tp_rank,
+    tp_size,
+    vocab_parallel_cross_entropy,
+)
+
+if TYPE_CHECKING:  # matplotlib is imported only where a figure is drawn
+    import matplotlib.figure
+
+# --- communication per layer ------------------------------------------------------------------
+
+# All-reduces of a (tokens x hidden) activation per layer, in (forward, backward). The column
+# layer's is f's (its input gradient), the row layer's g's (its output); the MLP and attention
+# have one of each; a block has an attention and an MLP; the embedding only g.
+ALL_REDUCES = {
+    "column": (0, 1),
+    "row": (1, 0),
+    "mlp": (1, 1),
+    "attention": (1, 1),
+    "block": (2, 2),
+    "embedding": (1, 0),
+    "head + cross-entropy": (0, 1),  # plus three per-token scalars in forward, below
+}
+LAYERS = tuple(ALL_REDUCES)
+
+
+def comm_formula(
+    layer: str, tokens: int, hidden: int, world: int, element_size: int = 4
+) -> tuple[float, float]:
+    """Bytes one rank sends in forward and in backward through `layer` with `world` ranks."""
+    if layer not in ALL_REDUCES:
+        raise ValueError(f"unknown layer {layer!r}; expected one of {LAYERS}")
+    # Floats: the formula's exact share, not the whole bytes CommCounter rounds down to.
+    activation = float(tokens * hidden * element_size)
+    forward, backward = (all_reduce_bytes(n * activation, world) for n in ALL_REDUCES[layer])
+    if layer == "head + cross-entropy":  # max, sum of exponentials, target logit per token
+        forward += 3 * all_reduce_bytes(float(tokens * element_size), world)
+    return forward, backward
+
+
+@dataclass
+class LayerRun:
+    """One layer run forward and backward on a rank: its errors against the dense layer and
+    the bytes and calls CommCounter saw in each pass."""
+
+    layer: str
+    output_error: float
+    input_grad_error: float
+    weight_grad_error: float
+    forward_bytes: int
+    backward_bytes: int
+    forward_calls: dict[str, int]
+    backward_calls: dict[str, int]
+
+
+def _pair(
+    layer: str, model: models.TinyGPT, group: dist.ProcessGroup | None
+) -> tuple[nn.Module, nn.Module, Callable, Callable]:
+    """(dense module, parallel module, dense forward, parallel forward) for `layer`."""
+    block = model.blocks[0]
+    if layer in ("column", "row", "mlp", "attention", "block", "embedding"):
+        dense = {
+            "column": block.mlp.fc,
+            "row": block.mlp.proj,
+            "mlp": block.mlp,
+            "attention": block.attn,
+            "block": block,
+            "embedding": model.embed.tokens,
+        }[layer]
+        parallel = {
+            "column": lambda: ColumnParallelLinear.from_dense(dense, group=group),
+            "row": lambda: RowParallelLinear.from_dense(dense, group=group),
+            "mlp": lambda: ParallelMLP.from_dense(dense, group),
+            "attention": lambda: ParallelSelfAttention.from_dense(dense, group),
+            "block": lambda: ParallelBlock(dense, group),
+            "embedding": lambda: VocabParallelEmbedding.from_dense(dense, group),
+        }[layer]()
+        return dense, parallel, dense, parallel
+    if layer == "head + cross-entropy":
+        dense = model.head.out
+        parallel = ColumnParallelLinear.from_dense(dense, group=group)
+        targets = torch.arange(model.config.seq_len) % model.config.vocab_size
+
+        def dense_loss(h: torch.Tensor) -> torch.Tensor:
+            logits = dense(h)
+            flat = F.cross_entropy(
+                logits.flatten(0, 1), targets.repeat(h.shape[0]), reduction="none"
+            )
+            return flat.view(h.shape[:2])
+
+        def parallel_loss(h: torch.Tensor) -> torch.Tensor:
+            return vocab_parallel_cross_entropy(parallel(h), targets.expand(h.shape[:2]), group)
+
+        return dense, parallel, dense_loss, parallel_loss
+    raise ValueError(f"unknown layer {layer!r}; expected one of {LAYERS}")
+
+
+def run_against_dense(
+    layer: str,
+    config: models.GPTConfig | None = None,
+    batch: int = 2,
+    dtype: torch.dtype = torch.float64,
+    group: dist.ProcessGroup | None = None,
+    seed: int = 0,
+) -> LayerRun:
+    """Run one tensor-parallel layer of TinyGPT and its dense original on the same input and
+    upstream gradient; compare this rank's output and gradients with its share of the
+    dense ones, and count the bytes each pass sends. Call it on every rank of `group`."""
+    config = config or models.GPTConfig()
+    model = models.TinyGPT(config, seed=seed, dtype=dtype)
+    dense, parallel, dense_fn, parallel_fn = _pair(layer, model, group)
+    g = torch.Generator().manual_seed(seed + 1)
+    size, rank = tp_size(group), tp_rank(group)
+
+    def my_slice(t: torch.Tensor) -> torch.Tensor:  # this rank's share of the last dimension
+        start, end = shard_range(t.shape[-1], rank, size)
+        return t[..., start:end]
+
+    if layer == "embedding":
+        x = torch.randint(config.vocab_size, (batch, config.seq_len), generator=g)
+    else:
+        width = dense.in_features if isinstance(dense, nn.Linear) else config.d_model
+        x = torch.randn(batch, config.seq_len, width, generator=g, dtype=dtype)
+        x.requires_grad_()
+    y = dense_fn(x)
+    upstream = torch.randn(y.shape, generator=g, dtype=dtype)
+    y.backward(upstream)
+
+    local_in = my_slice if layer == "row" else (lambda t: t)  # row takes a sliced input
+    local_out = my_slice if layer == "column" else (lambda t: t)  # column leaves it sliced
+    xp = local_in(x.detach())
+    if xp.is_floating_point():
+        xp = xp.clone().requires_grad_()
+    with CommCounter() as forward:
+        yp = parallel_fn(xp)
+    with CommCounter() as backward:
+        yp.backward(local_out(upstream))
+
+    dense_grads = local_view(parallel, {n: p.grad for n, p in dense.named_parameters()})
+    weight_error = max(
+        (p.grad - dense_grads[n]).abs().max().item() for n, p in parallel.named_parameters()
+    )
+    input_error = 0.0 if xp.grad is None else (xp.grad - local_in(x.grad)).abs().max().item()
+    return LayerRun(
+        layer=layer,
+        output_error=(yp - local_out(y)).abs().max().item(),
+        input_grad_error=input_error,
+        weight_grad_error=weight_error,
+        forward_bytes=forward.bytes_sent,
+        backward_bytes=backward.bytes_sent,
+        forward_calls=dict(forward.calls),
+        backward_calls=dict(backward.calls),
+    )
+
+
+def run_all_layers(config: models.GPTConfig | None = None, batch: int = 2) -> list[LayerRun]:
+    """`run_against_dense` for every layer in `LAYERS` (on every rank, inside `launch`)."""
+    return [run_against_dense(layer, config, batch) for layer in LAYERS]
+
+
+def layer_table(runs: list[LayerRun], tokens: int, hidden: int, world: int) -> str:
+    """One row per layer: worst error, and bytes sent per pass against `comm_formula`."""
+    rows = [
+        f"{'layer':<22}{'max error':>11}{'fwd sent':>10}{'formula':>10}"
+        f"{'bwd sent':>10}{'formula':>10}  all-reduces (fwd, bwd)"
+    ]
+    for run in runs:
+        fwd, bwd = comm_formula(run.layer, tokens, hidden, world, element_size=8)
+        error = max(run.output_error, run.input_grad_error, run.weight_grad_error)
+        calls = (run.forward_calls.get("all_reduce", 0), run.backward_calls.get("all_reduce", 0))
+        rows.append(
+            f"{run.layer:<22}{error:>11.1e}{run.forward_bytes:>10,}{fwd:>10,.0f}"
+            f"{run.backward_bytes:>10,}{bwd:>10,.0f}  {calls}"
+        )
+    return "\n".join(rows)
+
+
+# --- torch's tensor parallelism, for comparison -------------------------------------------------
+
+
+def torch_parallel_mlp(mlp: models.MLPBlock) -> nn.Module:
+    """torch's own version of `ParallelMLP`: `parallelize_module` turns `fc` and `proj` into
+    DTensor layers (column-wise, row-wise) over a 1-D device mesh of every rank. In place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh(str(next(mlp.parameters()).device.type), (tp_size(),))
+    return parallelize_module(mlp, mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+
+
+def run_torch_mlp(config: models.GPTConfig | None = None, batch: int = 2) -> dict:
+    """Our ParallelMLP and torch's side by side on this rank, against the dense MLP (fp64):
+    errors of output and input gradient, the local weight shapes, and the collectives each
+    pass ran (torch's DTensor calls functional collectives, which `CommDebugMode` counts)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    config = config or models.GPTConfig()
+    dense = models.TinyGPT(config, dtype=torch.float64).blocks[0].mlp
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, config.seq_len, config.d_model, generator=g, dtype=torch.float64)
+    x.requires_grad_()
+    dense(x).sum().backward()
+    result = {}
+    ours = ParallelMLP.from_dense(dense)
+    theirs = torch_parallel_mlp(copy.deepcopy(dense))
+    for name, module in (("ours", ours), ("torch", theirs)):
+        xi = x.detach().clone().requires_grad_()
+        with CommDebugMode() as forward:
+            y = module(xi)
+        with CommDebugMode() as backward:
+            y.sum().backward()
+        result[name] = {
+            "output error": (y - dense(x)).abs().max().item(),
+            "input grad error": (xi.grad - x.grad).abs().max().item(),
+            "fc weight on this rank": tuple(_local(module.fc.weight).shape),
+            "forward collectives": {str(k): v for k, v in forward.get_comm_counts().items()},
+            "backward collectives": {str(k): v for k, v in backward.get_comm_counts().items()},
+        }
+    return result
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+# --- activation memory (the formula: `course_lib.costs.activation_memory`) ---------------------
+
+VARIANTS = {  # label: keyword arguments of activation_memory
+    "TP": {},
+    "TP + SP": {"sequence_parallel": True},
+    "TP + SP + selective recompute": {"sequence_parallel": True, "recompute_attention": True},
+}
+
+
+def activation_table(shape: TransformerShape, tps: tuple[int, ...] = (1, 2, 4, 8)) -> str:
+    """GB of activations per GPU for the whole model (all layers, one micro-batch) under each
+    variant and tensor-parallel degree t."""
+    s, b, h, a = shape.seq, shape.batch, shape.hidden, shape.heads
+    rows = [f"{'':<32}" + "".join(f"{f't={t}':>10}" for t in tps)]
+    for label, kwargs in VARIANTS.items():
+        cells = [shape.layers * activation_memory(s, b, h, a, t, **kwargs) / 1e9 for t in tps]
+        rows.append(f"{label:<32}" + "".join(f"{gb:>10.1f}" for gb in cells))
+    return "\n".join(rows)
+
+
+def plot_activation_memory(
+    shape: TransformerShape, tps: tuple[int, ...] = (1, 2, 4, 8)
+) -> matplotlib.figure.Figure:
+    """GB of activations per GPU against t, one line per variant, with the 80 GB of a GPU."""
+    from course_lib.plots import NotebookFigure
+
+    fig = NotebookFigure(figsize=(6, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    s, b, h, a = shape.seq, shape.batch, shape.hidden, shape.heads
+    for label, kwargs in VARIANTS.items():
+        gb = [shape.layers * activation_memory(s, b, h, a, t, **kwargs) / 1e9 for t in tps]
+        ax.plot(tps, gb, "o-", label=label)
+    ax.axhline(80, color="black", ls="--", lw=1, label="one 80 GB GPU")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(tps), [str(t) for t in tps])
+    ax.set_xlabel("tensor-parallel ranks t")
+    ax.set_ylabel("activations per GPU (GB)")
+    ax.set_title(f"{shape.layers} layers, h={h}, a={a}, s={s}, b={b}", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def mlp_saved_formula(tokens: int, hidden: int, d_ff: int, t: int, element_size: int) -> int:
+    """Bytes the course's (dropout-free) MLP saves for backward on one of t ranks: its input
+    (replicated), and GeLU's input and output (d_ff/t wide each: split)."""
+    return tokens * (hidden + 2 * d_ff // t) * element_size
+
+
+def measure_mlp_saved(config: models.GPTConfig | None = None, batch: int = 2) -> int:
+    """Bytes autograd saves in this rank's ParallelMLP forward (fp32), weights excluded."""
+    config = config or models.GPTConfig()
+    mlp = ParallelMLP.from_dense(models.TinyGPT(config).blocks[0].mlp)
+    x = torch.randn(batch, config.seq_len, config.d_model)
+    with SavedTensors(exclude=mlp.parameters()) as saved:
+        y = mlp(x)
+    del y
+    return saved.peak_bytes
+
+
+# --- why TP stays inside a node and PP crosses nodes ---------------------------------------------
+
+
+def link_table(
+    shape: TransformerShape,
+    t: int,
+    p: int,
+    links: Mapping[str, float],
+    flops_per_s: float,
+) -> str:
+    """Per micro-batch and GPU: bytes of TP and PP traffic, and their seconds on each link,
+    next to the compute time."""
+    traffic = traffic_per_microbatch(shape, t, p)
+    compute = compute_seconds(shape, t, p, flops_per_s)
+    rows = [f"compute per micro-batch per GPU: {compute * 1e3:.0f} ms"]
+    for kind, nbytes in traffic.items():
+        times = ", ".join(f"{name} {nbytes / bw * 1e3:.1f} ms" for name, bw in links.items())
+        rows.append(f"{kind}: {nbytes / 1e9:.2f} GB sent per micro-batch -> {times}")
+    return "\n".join(rows)
