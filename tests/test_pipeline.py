@@ -18,25 +18,28 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import RankError, WorkerPool, data, launch, models, pipeline, rank, world_size
+from course_lib.costs import bubble_formula
+from course_lib.measure import pipeline as measure
+from course_lib.measure.pipeline import (
+    PipelineWidget,
+    brute_force_partition,
+    measure_bubbles,
+    plot_schedule,
+    profile_layers,
+    torch_pipeline_step,
+)
 from course_lib.pipeline import (
     BACKWARD,
     FORWARD,
     SCHEDULES,
     Partition,
-    PipelineWidget,
     Stage,
     Timeline,
-    brute_force_partition,
-    bubble_formula,
-    measure_bubbles,
     optimal_partition,
     partition_stages,
     pipeline_step,
-    plot_schedule,
-    profile_layers,
     schedule_order,
     simulate,
-    torch_pipeline_step,
 )
 
 P = 4
@@ -221,15 +224,15 @@ def on_a_stand_in_device(step, schedule):
     buffer left on the CPU fails with "Tensor on device cpu is not on the expected device
     meta", as it would on a GPU. Meta tensors hold no values, so .item() answers 0."""
     real_item = torch.Tensor.item
-    saved = pipeline.device, torch.Tensor.item
-    pipeline.device = lambda: torch.device("meta")
+    saved = pipeline.device, measure.device, torch.Tensor.item
+    pipeline.device = measure.device = lambda: torch.device("meta")
     torch.Tensor.item = lambda t: 0.0 if t.is_meta else real_item(t)
     try:
         x, y = gpt_batch()
         out = step(models.TinyGPT(seed=0), x, y, models.lm_loss, 2, schedule)
         return [g.device.type for g in getattr(out, "grads", out)]
     finally:
-        pipeline.device, torch.Tensor.item = saved
+        pipeline.device, measure.device, torch.Tensor.item = saved
 
 
 @pytest.mark.parametrize("step", [pipeline_step, torch_pipeline_step])

@@ -14,6 +14,7 @@ import textwrap
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NoReturn
 
 from course_lib.launch import LaunchTimeout, RankError, WorkerDied, WorkerPool
@@ -180,9 +181,17 @@ class Verdict:
 # answer an assignment as they are (the lecture's ring all-reduce, push-sum step,
 # tensor-parallel layers), so a check refuses an answer that is one of them: the assignments
 # ask for your own code.
-LECTURE_MODULES = frozenset(
-    f"course_lib.{t.name}" for t in TOPICS if t.module_path and t.assignment
-)
+def _lecture_modules() -> frozenset[str]:
+    """course_lib.<topic> of every topic with an assignment, and course_lib.measure.<topic>
+    where the lecture's measurements have a module of their own."""
+    measure = Path(__file__).parent.parent / "measure"
+    names = [t.name for t in TOPICS if t.module_path and t.assignment]
+    modules = [f"course_lib.{name}" for name in names]
+    modules += [f"course_lib.measure.{n}" for n in names if (measure / f"{n}.py").is_file()]
+    return frozenset(modules)
+
+
+LECTURE_MODULES = _lecture_modules()
 
 
 def reject_lecture_code(check: str, *answers: Any) -> None:

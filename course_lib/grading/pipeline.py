@@ -51,6 +51,7 @@ SCHEDULES = ("gpipe", "1f1b")
 # runs any of them, or a copy, is not the student's own.
 FORBIDDEN = (
     "course_lib.pipeline",
+    "course_lib.measure.pipeline",
     "course_lib.grading.pipeline.schedule_order",
     "course_lib.grading.pipeline.in_flight_bound",
     "course_lib.grading.pipeline.brute_force_partition",

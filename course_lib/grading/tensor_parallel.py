@@ -154,7 +154,7 @@ def assemble(case: Case, dense: dict[str, torch.Tensor], shards: list[dict]) -> 
 
 # The lecture's tensor-parallel module answers every part as it stands: an answer that runs
 # any of it, or a copy, is not the student's own.
-LECTURE_TP = ("course_lib.tensor_parallel",)
+LECTURE_TP = ("course_lib.tensor_parallel", "course_lib.measure.tensor_parallel")
 
 
 def _run_cases(cls: Callable, cases: list[Case]) -> dict:

@@ -1,0 +1,238 @@
+"""What lecture 8 measures about pipelines, and how it shows them.
+
+    logs = launch(measure_bubbles, make_stage, x, y, loss_fn, schedules, ms, fwd, bwd, ...)
+    plot_schedule(timeline); PipelineWidget()           # Gantt chart; sliders for P and m
+    torch_pipeline_step(stage, x, y, loss_fn, m, "1f1b")  # torch.distributed.pipelining
+    brute_force_partition(layer_times, activation_sizes, n_machines)  # every cut, to check
+    profile_layers(layers, x)                           # each layer's seconds and output bytes
+
+The schedules, the pipeline and the partition are in `course_lib.pipeline`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ipywidgets as widgets
+import torch
+from IPython.display import display
+from matplotlib.figure import Figure
+from torch import nn
+
+from course_lib.costs import bubble_formula
+from course_lib.pipeline import (
+    FORWARD,
+    SCHEDULES,
+    LossFn,
+    Partition,
+    Stage,
+    StageLog,
+    Timeline,
+    check_partition_input,
+    link_times,
+    pipeline_step,
+    simulate,
+    stage_time,
+    sync_times,
+)
+from course_lib.plots import NotebookFigure
+from course_lib.runtime import device, rank, world_size
+
+# --- running the pipeline for the lecture ---------------------------------------------------
+
+
+def measure_bubbles(
+    make_stage: Callable[[], nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: LossFn,
+    schedules: Sequence[str],
+    ms: Sequence[int],
+    forward_s: float,
+    backward_s: float,
+) -> dict[tuple[str, int], StageLog]:
+    """Run on every rank: one `pipeline_step` per (schedule, m), after a warm-up step that
+    opens the connections between neighbours (the first message on a link is slow)."""
+    pipeline_step(make_stage(), x, y, loss_fn, m=1, schedule="gpipe")
+    return {
+        (schedule, m): pipeline_step(
+            make_stage(), x, y, loss_fn, m, schedule, forward_s=forward_s, backward_s=backward_s
+        )
+        for schedule in schedules
+        for m in ms
+    }
+
+
+def torch_pipeline_step(
+    stage: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, m: int, schedule: str
+) -> list[torch.Tensor]:
+    """The same step with torch.distributed.pipelining (ScheduleGPipe / Schedule1F1B); returns
+    this stage's gradients. `scale_grads` (default True) divides by m: the loss must be a mean."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    P, r = world_size(), rank()
+    kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    if schedule not in kinds:
+        raise ValueError(f"torch_pipeline_step runs {tuple(kinds)}, not {schedule!r}")
+    stage.to(device())
+    runner = kinds[schedule](PipelineStage(stage, r, P, device()), m, loss_fn=loss_fn)
+    stage.zero_grad(set_to_none=True)
+    inputs = (x.to(device()),) if r == 0 else ()  # one rank may be first and last (P = 1)
+    runner.step(*inputs, **({"target": y.to(device())} if r == P - 1 else {}))
+    return [p.grad.detach().clone() for p in stage.parameters()]
+
+
+# --- 4. pictures: the Gantt chart and the widget --------------------------------------------
+
+_FORWARD_COLOURS = ["#9ecae1", "#c6dbef"]  # per chunk, light: forward
+_BACKWARD_COLOURS = ["#3182bd", "#6baed6"]  # per chunk, dark: backward
+
+
+def draw_schedule(timeline: Timeline, ax: Any, title: str | None = None) -> None:
+    """Draw one lane per stage: forward (light) and backward (dark) boxes numbered by
+    micro-batch, idle time left grey."""
+    span = timeline.makespan
+    origin = min(t.start for t in timeline.tasks)
+    unit = 1000.0 if timeline.measured else 1.0  # measured seconds are drawn in ms
+    for s in range(timeline.n_stages):
+        ax.barh(s, span * unit, left=0, height=0.8, color="#eeeeee")  # idle unless covered
+    for t in timeline.tasks:
+        colours = _FORWARD_COLOURS if t.kind == FORWARD else _BACKWARD_COLOURS
+        left, width = (t.start - origin) * unit, (t.end - t.start) * unit
+        ax.barh(t.stage, width, left=left, height=0.8, color=colours[t.chunk % 2], ec="white")
+        if width > 0.015 * span * unit:  # label boxes wide enough to read
+            colour = "black" if t.kind == FORWARD else "white"
+            ax.text(
+                left + width / 2,
+                t.stage,
+                str(t.micro),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color=colour,
+            )
+    ax.set_yticks(range(timeline.n_stages), [f"stage {s}" for s in range(timeline.n_stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)" if unit == 1000.0 else "time (simulated units)")
+    if title is None:
+        title = f"{timeline.schedule}: P={timeline.n_stages}, bubble {timeline.bubble:.1%}"
+    ax.set_title(title, fontsize=10)
+
+
+def plot_schedule(*timelines: Timeline, titles: Sequence[str] | None = None) -> Figure:
+    """One Gantt chart per timeline, stacked, on a shared time axis."""
+    fig = NotebookFigure(
+        figsize=(10, 0.9 + 1.0 * sum(t.n_stages * 0.32 + 0.5 for t in timelines)),
+        layout="constrained",
+    )
+    axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False)[:, 0]
+    for i, (timeline, ax) in enumerate(zip(timelines, axes, strict=True)):
+        draw_schedule(timeline, ax, titles[i] if titles else None)
+    return fig
+
+
+class PipelineWidget(widgets.VBox):
+    """Sliders for P and m and a schedule menu, drawing the simulated schedule and its bubble
+    against the formula. `timeline` and `figure` hold what is shown (for tests)."""
+
+    def __init__(self, n_stages: int = 4, m: int = 4, schedule: str = "1f1b") -> None:
+        self.stages = widgets.IntSlider(n_stages, min=1, max=8, description="P (stages)")
+        self.micro = widgets.IntSlider(m, min=1, max=32, description="m (micro)")
+        self.schedule = widgets.Dropdown(options=SCHEDULES, value=schedule, description="schedule")
+        self.output = widgets.Output()
+        super().__init__([widgets.HBox([self.stages, self.micro, self.schedule]), self.output])
+        self.timeline: Timeline | None = None
+        self.figure: Figure | None = None
+        for control in (self.stages, self.micro, self.schedule):
+            control.observe(self._redraw, names="value")
+        self._redraw()
+
+    def _redraw(self, _change: Any = None) -> None:
+        P, m, schedule = self.stages.value, self.micro.value, self.schedule.value
+        with self.output:
+            self.output.clear_output(wait=True)
+            if schedule == "interleaved" and m % P:
+                print(f"interleaved needs m divisible by P: try m = {P * max(1, m // P)}")
+                return
+            self.timeline = simulate(P, m, schedule)
+            chunks = 2 if schedule == "interleaved" else 1
+            # The naive schedule runs one micro-batch at a time: m = 1.
+            formula = bubble_formula(P, 1 if schedule == "naive" else m, chunks)
+            self.figure = plot_schedule(
+                self.timeline,
+                titles=[
+                    f"{schedule}, P={P}, m={m}: bubble {self.timeline.bubble:.1%} "
+                    f"(formula {formula:.1%}); peak in-flight on stage 0: "
+                    f"{self.timeline.peak_in_flight(0)}"
+                ],
+            )
+            display(self.figure)
+
+
+# --- checking and feeding the partition ------------------------------------------------
+
+
+def brute_force_partition(
+    layer_times: Sequence[float],
+    activation_sizes: Sequence[float],
+    n_machines: int,
+    bandwidth: float = 1.0,
+    weight_sizes: Sequence[float] | None = None,
+    replicate: bool = True,
+) -> Partition:
+    """Every cut into consecutive stages and every split of the machines among them: the
+    reference `optimal_partition` must match (exponential; small cases only)."""
+    check_partition_input(layer_times, activation_sizes, n_machines, bandwidth)
+    n = len(layer_times)
+    sync = sync_times(weight_sizes, n, bandwidth)
+    comm = link_times(activation_sizes, bandwidth)
+    best: Partition | None = None
+    for n_stages in range(1, min(n, n_machines) + 1):
+        for cuts in itertools.combinations(range(n - 1), n_stages - 1):
+            bounds = [-1, *cuts, n - 1]
+            links = max((comm[c] for c in cuts), default=0.0)
+            if replicate:  # every way to give each stage at least one of the machines
+                splits = [
+                    [b - a for a, b in zip((0, *cut), (*cut, n_machines), strict=True)]
+                    for cut in itertools.combinations(range(1, n_machines), n_stages - 1)
+                ]
+            else:
+                splits = [[1] * n_stages]
+            for machines in splits:
+                stages = tuple(
+                    Stage(bounds[s] + 1, bounds[s + 1], machines[s]) for s in range(n_stages)
+                )
+                slowest = max(
+                    links,
+                    *(stage_time(layer_times, sync, s.first, s.last, s.machines) for s in stages),
+                )
+                if best is None or slowest < best.time:
+                    best = Partition(slowest, stages)
+    return best
+
+
+def profile_layers(
+    layers: Sequence[nn.Module], x: torch.Tensor, repeats: int = 5
+) -> tuple[list[float], list[int]]:
+    """Measure each layer's forward + backward seconds and the bytes of its output (what a
+    stage boundary after it sends): the DP's T_l and a_l. Rounds go through all layers in
+    turn, after one warm-up round, and each layer keeps its fastest time: on a shared
+    machine, other processes only ever add time."""
+    times = [math.inf] * len(layers)
+    sizes = [0] * len(layers)
+    for round_ in range(repeats + 1):
+        inp = x
+        for i, layer in enumerate(layers):
+            inp = inp.detach().requires_grad_(inp.is_floating_point())
+            start = time.perf_counter()
+            out = layer(inp)
+            out.backward(torch.ones_like(out))
+            if round_ > 0:  # round 0 warms up (first calls allocate and dispatch slowly)
+                times[i] = min(times[i], time.perf_counter() - start)
+            sizes[i] = out.numel() * out.element_size()
+            inp = out
+    return times, sizes
