@@ -690,11 +690,12 @@ def test_ddp_float64_matches_to_1e10():
 def test_ddp_gives_nothing_for_a_wrong_result_or_no_bucketed_overlap(cls, message):
     start = time.monotonic()
     with pytest.raises(CheckFailed) as info:
-        check_ddp(cls, timeout=5)
+        # 10 s: a wrong answer's run, on fresh ranks of a busy machine, must fit in it.
+        check_ddp(cls, timeout=10)
     assert str(info.value).startswith("check_ddp: ")
     assert message in str(info.value)
     assert info.value.score == 0
-    assert time.monotonic() - start < 30  # the deadlock too fails within its timeout
+    assert time.monotonic() - start < 45  # the deadlock too fails within its timeout
 
 
 @pytest.mark.parametrize(
