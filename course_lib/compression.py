@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from matplotlib.figure import Figure
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
@@ -37,7 +36,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from course_lib import models, plots
+from course_lib import models
 from course_lib.comm import CommCounter
 from course_lib.costs import all_gather_bytes, all_reduce_bytes, alpha_beta_time, collective_steps
 from course_lib.data import shard
@@ -479,38 +478,3 @@ def train_compressed(
 def mean_losses(per_rank: Sequence[Run]) -> list[float]:
     """Loss per step averaged over the ranks' shards: the loss of the whole batch."""
     return [sum(losses) / len(losses) for losses in zip(*(r.losses for r in per_rank), strict=True)]
-
-
-# --- pictures -------------------------------------------------------------------------------
-
-
-def plot_loss_curves(
-    curves: dict[str, tuple[Sequence[float], Sequence[float]]],
-    xlabel: str,
-    ylabel: str = "training loss",
-    title: str = "",
-    log_y: bool = True,
-) -> Figure:
-    """One line per label from {label: (x, y)}, as `loss_curves` gives them."""
-    return plots.plot_curves(
-        {label: y for label, (_, y) in curves.items()},
-        xlabel,
-        ylabel,
-        title,
-        log_y=log_y,
-        x_values={label: x for label, (x, _) in curves.items()},
-    )
-
-
-def loss_curves(runs: dict[str, Sequence[Run]], against: str = "step") -> dict:
-    """Curves for `plot_loss_curves` from {label: per-rank runs}: mean loss against the step
-    number, or against rank 0's cumulative wall-clock seconds (`against="time"`)."""
-    curves = {}
-    for label, per_rank in runs.items():
-        losses = mean_losses(per_rank)
-        if against == "time":
-            x = list(torch.tensor(per_rank[0].step_s).cumsum(0).tolist())
-        else:
-            x = list(range(len(losses)))
-        curves[label] = (x, losses)
-    return curves

@@ -5,12 +5,13 @@
     launch(group_members, grid, world_size=8)           # the same groups made with dist.new_group
     estimates = candidates(LLAMA_70B, Cluster(512))     # every TP x PP x DP plan, estimated
     best(LLAMA_70B, Cluster(512))                       # the fastest plan that fits in memory
-    print(candidate_table(estimates[:10])); PlannerWidget()
+    print(candidate_table(estimates[:10]))             # the fastest plans, as a table
 
-Every estimate is a formula of the earlier lectures, imported, not rewritten: bytes per
-parameter of mixed-precision AdamW and the ZeRO stages (`memory`, `zero`, lectures 6-7),
+Every estimate is a formula of the earlier lectures, imported from `course_lib.costs`, not
+rewritten: bytes per parameter of mixed-precision AdamW and the ZeRO stages (lectures 6-7),
 activation memory per layer with TP and SP, TP and PP traffic and compute per micro-batch
-(`tensor_parallel`, lecture 9), and the pipeline bubble (`pipeline`, lecture 8). What this
+(lecture 9), and the pipeline bubble (lecture 8). The figure and the form (widget) of the
+lecture are in `course_lib.measure.parallel_3d`. What this
 module adds is the bookkeeping: which ranks form which group (`ProcessGrid`), which link each
 group's traffic crosses, and how the pieces add up to a step time.
 
@@ -29,11 +30,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-import ipywidgets as widgets
 import numpy as np
 import torch
 import torch.distributed as dist
-from matplotlib.patches import Patch
 
 from course_lib.costs import (
     GPT3_175B,
@@ -47,7 +46,6 @@ from course_lib.costs import (
     zero_comm_bytes,
 )
 from course_lib.memory import GB, divisors
-from course_lib.plots import NotebookFigure
 from course_lib.runtime import device
 from course_lib.zero import STAGES
 
@@ -471,87 +469,3 @@ def summary(model: Model, cluster: Cluster, **options: Any) -> str:
         f"{where}: {e.plan}  {e.total_memory / GB:.0f} GB/GPU, bubble {e.bubble:.1%}, "
         f"{e.step_seconds:.1f} s/step, utilisation {e.utilisation:.0%}"
     )
-
-
-def plot_step_times(estimates: Sequence[Estimate], title: str = "") -> NotebookFigure:
-    """Seconds per step of each plan, stacked by cause; plans that do not fit are hatched."""
-    fig = NotebookFigure(figsize=(8, 0.45 * len(estimates) + 1.2), layout="constrained")
-    ax = fig.add_subplot()
-    causes = ("compute", "recompute", "tp", "pp", "bubble", "dp")
-    labels = [str(e.plan) for e in estimates]
-    left = np.zeros(len(estimates))
-    for i, cause in enumerate(causes):
-        widths = np.array([e.seconds[cause] for e in estimates])
-        bars = ax.barh(labels, widths, left=left, color=f"C{i}")
-        for bar, e in zip(bars, estimates, strict=True):
-            if not e.fits:
-                bar.set_hatch("//")
-                bar.set_alpha(0.5)
-        left += widths
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds per optimizer step (hatched: does not fit in memory)")
-    ax.set_title(title, fontsize=10)
-    handles = [Patch(color=f"C{i}", label=cause) for i, cause in enumerate(causes)]
-    fig.legend(handles=handles, fontsize=8, ncols=len(causes), loc="outside upper center")
-    ax.tick_params(axis="y", labelsize=8)
-    return fig
-
-
-# --- 5. the interactive planner (exercise 8) -------------------------------------------------
-
-
-class PlannerWidget(widgets.VBox):
-    """Menus and sliders for the model and the cluster; every change re-plans and shows the
-    best plan and the fastest candidates. `estimates` and `best` hold what is shown (tests)."""
-
-    def __init__(self, model: str = "70B", gpus: int = 512, top: int = 12) -> None:
-        self.top = top
-        style = {"description_width": "initial"}
-        self.model = widgets.Dropdown(options=list(MODELS), value=model, description="model")
-        self.gpus = widgets.SelectionSlider(
-            options=[2**k for k in range(3, 13)], value=gpus, description="GPUs", style=style
-        )
-        self.gpus_per_node = widgets.Dropdown(options=[4, 8], value=8, description="GPUs/node")
-        self.memory = widgets.IntSlider(80, min=16, max=192, step=8, description="GPU GB")
-        self.inter = widgets.FloatLogSlider(
-            25, base=10, min=0, max=2.7, description="inter-node GB/s", style=style
-        )
-        batches = sorted({2**k for k in range(6, 14)} | {m.global_batch for m in MODELS.values()})
-        self.batch = widgets.SelectionSlider(
-            options=batches, value=MODELS[model].global_batch, description="global batch"
-        )
-        self.output = widgets.Output()
-        controls = [self.model, self.gpus, self.gpus_per_node, self.memory, self.inter, self.batch]
-        super().__init__([widgets.HBox(controls[:3]), widgets.HBox(controls[3:]), self.output])
-        self.estimates: list[Estimate] = []
-        self.best: Estimate | None = None
-        for control in controls:
-            control.observe(self._replan, names="value")
-        self.model.observe(self._default_batch, names="value")
-        self._replan()
-
-    def _default_batch(self, change: Any) -> None:
-        """A new model starts from its own global batch (which re-plans once more)."""
-        self.batch.value = MODELS[change["new"]].global_batch
-
-    def chosen(self) -> tuple[Model, Cluster]:
-        """The model and cluster the controls describe."""
-        model = replace(MODELS[self.model.value], global_batch=self.batch.value)
-        cluster = Cluster(
-            self.gpus.value,
-            gpus_per_node=self.gpus_per_node.value,
-            gpu_memory=self.memory.value * GB,
-            inter_bandwidth=self.inter.value * 1e9,
-        )
-        return model, cluster
-
-    def _replan(self, _change: Any = None) -> None:
-        model, cluster = self.chosen()
-        self.estimates = candidates(model, cluster)
-        self.best = next((e for e in self.estimates if e.fits), None)
-        with self.output:
-            self.output.clear_output(wait=True)
-            print(summary(model, cluster))
-            fitting = [e for e in self.estimates if e.fits]
-            print(f"{len(fitting)} of {len(self.estimates)} plans fit; the fastest:")
-            print(candidate_table((fitting or self.estimates)[: self.top]))

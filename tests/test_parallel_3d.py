@@ -16,6 +16,7 @@ import pytest
 
 from course_lib import launch
 from course_lib.costs import TransformerShape
+from course_lib.measure.parallel_3d import PlannerWidget, plot_step_times
 from course_lib.parallel_3d import (
     GPT3,
     LLAMA_7B,
@@ -23,7 +24,6 @@ from course_lib.parallel_3d import (
     Cluster,
     Model,
     Plan,
-    PlannerWidget,
     ProcessGrid,
     activation_bytes,
     best,
@@ -32,7 +32,6 @@ from course_lib.parallel_3d import (
     estimate,
     factorizations,
     group_members,
-    plot_step_times,
     spans_nodes,
     summary,
 )
