@@ -214,7 +214,7 @@ def test_sync_gradients_accepts_right_implementations(fn, options, capsys):
         (sync_rank0_only, "rank 1, step 0"),
         (sync_nothing, "no collective call was seen during the step; it is still this rank's"),
         (sync_from_the_stack, "no collective call was seen during the step"),
-        (sync_no_none_check, "raised AttributeError on rank 0"),
+        (sync_no_none_check, "raised AttributeError on rank "),  # any: all fail at once
         (sync_total_of_first_step, ", step 2 ("),
         (sync_with_lecture_code, "runs course_lib.data_parallel.allreduce_gradients"),
         (sync_with_pasted_lecture_code, "runs course_lib.data_parallel.allreduce_gradients"),

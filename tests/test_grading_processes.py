@@ -261,7 +261,7 @@ def test_dist_ping_pong_accepts_right_implementations(fn, capsys):
         (dist_float32, "rank 0 sent 12 and received 12 bytes"),
         (dist_no_reply, "did not finish within 5 s"),
         (dist_fabricated, "rank 0 sent 0 and received 0 bytes"),
-        (not_implemented, "raised NotImplementedError on rank 0"),
+        (not_implemented, "raised NotImplementedError on rank "),
     ],
 )
 def test_dist_ping_pong_rejects_wrong_implementations(fn, message):

@@ -286,7 +286,7 @@ def test_the_ranks_step_with_torch_optim_adamw_as_the_reference_does():
         (FloorShardOptimizer, "was never updated: no rank stepped it"),
         (OverlappingShardOptimizer, "bytes of optimizer state; at most"),
         (NoParamGroups, "optimizer.param_groups[0]['lr'] is None"),
-        (not_implemented, "your ShardedOptimizer raised NotImplementedError on rank 0"),
+        (not_implemented, "your ShardedOptimizer raised NotImplementedError on rank "),
     ],
 )
 def test_check_zero1_rejects(impl, message):
