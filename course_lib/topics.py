@@ -7,10 +7,14 @@ the lecture it follows. For the topic "zero":
     course_lib/zero.py               its plumbing (the lecture's code)
     course_lib/measure/zero.py       what the lecture measures and draws, if long (optional)
     solutions/a07_zero/a07_zero.ipynb    the assignment, and assignments/a07_zero/ (released)
-    course_lib/grading/zero.py       the assignment's checks
+    course_lib/grading/zero.py       the assignment's checks (and all the notebook imports)
+    course_lib/grading/zero_*.py     parts of them, where one file would be too long to read
     tests/test_zero.py               tests of course_lib/zero.py
     tests/test_grading_zero.py       the checks against right and wrong implementations
     tests/cheats/a07_zero.py         cheats the checks refuse, right answers they accept
+
+A part (`grading/zero_memory.py`) is imported by its topic's check module and by tests, never
+by a notebook, and it never imports its topic's module: the checks stand on their parts.
 
 This table is the one list of topics: the README's course table and the layout of the
 repository are tested against it (tests/test_topics.py). Adding a topic starts with a row here.

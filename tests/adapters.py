@@ -3,6 +3,7 @@
     a07 = solution("zero")                        # solutions/a07_zero's answers, by name
     a07.ShardedOptimizer                          # as the notebook's cells define it
     buggy = mutant("zero", "zero2", ("param.grad = None", "pass"))   # a named mutation
+    cheat = planted("zero", "zero2", CHEAT_SOURCE)   # one answer cell replaced, as a cheat is
 
 The grading tests hold the checks against these, against small named mutations of them and
 against right answers written in other styles; bench/ring.py times the solution's ring. The
@@ -58,4 +59,14 @@ def mutant(topic_name: str, cell_id: str, *edits: tuple[str, str]) -> SimpleName
         if source.count(old) != 1:
             raise ValueError(f"{old!r} occurs {source.count(old)} times in cell {cell_id!r}")
         source = source.replace(old, new)
+    return _run(topic_name, {**cells, cell_id: source})
+
+
+def planted(topic_name: str, cell_id: str, source: str) -> SimpleNamespace:
+    """The solution with one answer cell's whole source replaced, as tests/cheats plants a
+    cheat or an alternative in a graded notebook: the grading tests hold the checks against
+    the same text."""
+    cells = answer_cells(topic_name)
+    if cell_id not in cells:
+        raise ValueError(f"no answer cell {cell_id!r} in {topic_name}'s solution")
     return _run(topic_name, {**cells, cell_id: source})

@@ -59,7 +59,9 @@ def test_no_file_is_named_after_something_that_is_not_a_topic():
     # What a lecture measures and draws lives apart from the topic's code, under its name.
     assert stems("course_lib/measure", "*.py") - {"__init__"} <= modules
     checks = {t.name for t in TOPICS if t.assignment}
-    assert stems("course_lib/grading", "*.py") == checks | GRADING_LIBRARY
+    # A check module too long to read in one sitting has parts: grading/<topic>_<part>.py.
+    parts = {s for s in stems("course_lib/grading", "*.py") if part_of(s)}
+    assert stems("course_lib/grading", "*.py") == checks | parts | GRADING_LIBRARY
     assert stems("tests/cheats", "a*.py") == assignments
     tested = {s.removeprefix("test_") for s in stems("tests", "test_*.py")}
     expected = modules | {f"grading_{name}" for name in checks} | LIBRARY_TESTS
@@ -67,6 +69,26 @@ def test_no_file_is_named_after_something_that_is_not_a_topic():
         f"not a topic's test: {sorted(tested - expected)}; missing: {sorted(expected - tested)}"
     )
     assert not LIBRARY & names and not GRADING_LIBRARY & checks
+
+
+def part_of(stem: str) -> str | None:
+    """The topic whose checks grading/<stem>.py is a part of, if it is one."""
+    owners = [t.name for t in TOPICS if t.assignment and stem.startswith(f"{t.name}_")]
+    return max(owners, key=len, default=None)
+
+
+def test_check_parts_stand_below_their_topic_and_out_of_notebooks():
+    """A part of a topic's checks never imports the topic's check module (which imports it),
+    and notebooks import only the check module: the parts can move without a release."""
+    for path in sorted((ROOT / "course_lib/grading").glob("*.py")):
+        owner = part_of(path.stem)
+        if owner:
+            imports = re.findall(r"course_lib\.grading\.(\w+)", path.read_text())
+            assert owner not in imports, f"{path.name} imports course_lib.grading.{owner}"
+    for folder in ("lectures", "solutions", "assignments"):
+        for notebook in sorted((ROOT / folder).rglob("*.ipynb")):
+            for module in re.findall(r"course_lib\.grading\.(\w+)", notebook.read_text()):
+                assert not part_of(module), f"{notebook.name} imports grading.{module}, a part"
 
 
 def readme_course_table() -> list[list[str]]:
