@@ -1,41 +1,35 @@
-"""Decentralized training: gossip averaging, Stochastic Gradient Push, group all-reduce, and
-asynchronous SGD with stale gradients (lecture 4).
+"""Decentralized training: gossip averaging, Stochastic Gradient Push and group all-reduce,
+synchronous and asynchronous (lecture 4).
 
     ring, expo = Ring(4), ExponentialGraph(4)         # who talks to whom at each step
     x = gossip_round(x, ring, step)                   # D-PSGD: average with neighbours
     x, w = push_sum_step(x, w, out_nbrs, in_nbrs)     # one SGP round (Algorithm 1, lines 5-7)
     errors = simulate_consensus(expo, x0, rounds=10)  # the same mixing in one process
-    log = train_decentralized("sgp", model, batches, F.mse_loss, lr=0.1, topology=expo)
-    losses = stale_sgd(model, batches, F.mse_loss, lr=0.1, staleness=4)
+    pusher = AsyncPushSum(expo, x)                    # push-sum in a thread that never waits
 
 Every rank keeps its own copy of the model. Instead of one all-reduce per step, a rank mixes
 its parameters with a few peers: after t rounds all copies approach their average, at a rate
 set by the topology. Mixing is written "push" style, as in SGP: rank i keeps the share
 1 / (1 + d_i) of what it has and sends the same share to each of its d_i out-neighbours.
+The lecture's experiments (the training loops compared, asynchronous SGD with stale
+gradients) are in course_lib/measure/gossip.py.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from course_lib.comm import CommCounter
-from course_lib.data import shard
-from course_lib.data_parallel import allreduce_gradients, flat_gradients, flat_parameters
 from course_lib.runtime import rank, world_size
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 GOSSIP_TAG = 404  # messages of the asynchronous gossip, kept apart from anything else
 
 # --- 1. topologies ---------------------------------------------------------------------------
@@ -302,240 +296,7 @@ def contraction_rate(topology: Topology, rounds: int | None = None) -> float:
     return norm ** (1.0 / rounds)
 
 
-# --- 4. asynchronous SGD with stale gradients (simulated in one process) ---------------------
-
-
-def _vector_to_model(vector: torch.Tensor, model: nn.Module) -> None:
-    with torch.no_grad():
-        nn.utils.vector_to_parameters(vector, model.parameters())
-
-
-def _gradient_at(
-    model: nn.Module, params: torch.Tensor, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor
-) -> tuple[torch.Tensor, float]:
-    """(gradient, loss) of `loss_fn` at the parameter vector `params`."""
-    _vector_to_model(params, model)
-    model.zero_grad(set_to_none=True)
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    return flat_gradients(model).clone(), loss.item()
-
-
-def stale_sgd(
-    model: nn.Module,
-    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: LossFn,
-    lr: float,
-    staleness: int,
-) -> list[float]:
-    """SGD where the gradient applied at step t was computed on the parameters of step
-    t - staleness (what a parameter server sees when workers lag behind): returns the loss
-    of the current parameters on each step's batch. staleness=0 is plain SGD."""
-    if staleness < 0:
-        raise ValueError(f"staleness must be >= 0, got {staleness}")
-    params = flat_parameters(model).clone()
-    history = [params.clone()]  # history[-1 - s]: the parameters s steps ago
-    losses = []
-    for x, y in batches:
-        old = history[max(0, len(history) - 1 - staleness)]
-        grad, _ = _gradient_at(model, old, loss_fn, x, y)
-        with torch.no_grad():
-            losses.append(loss_fn(_model_at(model, params)(x), y).item())
-        params = params - lr * grad
-        history = [*history[-staleness:], params.clone()] if staleness else [params.clone()]
-    _vector_to_model(params, model)
-    return losses
-
-
-def _model_at(model: nn.Module, params: torch.Tensor) -> nn.Module:
-    _vector_to_model(params, model)
-    return model
-
-
-@dataclass
-class ServerLog:
-    """What `parameter_server` saw, one entry per applied gradient."""
-
-    time: list[float] = field(default_factory=list)  # simulated seconds when it was applied
-    worker: list[int] = field(default_factory=list)  # which worker sent it
-    staleness: list[int] = field(default_factory=list)  # updates since that worker read
-    losses: list[float] = field(default_factory=list)  # loss of the server's parameters
-
-
-def parameter_server(
-    model: nn.Module,
-    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: LossFn,
-    lr: float,
-    worker_times: Sequence[float],
-    eval_data: tuple[torch.Tensor, torch.Tensor],
-) -> ServerLog:
-    """Asynchronous SGD with a parameter server, simulated event by event in one process.
-
-    Worker k reads the server's parameters, spends worker_times[k] simulated seconds on a
-    gradient (of the next batch), and sends it; the server applies each gradient as it
-    arrives, without waiting for the others. A gradient is as stale as the number of updates
-    that landed while it was being computed."""
-    params = flat_parameters(model).clone()
-    version = 0
-    batch_iter = iter(batches)
-    # (finish time, worker, parameters it read, version it read, its batch)
-    events: list = []
-    for k, seconds in enumerate(worker_times):
-        events.append((seconds, k, params.clone(), version, next(batch_iter)))
-    heapq.heapify(events)
-    log = ServerLog()
-    x_eval, y_eval = eval_data
-    while events:
-        now, k, read, read_version, (x, y) = heapq.heappop(events)
-        grad, _ = _gradient_at(model, read, loss_fn, x, y)
-        params = params - lr * grad
-        log.staleness.append(version - read_version)
-        version += 1
-        with torch.no_grad():
-            log.losses.append(loss_fn(_model_at(model, params)(x_eval), y_eval).item())
-        log.time.append(now)
-        log.worker.append(k)
-        batch = next(batch_iter, None)
-        if batch is not None:
-            heapq.heappush(events, (now + worker_times[k], k, params.clone(), version, batch))
-    _vector_to_model(params, model)
-    return log
-
-
-def synchronous_server(
-    model: nn.Module,
-    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: LossFn,
-    lr: float,
-    worker_times: Sequence[float],
-    eval_data: tuple[torch.Tensor, torch.Tensor],
-) -> ServerLog:
-    """The synchronous counterpart of `parameter_server`: each step waits for one gradient
-    from every worker (max(worker_times) simulated seconds) and applies their average."""
-    params = flat_parameters(model).clone()
-    log, n = ServerLog(), len(worker_times)
-    x_eval, y_eval = eval_data
-    for step in range(len(batches) // n):
-        grads = [_gradient_at(model, params, loss_fn, x, y)[0] for x, y in batches[step * n :][:n]]
-        params = params - lr * torch.stack(grads).mean(dim=0)
-        with torch.no_grad():
-            log.losses.append(loss_fn(_model_at(model, params)(x_eval), y_eval).item())
-        log.time.append((step + 1) * max(worker_times))
-        log.worker.append(-1)  # all of them
-        log.staleness.append(0)
-    _vector_to_model(params, model)
-    return log
-
-
-# --- 5. training loops compared --------------------------------------------------------------
-
-
-METHODS = ("allreduce", "gossip", "sgp", "group", "async_sgp")
-
-
-@dataclass
-class GossipLog:
-    """What one rank measured in `train_decentralized`, one entry per step."""
-
-    method: str
-    losses: list[float] = field(default_factory=list)  # loss on this rank's shard, at z
-    step_s: list[float] = field(default_factory=list)  # wall time of the step
-    bytes_sent: list[int] = field(default_factory=list)  # counted by CommCounter
-    weights: list[float] = field(default_factory=list)  # push-sum weight w after the step
-    parameters: torch.Tensor | None = None  # this rank's final z (a flat vector)
-    gossip_rounds: int = 0  # rounds of the asynchronous gossip thread
-
-
-def train_decentralized(
-    method: str,
-    model: nn.Module,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: LossFn,
-    lr: float,
-    *,
-    topology: Topology | None = None,
-    straggler=None,
-    max_seconds: float | None = None,
-) -> GossipLog:
-    """Train with plain SGD steps and one of five ways of keeping the copies together.
-
-    - "allreduce": all-reduce the gradients (synchronous data parallel);
-    - "gossip": D-PSGD, step then one `gossip_round` on `topology` (default: ring);
-    - "sgp": SGP, Algorithm 1: step on x at z = x / w, then `push_sum_step` (default graph:
-      exponential);
-    - "group": step, then average within random groups (`topology`: RandomGroups, default 2);
-    - "async_sgp": push-sum in a thread of its own that never waits (`AsyncPushSum`).
-    Each rank trains on its shard of every batch. `straggler.step()` (a `network.Straggler`)
-    runs after backward, before communication: a rank's compute is slowed, not its network.
-    With `max_seconds`, "async_sgp" ranks stop stepping after that much wall time (or at the
-    end of `batches`), each on its own: a slow rank then simply makes fewer steps.
-    """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
-    p, me = world_size(), rank()
-    topology = topology or _default_topology(method, p)
-    if topology.world != p:
-        raise ValueError(f"{topology!r} is for {topology.world} ranks, but {p} are running")
-    if max_seconds is not None and method != "async_sgp":
-        raise ValueError(
-            f"{method!r} is synchronous: its ranks must agree on the number of steps, so it "
-            "cannot stop on a per-rank time budget; pass max_seconds only with 'async_sgp'"
-        )
-    groups = GroupAllReduce(topology) if method == "group" else None
-    log = GossipLog(method)
-    x = flat_parameters(model).clone()  # numerators (the parameters, for non-push methods)
-    w = torch.ones((), dtype=x.dtype)  # push-sum weight (stays 1 for the others)
-    dist.barrier()  # start the clocks together
-    pusher = AsyncPushSum(topology, x) if method == "async_sgp" else None
-    began = time.perf_counter()
-    with CommCounter() as counter:
-        for step, (xb, yb) in enumerate(batches):
-            if max_seconds is not None and time.perf_counter() - began > max_seconds:
-                break
-            start, sent_before = time.perf_counter(), counter.bytes_sent
-            z = pusher.z() if pusher else x / w
-            _vector_to_model(z, model)  # gradients are computed at z = x / w
-            model.zero_grad(set_to_none=True)
-            loss = loss_fn(model(shard(xb, me, p)), shard(yb, me, p))
-            loss.backward()
-            if straggler is not None:
-                straggler.step()
-            if method == "allreduce":
-                allreduce_gradients(model)
-            update = lr * flat_gradients(model)
-            if pusher:
-                pusher.step(update)  # the gossip thread mixes on its own
-            else:
-                x = x - update  # Algorithm 1, line 4
-            if method == "gossip":
-                x = gossip_round(x, topology, step)
-            elif method == "sgp":
-                out_nbrs, in_nbrs = (
-                    topology.out_neighbors(me, step),
-                    topology.in_neighbors(me, step),
-                )
-                x, w = push_sum_step(x, w, out_nbrs, in_nbrs)  # lines 5-7
-            elif method == "group":
-                x = groups.average(x, step)
-            log.losses.append(loss.item())
-            log.step_s.append(time.perf_counter() - start)
-            log.bytes_sent.append(counter.bytes_sent - sent_before)
-            log.weights.append(float(pusher.w if pusher else w))
-        if pusher:
-            x, w = pusher.finish()
-            log.gossip_rounds = pusher.rounds
-    _vector_to_model(x / w, model)
-    log.parameters = (x / w).clone()
-    return log
-
-
-def _default_topology(method: str, p: int) -> Topology:
-    if method == "group":
-        return RandomGroups(p, group_size=2 if p % 2 == 0 else 1)
-    if method == "gossip":
-        return Ring(p)
-    return ExponentialGraph(p)
+# --- 4. push-sum that never waits ------------------------------------------------------------
 
 
 class AsyncPushSum:

@@ -60,16 +60,21 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, d_model = x.shape
-        head_dim = d_model // self.n_heads
-        q, k, v = self.qkv(x).split(d_model, dim=-1)
-        # (batch, time, d_model) -> (batch, heads, time, head_dim): heads attend independently
-        q, k, v = (t.view(batch, time, self.n_heads, head_dim).transpose(1, 2) for t in (q, k, v))
-        scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
-        future = torch.ones(time, time, dtype=torch.bool, device=x.device).triu(1)
-        weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
-        out = (weights @ v).transpose(1, 2).reshape(batch, time, d_model)
-        return self.proj(out)
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
+        return self.proj(causal_attention(q, k, v, self.n_heads))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int):
+    """Each of `n_heads` heads attends to the past: q, k and v are (batch, time, width), width
+    = n_heads * head_dim (all heads of the model, or one tensor-parallel rank's share)."""
+    batch, time, width = q.shape
+    head_dim = width // n_heads
+    # (batch, time, width) -> (batch, heads, time, head_dim): heads attend independently
+    q, k, v = (t.view(batch, time, n_heads, head_dim).transpose(1, 2) for t in (q, k, v))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
+    future = torch.ones(time, time, dtype=torch.bool, device=q.device).triu(1)
+    weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return (weights @ v).transpose(1, 2).reshape(batch, time, width)
 
 
 class MLPBlock(nn.Module):

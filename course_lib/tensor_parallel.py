@@ -350,16 +350,9 @@ class ParallelSelfAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, _ = x.shape
         width = self.qkv.weight.shape[0] // 3  # this rank's heads * head_dim
-        head_dim = width // self.n_heads
         q, k, v = self.qkv(x).split(width, dim=-1)
-        q, k, v = (t.view(batch, time, self.n_heads, head_dim).transpose(1, 2) for t in (q, k, v))
-        scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
-        future = torch.ones(time, time, dtype=torch.bool, device=x.device).triu(1)
-        weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
-        out = (weights @ v).transpose(1, 2).reshape(batch, time, width)
-        return self.proj(out)
+        return self.proj(models.causal_attention(q, k, v, self.n_heads))
 
 
 class ParallelBlock(nn.Module):

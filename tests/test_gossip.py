@@ -1,5 +1,6 @@
-"""course_lib.gossip: topologies, gossip and push-sum rounds over point-to-point messages, group
-all-reduce, the asynchronous push-sum, stale-gradient SGD and the training loops.
+"""course_lib.gossip and course_lib.measure.gossip: topologies, gossip and push-sum rounds over
+point-to-point messages, group all-reduce, the asynchronous push-sum, stale-gradient SGD and
+the training loops.
 
 References are independent of the code under test: torch.distributed's own all-reduce and
 all-gather for sums and means, the mixing matrix applied in one process, and single-process
@@ -27,9 +28,11 @@ from course_lib.gossip import (
     Ring,
     consensus_error,
     gossip_round,
-    parameter_server,
     push_sum_step,
     simulate_consensus,
+)
+from course_lib.measure.gossip import (
+    parameter_server,
     stale_sgd,
     synchronous_server,
     train_decentralized,
