@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from course_lib.grading import CheckFailed, check_push_sum
 from course_lib.grading.gossip import in_neighbors, out_neighbors, push_sum_reference
-from tests.adapters import solution
+from tests.adapters import planted, solution
+from tests.cheats.a04_gossip import PUSH_SUM_ALL_GATHER
 
 push_sum_step = solution("gossip").push_sum_step
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -104,17 +105,8 @@ def not_implemented(*args):
     raise NotImplementedError()
 
 
-def push_sum_all_gather(x, w, out_neighbors, in_neighbors):
-    """Right numbers from an all-gather of every rank's x, w and out-degree: every rank
-    hears from everyone, and keeps what its in-neighbours would have sent."""
-    p = dist.get_world_size()
-    mine = torch.cat([x.double(), w.double().reshape(1), torch.tensor([len(out_neighbors)])])
-    everyone = [torch.empty_like(mine) for _ in range(p)]
-    dist.all_gather(everyone, mine)
-    new = mine[:-1] / (len(out_neighbors) + 1)
-    for j in in_neighbors:
-        new = new + everyone[j][:-1] / (everyone[j][-1] + 1)
-    return new[:-1].to(x.dtype), new[-1].to(w.dtype).reshape(w.shape)
+# The cheat the grading course plants, as its notebook would run it.
+push_sum_all_gather = planted("gossip", "push_sum_step", PUSH_SUM_ALL_GATHER).push_sum_step
 
 
 def push_sum_lecture(x, w, out_neighbors, in_neighbors):

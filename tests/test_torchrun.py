@@ -17,9 +17,21 @@ from course_lib.torchrun import choose_backend, init_from_env, load_function
 from tests.conftest import ROOT
 
 
+def run(command: list[str]) -> subprocess.CompletedProcess:
+    """`command` in the repository, with course_lib importable, its output captured."""
+    return subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
 def test_example_runs_unchanged_under_torchrun():
     torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run(
+    result = run(
         [
             str(torchrun),
             "--standalone",
@@ -29,12 +41,7 @@ def test_example_runs_unchanged_under_torchrun():
             "course_lib.torchrun",
             "examples/hello_allreduce.py:main",
             "8",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        ]
     )
     assert result.returncode == 0, result.stderr
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -45,14 +52,7 @@ def test_example_runs_unchanged_under_torchrun():
 
 
 def test_the_example_also_runs_as_a_script():
-    result = subprocess.run(
-        [sys.executable, "examples/hello_allreduce.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    result = run([sys.executable, "examples/hello_allreduce.py"])
     assert result.returncode == 0, result.stderr
     on = "cuda:3" if resolve_backend("auto", 4) == "nccl" else "cpu"
     assert f"[rank 3] rank 3 of 4 on {on}: all_reduce gave 6" in result.stdout
