@@ -74,6 +74,18 @@ def all_to_all_bytes(nbytes, world: int):
     return ring_bytes(nbytes, world)
 
 
+def host_bytes(model_bytes: int, batch_bytes: int, world: int) -> dict[str, tuple[int, int]]:
+    """(sent, received) per step of the naive host scheme (`data_parallel.host_step`), for the
+    host (rank 0) and for one worker: the host scatters the batch (it keeps its own 1/P), every
+    worker sends its whole gradient to the host, and the host sends the parameters back to
+    each. The host's traffic grows as (P - 1) model sizes; a ring all-reduce's stays under 2."""
+    scattered = (world - 1) * batch_bytes // world  # all of the batch but the host's share
+    return {
+        "host": ((world - 1) * model_bytes + scattered, (world - 1) * model_bytes),
+        "worker": (model_bytes, model_bytes + batch_bytes // world),
+    }
+
+
 def all_reduce_seconds(algorithm: str, nbytes: int, world: int, alpha: float, beta: float) -> float:
     """Seconds one all-reduce of N bytes takes under the alpha-beta model of lecture 2 (Thakur,
     Rabenseifner and Gropp, 2005): a message of b bytes costs alpha + b * beta (beta in seconds

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib import CommCounter, RankError, WorkerPool, compare, data, models, rank
+from course_lib import CommCounter, RankError, WorkerPool, compare, costs, data, models, rank
 from course_lib.data_parallel import (
     DDPTimeline,
     flat_parameters,
@@ -91,6 +91,10 @@ def test_host_scheme_traffic_is_concentrated_at_the_host(pool4):
     for _, sent, received in results[1:]:
         assert sent == STEPS * model_bytes
         assert received == STEPS * (model_bytes + shard_bytes)
+    # The lecture's formula (course_lib.costs) is what was counted.
+    model = costs.host_bytes(model_bytes, P * shard_bytes, P)
+    assert [STEPS * b for b in model["host"]] == [host_sent, host_received]
+    assert [STEPS * b for b in model["worker"]] == list(results[1][1:])
 
 
 def host_step_uneven():
