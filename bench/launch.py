@@ -124,12 +124,16 @@ def main() -> None:
         )
         print(header)
         print("-" * len(header))
-        for world in options.world_sizes:
-            spawn = statistics.median(run(scripts["spawn"], world) for _ in range(options.repeats))
-            cold = statistics.median(run(scripts["cold"], world) for _ in range(options.repeats))
-            warm = run(scripts["warm"], world, options.warm_calls)
+        for world_size in options.world_sizes:
+            spawn = statistics.median(
+                run(scripts["spawn"], world_size) for _ in range(options.repeats)
+            )
+            cold = statistics.median(
+                run(scripts["cold"], world_size) for _ in range(options.repeats)
+            )
+            warm = run(scripts["warm"], world_size, options.warm_calls)
             print(
-                f"{world:>5} | {spawn:>8.2f}s | {cold:>10.2f}s | {spawn / cold:>9.1f}x | "
+                f"{world_size:>5} | {spawn:>8.2f}s | {cold:>10.2f}s | {spawn / cold:>9.1f}x | "
                 f"{1000 * warm:>7.1f}ms | {spawn / warm:>9.0f}x"
             )
     print("\ntargets: warm call (4 ranks) < 20 ms and > 100x faster than mp.spawn; cold < mp.spawn")

@@ -146,7 +146,7 @@ def _join_process_group(spec: dict) -> None:
         spec["store_host"], spec["store_port"], is_master=False, timeout=timedelta(seconds=120)
     )
     timeout = timedelta(seconds=spec["pg_timeout_s"])
-    rank, world = spec["rank"], spec["world_size"]
+    rank, world_size = spec["rank"], spec["world_size"]
     if spec["backend"] == "nccl":
         # One GPU per rank; CPU tensors still work through gloo.
         torch.cuda.set_device(rank)
@@ -154,13 +154,15 @@ def _join_process_group(spec: dict) -> None:
             "cpu:gloo,cuda:nccl",
             store=store,
             rank=rank,
-            world_size=world,
+            world_size=world_size,
             timeout=timeout,
             device_id=torch.device("cuda", rank),
         )
     else:
         backend = counted_group.BACKEND if spec.get("untrusted") else "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
 
 
 # --- one call -----------------------------------------------------------------------------

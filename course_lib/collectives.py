@@ -95,9 +95,9 @@ def naive_all_reduce(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
 # --- binary tree: reduce up, broadcast down -----------------------------------------------
 
 
-def tree_children(rank: int, world: int) -> list[int]:
+def tree_children(rank: int, world_size: int) -> list[int]:
     """Children of `rank` in the binary tree rooted at 0 (heap numbering: 2r+1 and 2r+2)."""
-    return [c for c in (2 * rank + 1, 2 * rank + 2) if c < world]
+    return [c for c in (2 * rank + 1, 2 * rank + 2) if c < world_size]
 
 
 def tree_parent(rank: int) -> int | None:
@@ -130,13 +130,13 @@ def tree_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 # --- butterfly: recursive doubling --------------------------------------------------------
 
 
-def _log2_world(world: int, name: str) -> int:
-    if world < 1 or world & (world - 1):
+def _log2_world(world_size: int, name: str) -> int:
+    if world_size < 1 or world_size & (world_size - 1):
         raise ValueError(
-            f"{name} needs a power-of-two number of ranks (1, 2, 4, 8, ...), got {world}; "
+            f"{name} needs a power-of-two number of ranks (1, 2, 4, 8, ...), got {world_size}; "
             "use ring_all_reduce or tree_all_reduce for other world sizes"
         )
-    return world.bit_length() - 1
+    return world_size.bit_length() - 1
 
 
 def butterfly_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -170,45 +170,47 @@ class RingStep:
     recv: tuple[int, ...]  # recv[r]: the chunk rank r receives from (r - 1) % P
 
 
-def ring_step(world: int, step: int) -> RingStep:
-    """Step `step` (0 .. 2(P-1)-1) of the ring all-reduce on `world` ranks.
+def ring_step(world_size: int, step: int) -> RingStep:
+    """Step `step` (0 .. 2(P-1)-1) of the ring all-reduce on `world_size` ranks.
 
     Reduce-scatter step s: rank r sends chunk r-s-1 and receives chunk r-s-2 (mod P), so
     after P-1 steps rank r holds the full sum of chunk r. All-gather step s: rank r sends
     chunk r-s (its finished chunk first) and receives chunk r-s-1.
     """
-    if world < 1:
-        raise ValueError(f"world must be >= 1, got {world}")
-    if not 0 <= step < 2 * (world - 1):
-        raise ValueError(f"step must be in 0..{2 * (world - 1) - 1} for {world} ranks, got {step}")
-    ranks = range(world)
-    if step < world - 1:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= step < 2 * (world_size - 1):
+        raise ValueError(
+            f"step must be in 0..{2 * (world_size - 1) - 1} for {world_size} ranks, got {step}"
+        )
+    ranks = range(world_size)
+    if step < world_size - 1:
         s = step
-        send = tuple((r - s - 1) % world for r in ranks)
-        recv = tuple((r - s - 2) % world for r in ranks)
+        send = tuple((r - s - 1) % world_size for r in ranks)
+        recv = tuple((r - s - 2) % world_size for r in ranks)
         return RingStep(REDUCE_SCATTER, s, send, recv)
-    s = step - (world - 1)
-    send = tuple((r - s) % world for r in ranks)
-    recv = tuple((r - s - 1) % world for r in ranks)
+    s = step - (world_size - 1)
+    send = tuple((r - s) % world_size for r in ranks)
+    recv = tuple((r - s - 1) % world_size for r in ranks)
     return RingStep(ALL_GATHER, s, send, recv)
 
 
-def ring_schedule(world: int) -> list[RingStep]:
+def ring_schedule(world_size: int) -> list[RingStep]:
     """All 2(P-1) steps of the ring all-reduce: P-1 of reduce-scatter, then P-1 of all-gather."""
-    return [ring_step(world, s) for s in range(2 * (world - 1))]
+    return [ring_step(world_size, s) for s in range(2 * (world_size - 1))]
 
 
-def ring_state(world: int, steps_done: int) -> list[list[frozenset[int]]]:
+def ring_state(world_size: int, steps_done: int) -> list[list[frozenset[int]]]:
     """What the schedule says each rank holds after `steps_done` steps, symbolically:
     state[r][c] is the set of ranks whose chunk c is summed into rank r's copy of chunk c.
     A chunk is fully reduced on a rank when its set has all P ranks."""
-    if not 0 <= steps_done <= 2 * (world - 1):
-        raise ValueError(f"steps_done must be in 0..{2 * (world - 1)}, got {steps_done}")
-    state = [[frozenset({r}) for _ in range(world)] for r in range(world)]
-    for step in ring_schedule(world)[:steps_done]:
+    if not 0 <= steps_done <= 2 * (world_size - 1):
+        raise ValueError(f"steps_done must be in 0..{2 * (world_size - 1)}, got {steps_done}")
+    state = [[frozenset({r}) for _ in range(world_size)] for r in range(world_size)]
+    for step in ring_schedule(world_size)[:steps_done]:
         before = [row[:] for row in state]  # every rank sends what it had before the step
-        for r in range(world):
-            left = (r - 1) % world
+        for r in range(world_size):
+            left = (r - 1) % world_size
             chunk = step.recv[r]
             incoming = before[left][chunk]
             state[r][chunk] = (
@@ -217,10 +219,10 @@ def ring_state(world: int, steps_done: int) -> list[list[frozenset[int]]]:
     return state
 
 
-def chunk_sizes(numel: int, world: int) -> list[int]:
+def chunk_sizes(numel: int, world_size: int) -> list[int]:
     """Sizes of the P chunks the ring cuts N elements into (as `torch.tensor_split`: the
     first N mod P chunks have one element more; some are empty when N < P)."""
-    return [numel // world + (1 if c < numel % world else 0) for c in range(world)]
+    return [numel // world_size + (1 if c < numel % world_size else 0) for c in range(world_size)]
 
 
 def ring_all_reduce(tensor: torch.Tensor, steps: int | None = None) -> torch.Tensor:
@@ -259,21 +261,22 @@ ALGORITHMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 # --- what each rank sends: the formulas ---------------------------------------------------
 
 
-def _check(algorithm: str, numel: int, world: int, rank: int) -> None:
+def _check(algorithm: str, numel: int, world_size: int, rank: int) -> None:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
-    if numel < 0 or world < 1 or not 0 <= rank < world:
+    if numel < 0 or world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(
-            f"need numel >= 0, world >= 1 and 0 <= rank < world; got {numel}, {world}, {rank}"
+            "need numel >= 0, world_size >= 1 and 0 <= rank < world_size; "
+            f"got {numel}, {world_size}, {rank}"
         )
     if algorithm == "butterfly":
-        _log2_world(world, "butterfly_all_reduce")
+        _log2_world(world_size, "butterfly_all_reduce")
 
 
-def elements_sent(algorithm: str, numel: int, world: int, rank: int, root: int = 0) -> int:
-    """Elements `rank` sends in one all-reduce of `numel` elements over `world` ranks."""
-    _check(algorithm, numel, world, rank)
-    n, p = numel, world
+def elements_sent(algorithm: str, numel: int, world_size: int, rank: int, root: int = 0) -> int:
+    """Elements `rank` sends in one all-reduce of `numel` elements over `world_size` ranks."""
+    _check(algorithm, numel, world_size, rank)
+    n, p = numel, world_size
     if p == 1 or n == 0:
         return 0
     if algorithm == "naive":
@@ -290,16 +293,16 @@ def elements_sent(algorithm: str, numel: int, world: int, rank: int, root: int =
 
 
 def bytes_sent(
-    algorithm: str, numel: int, world: int, rank: int, element_size: int = 4, root: int = 0
+    algorithm: str, numel: int, world_size: int, rank: int, element_size: int = 4, root: int = 0
 ) -> int:
     """Bytes `rank` sends in one all-reduce of `numel` elements of `element_size` bytes."""
-    return element_size * elements_sent(algorithm, numel, world, rank, root)
+    return element_size * elements_sent(algorithm, numel, world_size, rank, root)
 
 
-def messages_sent(algorithm: str, numel: int, world: int, rank: int, root: int = 0) -> int:
+def messages_sent(algorithm: str, numel: int, world_size: int, rank: int, root: int = 0) -> int:
     """Messages (sends) `rank` makes in one all-reduce: each costs a latency alpha."""
-    _check(algorithm, numel, world, rank)
-    n, p = numel, world
+    _check(algorithm, numel, world_size, rank)
+    n, p = numel, world_size
     if p == 1 or n == 0:
         return 0
     if algorithm == "naive":
@@ -313,13 +316,13 @@ def messages_sent(algorithm: str, numel: int, world: int, rank: int, root: int =
 
 
 def model_seconds(
-    algorithm: str, numel: int, world: int, alpha: float, beta: float, element_size: int = 4
+    algorithm: str, numel: int, world_size: int, alpha: float, beta: float, element_size: int = 4
 ) -> float:
     """Time the alpha-beta model predicts for one all-reduce of `numel` elements of
     `element_size` bytes: `course_lib.costs.all_reduce_seconds` (alpha in seconds, beta in
     seconds per byte)."""
-    _check(algorithm, numel, world, 0)
-    return all_reduce_seconds(algorithm, numel * element_size, world, alpha, beta)
+    _check(algorithm, numel, world_size, 0)
+    return all_reduce_seconds(algorithm, numel * element_size, world_size, alpha, beta)
 
 
 # --- measuring: who talks to whom, and how long it takes ---------------------------------

@@ -116,9 +116,9 @@ def _dequantize_rows(values: torch.Tensor, scales: torch.Tensor, chunk: int) -> 
     return values.view(rows, -1, chunk).float().mul_(scales.view(rows, -1, 1)).view(rows, -1)
 
 
-def part_size(numel: int, world: int, chunk_size: int = CHUNK) -> int:
+def part_size(numel: int, world_size: int, chunk_size: int = CHUNK) -> int:
     """Elements in each rank's part of a quantized all-reduce: whole chunks, P parts."""
-    return math.ceil(numel / (world * chunk_size)) * chunk_size
+    return math.ceil(numel / (world_size * chunk_size)) * chunk_size
 
 
 def quantized_all_reduce(tensor: torch.Tensor, chunk_size: int = CHUNK, group=None) -> torch.Tensor:
@@ -169,17 +169,17 @@ def quantized_sum_bound(tensors: Sequence[torch.Tensor], chunk_size: int = CHUNK
     return (phase1 + phase2).repeat_interleave(chunk_size)[:n].view(shape)
 
 
-def quantized_bytes(numel: int, world: int, chunk_size: int = CHUNK) -> int:
+def quantized_bytes(numel: int, world_size: int, chunk_size: int = CHUNK) -> int:
     """Bytes one rank sends in `quantized_all_reduce`: (P-1) parts of int8 values and fp32
     scales in each phase, so 2 (P-1)/P N (1 + 4/chunk) for N elements (whole chunks)."""
-    part = part_size(numel, world, chunk_size)
+    part = part_size(numel, world_size, chunk_size)
     # The all-to-all sends P-1 parts of int8 values and scales, the all-gather as many.
-    return 2 * all_gather_bytes(part + 4 * part // chunk_size, world)
+    return 2 * all_gather_bytes(part + 4 * part // chunk_size, world_size)
 
 
-def fp32_all_reduce_bytes(numel: int, world: int) -> int:
+def fp32_all_reduce_bytes(numel: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of `numel` fp32 values: 2 (P-1)/P * 4N."""
-    return all_reduce_bytes(4 * numel, world)
+    return all_reduce_bytes(4 * numel, world_size)
 
 
 @dataclass
@@ -327,11 +327,11 @@ def powersgd_elements(shapes: Iterable[torch.Size], r: int, min_rate: float = 2.
     return counts
 
 
-def powersgd_bytes(shapes: Iterable[torch.Size], r: int, world: int) -> int:
+def powersgd_bytes(shapes: Iterable[torch.Size], r: int, world_size: int) -> int:
     """Bytes one rank sends per PowerSGD step: three fp32 ring all-reduces (the uncompressed
     tensors, then the Ps, then the Qs), each counted as 2 (P-1)/P * its bytes."""
     counts = powersgd_elements(shapes, r)
-    return sum(fp32_all_reduce_bytes(c, world) for c in counts.values())
+    return sum(fp32_all_reduce_bytes(c, world_size) for c in counts.values())
 
 
 # --- the formulas for every method, per step ------------------------------------------------
@@ -340,7 +340,7 @@ def powersgd_bytes(shapes: Iterable[torch.Size], r: int, world: int) -> int:
 def bytes_per_step(
     method: str,
     shapes: Sequence[torch.Size],
-    world: int,
+    world_size: int,
     *,
     chunk_size: int = CHUNK,
     topk_fraction: float = 0.01,
@@ -350,19 +350,19 @@ def bytes_per_step(
     bucket (PowerSGD: once compression has started)."""
     numel = sum(math.prod(shape) for shape in shapes)
     if method == "fp32":
-        return fp32_all_reduce_bytes(numel, world)
+        return fp32_all_reduce_bytes(numel, world_size)
     if method == "int8":
-        return quantized_bytes(numel, world, chunk_size)
+        return quantized_bytes(numel, world_size, chunk_size)
     if method.startswith("topk"):
-        return all_gather_bytes(TopK(topk_fraction).payload_bytes(numel), world)
+        return all_gather_bytes(TopK(topk_fraction).payload_bytes(numel), world_size)
     if method.startswith("sign"):
-        return all_gather_bytes(Sign().payload_bytes(numel), world)
+        return all_gather_bytes(Sign().payload_bytes(numel), world_size)
     if method == "powersgd":
-        return powersgd_bytes(shapes, powersgd_rank, world)
+        return powersgd_bytes(shapes, powersgd_rank, world_size)
     raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
 
 
-def latency_steps(method: str, world: int) -> int:
+def latency_steps(method: str, world_size: int) -> int:
     """Messages one after another per step: a ring all-reduce takes 2(P-1), an all-gather or
     an all-to-all P-1; PowerSGD runs three all-reduces, int8 an all-to-all and an all-gather."""
     collectives = {
@@ -370,20 +370,20 @@ def latency_steps(method: str, world: int) -> int:
         "int8": ("all_to_all", "all_gather"),
         "powersgd": ("all_reduce",) * 3,
     }
-    return sum(collective_steps(op, world) for op in collectives.get(method, ("all_gather",)))
+    return sum(collective_steps(op, world_size) for op in collectives.get(method, ("all_gather",)))
 
 
 def comm_seconds(
     method: str,
     shapes: Sequence[torch.Size],
-    world: int,
+    world_size: int,
     bandwidth: float,
     latency: float,
     **options,
 ) -> float:
     """Network time per step, alpha-beta model: latency_steps * latency + bytes / bandwidth."""
-    sent = bytes_per_step(method, shapes, world, **options)
-    return alpha_beta_time(sent, latency, bandwidth, messages=latency_steps(method, world))
+    sent = bytes_per_step(method, shapes, world_size, **options)
+    return alpha_beta_time(sent, latency, bandwidth, messages=latency_steps(method, world_size))
 
 
 # --- one training loop for every method ----------------------------------------------------

@@ -2,13 +2,13 @@
 `CommCounter`, the emulated network and the checks all take their formulas from here.
 
     alpha_beta_time(nbytes, latency, bandwidth)     # seconds for one message
-    all_reduce_bytes(nbytes, world)                 # 2(P-1)/P * N, a ring all-reduce
-    zero_bytes("zero2", n_params, world)            # bytes of state a rank holds under ZeRO
+    all_reduce_bytes(nbytes, world_size)            # 2(P-1)/P * N, a ring all-reduce
+    zero_bytes("zero2", n_params, world_size)       # bytes of state a rank holds under ZeRO
     activation_memory(s, b, h, a, t)                # sbh(34 + 5as/h), split by TP and SP
     bubble_formula(n_stages, m)                     # (P-1)/(m+P-1) of 1F1B and GPipe
 
-Conventions: P (`world`) ranks in the group, N (`nbytes`) bytes of the whole tensor unless a
-docstring says otherwise; volumes are the bytes one rank sends (in these algorithms it
+Conventions: P (`world_size`) ranks in the group, N (`nbytes`) bytes of the whole tensor
+unless a docstring says otherwise; volumes are the bytes one rank sends (in these algorithms it
 receives as many). Whole bytes in, whole bytes out: an int N gives an int, rounded down, as
 `CommCounter` counts it; a float N gives the exact float.
 """
@@ -29,12 +29,12 @@ def alpha_beta_time(nbytes, latency: float, bandwidth: float, messages: int = 1)
     return messages * latency + nbytes / bandwidth
 
 
-def collective_steps(op: str, world: int) -> int:
+def collective_steps(op: str, world_size: int) -> int:
     """Messages one after another in the textbook algorithm of collective `op`, each costing
     one latency: 2(P-1) for a ring all-reduce (reduce-scatter, then all-gather), ceil(log2 P)
     for a dissemination barrier, P-1 for a ring all-gather or reduce-scatter, a direct
     all-to-all, and the root of a flat tree."""
-    p = world
+    p = world_size
     if op == "all_reduce":
         return 2 * (p - 1)
     if op == "barrier":
@@ -45,48 +45,52 @@ def collective_steps(op: str, world: int) -> int:
 # --- volume: bytes a rank sends in each collective -------------------------------------------
 
 
-def ring_bytes(nbytes, world: int, passes: int = 1):
+def ring_bytes(nbytes, world_size: int, passes: int = 1):
     """Bytes one rank sends in `passes` passes around a ring over an N-byte tensor cut into P
     chunks: each pass (a reduce-scatter, or an all-gather) sends the P-1 chunks that are not
     its own, (P-1)/P * N (Patarasuk and Yuan, 2009)."""
     if isinstance(nbytes, int):  # whole bytes, rounded down, as CommCounter counts them
-        return passes * (world - 1) * nbytes // world
-    return passes * (world - 1) / world * nbytes
+        return passes * (world_size - 1) * nbytes // world_size
+    return passes * (world_size - 1) / world_size * nbytes
 
 
-def all_reduce_bytes(nbytes, world: int):
+def all_reduce_bytes(nbytes, world_size: int):
     """Ring all-reduce: a reduce-scatter then an all-gather, 2(P-1)/P * N per rank, nearly
     2N whatever P (bandwidth-optimal)."""
-    return ring_bytes(nbytes, world, passes=2)
+    return ring_bytes(nbytes, world_size, passes=2)
 
 
-def all_gather_bytes(piece_bytes, world: int):
+def all_gather_bytes(piece_bytes, world_size: int):
     """All-gather of one `piece_bytes` piece per rank: a rank sends (P-1) pieces, its own and
     the P-2 it passes on. A reduce-scatter into `piece_bytes` outputs sends the same, and so
     does the root of a flat-tree broadcast, scatter, gather or reduce (one piece per other
     rank)."""
-    return (world - 1) * piece_bytes
+    return (world_size - 1) * piece_bytes
 
 
-def all_to_all_bytes(nbytes, world: int):
+def all_to_all_bytes(nbytes, world_size: int):
     """All-to-all of an N-byte tensor cut into P chunks: a rank sends every chunk but its own
     straight to its owner, (P-1)/P * N, the volume of one ring pass."""
-    return ring_bytes(nbytes, world)
+    return ring_bytes(nbytes, world_size)
 
 
-def host_bytes(model_bytes: int, batch_bytes: int, world: int) -> dict[str, tuple[int, int]]:
+def host_bytes(model_bytes: int, batch_bytes: int, world_size: int) -> dict[str, tuple[int, int]]:
     """(sent, received) per step of the naive host scheme (`data_parallel.host_step`), for the
     host (rank 0) and for one worker: the host scatters the batch (it keeps its own 1/P), every
     worker sends its whole gradient to the host, and the host sends the parameters back to
     each. The host's traffic grows as (P - 1) model sizes; a ring all-reduce's stays under 2."""
-    scattered = (world - 1) * batch_bytes // world  # all of the batch but the host's share
+    scattered = (
+        (world_size - 1) * batch_bytes // world_size
+    )  # all of the batch but the host's share
     return {
-        "host": ((world - 1) * model_bytes + scattered, (world - 1) * model_bytes),
-        "worker": (model_bytes, model_bytes + batch_bytes // world),
+        "host": ((world_size - 1) * model_bytes + scattered, (world_size - 1) * model_bytes),
+        "worker": (model_bytes, model_bytes + batch_bytes // world_size),
     }
 
 
-def all_reduce_seconds(algorithm: str, nbytes: int, world: int, alpha: float, beta: float) -> float:
+def all_reduce_seconds(
+    algorithm: str, nbytes: int, world_size: int, alpha: float, beta: float
+) -> float:
     """Seconds one all-reduce of N bytes takes under the alpha-beta model of lecture 2 (Thakur,
     Rabenseifner and Gropp, 2005): a message of b bytes costs alpha + b * beta (beta in seconds
     per byte: 1 / bandwidth), each rank has its own full-duplex link, and a rank handles one
@@ -95,21 +99,21 @@ def all_reduce_seconds(algorithm: str, nbytes: int, world: int, alpha: float, be
     naive 2(P-1)(a + Nb) (the root's link carries everything); tree 2 * sum over levels of
     (children of the busiest parent)(a + Nb); butterfly log2(P)(a + Nb); ring 2(P-1)(a + Nb/P).
     """
-    if world == 1:
+    if world_size == 1:
         return 0.0
     if algorithm == "naive":
-        return 2 * (world - 1) * (alpha + nbytes * beta)
+        return 2 * (world_size - 1) * (alpha + nbytes * beta)
     if algorithm == "tree":
         messages, level_start = 0, 1  # nodes of level l are numbered 2**l - 1 .. 2**(l+1) - 2
-        while level_start < world:  # level_start: first node of the next level down
-            below = min(level_start + 1, world - level_start)  # nodes on the level below
+        while level_start < world_size:  # level_start: first node of the next level down
+            below = min(level_start + 1, world_size - level_start)  # nodes on the level below
             messages += min(2, below)  # the level's first parent has the most children
             level_start = 2 * level_start + 1
         return 2 * messages * (alpha + nbytes * beta)
     if algorithm == "butterfly":
-        return math.log2(world) * (alpha + nbytes * beta)
+        return math.log2(world_size) * (alpha + nbytes * beta)
     if algorithm == "ring":
-        return collective_steps("all_reduce", world) * (alpha + nbytes / world * beta)
+        return collective_steps("all_reduce", world_size) * (alpha + nbytes / world_size * beta)
     raise ValueError(f"unknown all-reduce algorithm {algorithm!r}")
 
 
@@ -133,16 +137,16 @@ COLLECTIVE_MODEL = {
 }
 
 
-def busiest_bytes(op: str, nbytes: int, world: int) -> int:
+def busiest_bytes(op: str, nbytes: int, world_size: int) -> int:
     """Bytes the busiest rank of collective `op` sends or receives, N = `nbytes` as
     `COLLECTIVE_MODEL` reads it (a flat tree's busiest rank is its root)."""
     if op == "all_reduce":
-        return all_reduce_bytes(nbytes, world)
+        return all_reduce_bytes(nbytes, world_size)
     if op == "barrier":
         return 0
     if op in ("all_to_all", "all_to_all_single"):
-        return all_to_all_bytes(nbytes, world)
-    return all_gather_bytes(nbytes, world)
+        return all_to_all_bytes(nbytes, world_size)
+    return all_gather_bytes(nbytes, world_size)
 
 
 # --- memory: bytes per parameter and ZeRO ----------------------------------------------------
@@ -188,27 +192,27 @@ def _check_stage(stage: str) -> None:
 
 
 def zero_bytes(
-    stage: str, n_params: float, world: int, bytes_per_param: Mapping[str, float] = FP32_ADAMW
+    stage: str, n_params: float, world_size: int, bytes_per_param: Mapping[str, float] = FP32_ADAMW
 ) -> dict[str, float]:
     """Bytes of each kind of state in `bytes_per_param` (params, grads, optimizer_state) one
-    rank holds under ZeRO `stage` with `world` ranks (ZeRO paper, figure 1): the kinds the
+    rank holds under ZeRO `stage` with `world_size` ranks (ZeRO paper, figure 1): the kinds the
     stage shards are divided by P, the others are whole."""
     _check_stage(stage)
-    if world < 1:
-        raise ValueError(f"world must be >= 1, got {world}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     return {
-        kind: b * n_params / (world if kind in ZERO_SHARDED[stage] else 1)
+        kind: b * n_params / (world_size if kind in ZERO_SHARDED[stage] else 1)
         for kind, b in bytes_per_param.items()
     }
 
 
-def zero_comm_bytes(stage: str, model_bytes: float, world: int) -> float:
+def zero_comm_bytes(stage: str, model_bytes: float, world_size: int) -> float:
     """Bytes one rank receives (and sends) per step under ZeRO `stage` with ring collectives,
     `ZERO_PASSES` ring passes over the model: 2(P-1)/P M for DDP, ZeRO-1 and ZeRO-2, 3(P-1)/P M
     for ZeRO-3 (ZeRO paper, section 7)."""
     _check_stage(stage)
     # In float bytes, like `zero_bytes`: the textbook's share, not a count of whole bytes.
-    return ring_bytes(float(model_bytes), world, passes=ZERO_PASSES[stage])
+    return ring_bytes(float(model_bytes), world_size, passes=ZERO_PASSES[stage])
 
 
 # --- memory: activations ---------------------------------------------------------------------
@@ -286,20 +290,20 @@ def tp_layer_bytes(activation_bytes, t: int):
     return 4 * all_reduce_bytes(activation_bytes, t)
 
 
-def ep_bytes(token_bytes, world: int):
+def ep_bytes(token_bytes, world_size: int):
     """Bytes one rank sends per MoE layer in forward under expert parallelism over P ranks:
     an all-to-all dispatches its `token_bytes` of routed tokens to the experts' ranks and
     another brings the outputs back (combine), 2 * (P-1)/P * N with tokens spread evenly
     (GShard, Lepikhin et al., 2020). Backward does the same again."""
-    return 2 * all_to_all_bytes(token_bytes, world)
+    return 2 * all_to_all_bytes(token_bytes, world_size)
 
 
-def ring_attention_bytes(kv_bytes, world: int):
+def ring_attention_bytes(kv_bytes, world_size: int):
     """Bytes one rank sends per attention pass under ring attention (context parallelism over
     P ranks, Liu et al., 2023): each rank holds K and V for 1/P of the sequence and passes
     blocks around the ring P-1 times, (P-1)/P of `kv_bytes`, the K and V of the whole
     sequence."""
-    return ring_bytes(kv_bytes, world)
+    return ring_bytes(kv_bytes, world_size)
 
 
 # --- a transformer's shape, and what it computes and sends per micro-batch ------------------

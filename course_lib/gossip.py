@@ -40,10 +40,10 @@ class Topology:
 
     name = "topology"
 
-    def __init__(self, world: int) -> None:
-        if world < 1:
-            raise ValueError(f"a topology needs at least one rank, got world={world}")
-        self.world = world
+    def __init__(self, world_size: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"a topology needs at least one rank, got world_size={world_size}")
+        self.world_size = world_size
 
     def out_neighbors(self, node: int, step: int = 0) -> list[int]:
         """The ranks `node` sends to at `step` (never itself), sorted."""
@@ -52,7 +52,7 @@ class Topology:
     def in_neighbors(self, node: int, step: int = 0) -> list[int]:
         """The ranks `node` receives from at `step`: those that have it as an out-neighbour."""
         self._check(node)
-        return [j for j in range(self.world) if node in self.out_neighbors(j, step)]
+        return [j for j in range(self.world_size) if node in self.out_neighbors(j, step)]
 
     def period(self) -> int:
         """After this many steps the pattern repeats (1 for a fixed graph)."""
@@ -73,18 +73,18 @@ class Topology:
         column sums to 1 (column-stochastic: the total is conserved). Rows sum to 1 too (doubly
         stochastic: plain averaging converges to the mean) only on regular graphs.
         """
-        w = torch.zeros(self.world, self.world, dtype=dtype)
-        for j in range(self.world):
+        w = torch.zeros(self.world_size, self.world_size, dtype=dtype)
+        for j in range(self.world_size):
             targets = [j, *self.out_neighbors(j, step)]
             w[targets, j] = 1.0 / len(targets)
         return w
 
     def _check(self, node: int) -> None:
-        if not 0 <= node < self.world:
-            raise ValueError(f"rank {node} is not in 0..{self.world - 1} ({self.name})")
+        if not 0 <= node < self.world_size:
+            raise ValueError(f"rank {node} is not in 0..{self.world_size - 1} ({self.name})")
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.world})"
+        return f"{type(self).__name__}({self.world_size})"
 
 
 class Ring(Topology):
@@ -94,7 +94,7 @@ class Ring(Topology):
 
     def out_neighbors(self, node: int, step: int = 0) -> list[int]:
         self._check(node)
-        return sorted({(node - 1) % self.world, (node + 1) % self.world} - {node})
+        return sorted({(node - 1) % self.world_size, (node + 1) % self.world_size} - {node})
 
 
 class ExponentialGraph(Topology):
@@ -106,17 +106,19 @@ class ExponentialGraph(Topology):
 
     def hops(self) -> list[int]:
         """The distances 1, 2, 4, ... below P that rank i sends over, in cycling order."""
-        return [2**k for k in range(max(1, math.ceil(math.log2(self.world))))][: self.world - 1]
+        return [2**k for k in range(max(1, math.ceil(math.log2(self.world_size))))][
+            : self.world_size - 1
+        ]
 
     def period(self) -> int:
         return max(1, len(self.hops()))
 
     def out_neighbors(self, node: int, step: int = 0) -> list[int]:
         self._check(node)
-        if self.world == 1:
+        if self.world_size == 1:
             return []
         hop = self.hops()[step % self.period()]
-        return [(node + hop) % self.world]
+        return [(node + hop) % self.world_size]
 
 
 class RandomPeer(Topology):
@@ -126,8 +128,8 @@ class RandomPeer(Topology):
 
     name = "random peer"
 
-    def __init__(self, world: int, seed: int = 0, period: int = 64) -> None:
-        super().__init__(world)
+    def __init__(self, world_size: int, seed: int = 0, period: int = 64) -> None:
+        super().__init__(world_size)
         self.seed, self._period = seed, period
 
     def period(self) -> int:
@@ -135,10 +137,10 @@ class RandomPeer(Topology):
 
     def out_neighbors(self, node: int, step: int = 0) -> list[int]:
         self._check(node)
-        if self.world == 1:
+        if self.world_size == 1:
             return []
         draw = random.Random(self.seed * 1_000_003 + step % self._period)
-        peers = [draw.randrange(self.world - 1) for _ in range(self.world)]
+        peers = [draw.randrange(self.world_size - 1) for _ in range(self.world_size)]
         # Skip over oneself: peer k >= node means rank k + 1.
         return [peers[node] + (peers[node] >= node)]
 
@@ -150,11 +152,13 @@ class RandomGroups(Topology):
 
     name = "random groups"
 
-    def __init__(self, world: int, group_size: int = 2, seed: int = 0, period: int = 64) -> None:
-        super().__init__(world)
-        if group_size < 1 or world % group_size:
+    def __init__(
+        self, world_size: int, group_size: int = 2, seed: int = 0, period: int = 64
+    ) -> None:
+        super().__init__(world_size)
+        if group_size < 1 or world_size % group_size:
             raise ValueError(
-                f"group_size={group_size} must divide the world size {world} into equal groups"
+                f"group_size={group_size} must divide the world size {world_size} into equal groups"
             )
         self.group_size, self.seed, self._period = group_size, seed, period
 
@@ -163,10 +167,10 @@ class RandomGroups(Topology):
 
     def groups(self, step: int = 0) -> list[tuple[int, ...]]:
         """The split of all ranks into groups at `step`, each group sorted."""
-        order = list(range(self.world))
+        order = list(range(self.world_size))
         random.Random(self.seed * 1_000_003 + step % self._period).shuffle(order)
         g = self.group_size
-        return sorted(tuple(sorted(order[i : i + g])) for i in range(0, self.world, g))
+        return sorted(tuple(sorted(order[i : i + g])) for i in range(0, self.world_size, g))
 
     def group_of(self, node: int, step: int = 0) -> tuple[int, ...]:
         self._check(node)
@@ -230,14 +234,14 @@ class GroupAllReduce:
     MAX_GROUPS = 70  # C(8, 4): beyond that, creating every group costs more than it saves
 
     def __init__(self, topology: RandomGroups) -> None:
-        if topology.world != world_size():
-            raise ValueError(f"{topology!r} is for {topology.world} ranks, not {world_size()}")
+        if topology.world_size != world_size():
+            raise ValueError(f"{topology!r} is for {topology.world_size} ranks, not {world_size()}")
         self.topology = topology
-        subsets = list(itertools.combinations(range(topology.world), topology.group_size))
+        subsets = list(itertools.combinations(range(topology.world_size), topology.group_size))
         if len(subsets) > self.MAX_GROUPS:
             raise ValueError(
                 f"{len(subsets)} possible groups of {topology.group_size} among "
-                f"{topology.world} ranks is too many to create; use smaller groups"
+                f"{topology.world_size} ranks is too many to create; use smaller groups"
             )
         self.handles = {members: dist.new_group(list(members)) for members in subsets}
 
@@ -288,7 +292,7 @@ def contraction_rate(topology: Topology, rounds: int | None = None) -> float:
     doubly-stochastic mixing: the spectral norm of (W_T ... W_1 - J)^(1/T), J = 11^T/P, over
     one period T (for a fixed graph: its second-largest eigenvalue modulus)."""
     rounds = rounds or topology.period()
-    p = topology.world
+    p = topology.world_size
     product = torch.eye(p, dtype=torch.float64)
     for step in range(rounds):
         product = topology.mixing_matrix(step) @ product

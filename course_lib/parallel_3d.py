@@ -75,16 +75,16 @@ class ProcessGrid:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
 
     @property
-    def world(self) -> int:
+    def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
     def _array(self) -> np.ndarray:
-        return np.arange(self.world).reshape(self.dp, self.pp, self.tp)
+        return np.arange(self.world_size).reshape(self.dp, self.pp, self.tp)
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's position on each axis: {"tp": t, "pp": p, "dp": d}."""
-        if not 0 <= rank < self.world:
-            raise ValueError(f"rank {rank} is not in a grid of {self.world} ranks")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in a grid of {self.world_size} ranks")
         d, p, t = np.unravel_index(rank, (self.dp, self.pp, self.tp))
         return {"tp": int(t), "pp": int(p), "dp": int(d)}
 
@@ -108,7 +108,7 @@ class ProcessGrid:
         width = 2 + max(len(str(g)) for k in DIMENSIONS for g in self.groups(k))
         header = f"{'rank':>4}  {'(dp, pp, tp)':<14}"
         lines = [(header + "".join(f"{k} group".ljust(width) for k in DIMENSIONS)).rstrip()]
-        for r in range(self.world):
+        for r in range(self.world_size):
             c = self.coords(r)
             where = f"({c['dp']}, {c['pp']}, {c['tp']})"
             groups = "".join(str(self.group_of(r, k)).ljust(width) for k in DIMENSIONS)
@@ -124,10 +124,10 @@ def spans_nodes(ranks: Sequence[int], gpus_per_node: int) -> bool:
 def new_groups(grid: ProcessGrid) -> dict[str, dist.ProcessGroup]:
     """Create every group of the grid with `dist.new_group` and return this rank's three.
     Call it on every rank: each rank must take part in creating every group, in one order."""
-    if dist.get_world_size() != grid.world:
+    if dist.get_world_size() != grid.world_size:
         raise ValueError(
-            f"the grid has {grid.world} ranks but the process group {dist.get_world_size()}; "
-            f"launch with world_size={grid.world}"
+            f"the grid has {grid.world_size} ranks but the process group {dist.get_world_size()}; "
+            f"launch with world_size={grid.world_size}"
         )
     mine = {}
     for kind in DIMENSIONS:

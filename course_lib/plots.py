@@ -49,7 +49,7 @@ RANK_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 class RingFrame:
     """What the ring picture shows after `steps_done` steps: the data behind the drawing."""
 
-    world: int
+    world_size: int
     steps_done: int
     holdings: list[list[frozenset[int]]]  # holdings[r][c]: ranks summed into r's chunk c
     arrows: list[tuple[int, int, int]]  # (from rank, to rank, chunk) of the next step
@@ -58,11 +58,11 @@ class RingFrame:
     @property
     def fraction(self) -> np.ndarray:
         """P x P array: the share of all ranks summed into each rank's copy of each chunk."""
-        return np.array([[len(s) / self.world for s in row] for row in self.holdings])
+        return np.array([[len(s) / self.world_size for s in row] for row in self.holdings])
 
     @property
     def title(self) -> str:
-        total = 2 * (self.world - 1)
+        total = 2 * (self.world_size - 1)
         if self.phase is None:
             return f"after {self.steps_done} of {total} steps: every rank holds the full sum"
         verb = "adds" if self.phase == REDUCE_SCATTER else "keeps"
@@ -77,29 +77,29 @@ class RingFrame:
         return f"{done}: all-reduced" if self.phase is None else f"{done}; next: {self.phase}"
 
 
-def ring_frame(world: int, steps_done: int) -> RingFrame:
+def ring_frame(world_size: int, steps_done: int) -> RingFrame:
     """The state after `steps_done` steps and the sends of the next step, from the schedule."""
-    schedule = ring_schedule(world)
-    holdings = ring_state(world, steps_done)
+    schedule = ring_schedule(world_size)
+    holdings = ring_state(world_size, steps_done)
     if steps_done == len(schedule):
-        return RingFrame(world, steps_done, holdings, [], None)
+        return RingFrame(world_size, steps_done, holdings, [], None)
     step = schedule[steps_done]
-    arrows = [(r, (r + 1) % world, step.send[r]) for r in range(world)]
-    return RingFrame(world, steps_done, holdings, arrows, step.phase)
+    arrows = [(r, (r + 1) % world_size, step.send[r]) for r in range(world_size)]
+    return RingFrame(world_size, steps_done, holdings, arrows, step.phase)
 
 
-def _label(ranks: frozenset[int], world: int) -> str:
+def _label(ranks: frozenset[int], world_size: int) -> str:
     """Text of one cell: which ranks' pieces are summed in it ("a+c"), or "sum" when all."""
-    if len(ranks) == world and world > 1:
+    if len(ranks) == world_size and world_size > 1:
         return "sum"
     if len(ranks) > 4:
-        return f"{len(ranks)}/{world}"
+        return f"{len(ranks)}/{world_size}"
     return "+".join(RANK_LETTERS[r % 26] for r in sorted(ranks))
 
 
 def draw_ring_frame(frame: RingFrame, ax: Axes, short_title: bool = False) -> None:
     """Draw `frame` on `ax`: rows are ranks, columns chunks; darker = more ranks summed in."""
-    p = frame.world
+    p = frame.world_size
     ax.imshow(frame.fraction, cmap="Blues", vmin=0, vmax=1.6)  # 1.6: text stays readable
     for r in range(p):
         for c in range(p):
@@ -136,16 +136,18 @@ def draw_ring_frame(frame: RingFrame, ax: Axes, short_title: bool = False) -> No
     ax.set_title(frame.short_title if short_title else frame.title, fontsize=9)
 
 
-def ring_figure(world: int, steps_done: int) -> Figure:
+def ring_figure(world_size: int, steps_done: int) -> Figure:
     """One frame of the ring as a figure of its own."""
-    fig = NotebookFigure(figsize=(1.3 * world + 2.2, 1.0 * world + 0.9), layout="constrained")
-    draw_ring_frame(ring_frame(world, steps_done), fig.add_subplot())
+    fig = NotebookFigure(
+        figsize=(1.3 * world_size + 2.2, 1.0 * world_size + 0.9), layout="constrained"
+    )
+    draw_ring_frame(ring_frame(world_size, steps_done), fig.add_subplot())
     return fig
 
 
-def ring_steps_figure(world: int = 4) -> Figure:
+def ring_steps_figure(world_size: int = 4) -> Figure:
     """Every frame of the ring side by side, for reading without a live kernel."""
-    frames = [ring_frame(world, s) for s in range(2 * (world - 1) + 1)]
+    frames = [ring_frame(world_size, s) for s in range(2 * (world_size - 1) + 1)]
     cols = min(len(frames), 4)
     rows = -(-len(frames) // cols)
     fig = NotebookFigure(figsize=(4.4 * cols, 3.4 * rows), layout="constrained")
@@ -160,11 +162,11 @@ class RingWidget(widgets.VBox):
     `frame` and `figure` hold what is shown, so a test can check it without looking at pixels.
     """
 
-    def __init__(self, world: int = 4, max_world: int = 8) -> None:
-        if not 2 <= world <= max_world:
-            raise ValueError(f"world must be in 2..{max_world}, got {world}")
-        self.ranks = widgets.IntSlider(world, min=2, max=max_world, description="ranks")
-        self.step = widgets.IntSlider(0, min=0, max=2 * (world - 1), description="steps done")
+    def __init__(self, world_size: int = 4, max_world: int = 8) -> None:
+        if not 2 <= world_size <= max_world:
+            raise ValueError(f"world_size must be in 2..{max_world}, got {world_size}")
+        self.ranks = widgets.IntSlider(world_size, min=2, max=max_world, description="ranks")
+        self.step = widgets.IntSlider(0, min=0, max=2 * (world_size - 1), description="steps done")
         self.output = widgets.Output()
         super().__init__([widgets.HBox([self.ranks, self.step]), self.output])
         self.frame: RingFrame | None = None

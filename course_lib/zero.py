@@ -2,7 +2,7 @@
 
     run = train_stage("zero3", batches, lr=1e-2)        # on every rank, inside `launch`
     run.memory, run.comm_received, run.params           # bytes this rank held, moved, result
-    zero_bytes("zero2", n_params, world)                # the ZeRO paper's bytes per rank
+    zero_bytes("zero2", n_params, world_size)           # the ZeRO paper's bytes per rank
     save_sharded(model, optimizer, path)                # each rank writes its own shard
     consolidate(path)                                   # the full state, in one process
 
@@ -331,12 +331,12 @@ def memory_table(
     """Measured per-rank KiB of each (stage, P) next to the fp32 formula's."""
     head = f"{'stage':<7}{'P':>3}{'params':>9}{'grads':>9}{'state':>9}{'total':>9}"
     lines = [head + f"{'formula':>9}{'measured/formula':>18}   (KiB per rank)"]
-    for (stage, world), memory in runs.items():
+    for (stage, ranks), memory in runs.items():
         kinds = memory.kinds()
-        formula = sum(zero_bytes(stage, n_params, world).values())
+        formula = sum(zero_bytes(stage, n_params, ranks).values())
         cells = "".join(f"{kinds[k] / unit:>9.1f}" for k in KINDS)
         lines.append(
-            f"{stage:<7}{world:>3}{cells}{memory.total / unit:>9.1f}{formula / unit:>9.1f}"
+            f"{stage:<7}{ranks:>3}{cells}{memory.total / unit:>9.1f}{formula / unit:>9.1f}"
             f"{memory.total / formula:>18.3f}"
         )
     return "\n".join(lines)
@@ -349,19 +349,19 @@ def plot_memory(runs: Mapping[tuple[str, int], StageMemory], n_params: int):
 
     fig = NotebookFigure(figsize=(9, 3.8), layout="constrained")
     ax = fig.add_subplot()
-    worlds = sorted({world for _, world in runs})
-    width = 0.8 / len(worlds)
+    sizes = sorted({ranks for _, ranks in runs})
+    width = 0.8 / len(sizes)
     colours = {"params": "tab:blue", "grads": "tab:orange", "optimizer_state": "tab:green"}
-    for (stage, world), memory in runs.items():
-        x = STAGES.index(stage) + (worlds.index(world) - (len(worlds) - 1) / 2) * width
+    for (stage, ranks), memory in runs.items():
+        x = STAGES.index(stage) + (sizes.index(ranks) - (len(sizes) - 1) / 2) * width
         bottom = 0.0
         for kind, value in memory.kinds().items():
-            label = kind if (stage, world) == next(iter(runs)) else None
+            label = kind if (stage, ranks) == next(iter(runs)) else None
             ax.bar(x, value / 1024, width * 0.9, bottom=bottom, color=colours[kind], label=label)
             bottom += value / 1024
-        formula = sum(zero_bytes(stage, n_params, world).values()) / 1024
+        formula = sum(zero_bytes(stage, n_params, ranks).values()) / 1024
         ax.plot([x - width * 0.45, x + width * 0.45], [formula] * 2, "k-", lw=2)
-        ax.text(x, bottom, f"P={world}", ha="center", va="bottom", fontsize=7)
+        ax.text(x, bottom, f"P={ranks}", ha="center", va="bottom", fontsize=7)
     ax.plot([], [], "k-", lw=2, label="formula (fp32 AdamW)")
     ax.set_xticks(range(len(STAGES)), [f"{s}\n{SHORT_NAMES[s]}" for s in STAGES])
     ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # room for the legend above the bars
@@ -371,7 +371,7 @@ def plot_memory(runs: Mapping[tuple[str, int], StageMemory], n_params: int):
     return fig
 
 
-def plot_stages(world: int = 4):
+def plot_stages(world_size: int = 4):
     """Who holds what between steps: for each stage, a rank x (params | grads | optimizer
     state) grid of P chunks each, filled where the rank keeps that chunk."""
     from course_lib.plots import NotebookFigure
@@ -380,26 +380,26 @@ def plot_stages(world: int = 4):
     colours = {"params": "tab:blue", "grads": "tab:orange", "optimizer_state": "tab:green"}
     for i, stage in enumerate(STAGES):
         ax = fig.add_subplot(1, len(STAGES), i + 1)
-        for r in range(world):
+        for r in range(world_size):
             for k, kind in enumerate(KINDS):
-                for c in range(world):
+                for c in range(world_size):
                     held = kind not in ZERO_SHARDED[stage] or c == r
-                    x = k * (world + 1) + c
+                    x = k * (world_size + 1) + c
                     ax.add_patch(
                         Rectangle(
-                            (x, world - 1 - r),
+                            (x, world_size - 1 - r),
                             0.9,
                             0.8,
                             color=colours[kind],
                             alpha=0.9 if held else 0.08,
                         )
                     )
-        ax.set_xlim(-0.2, len(KINDS) * (world + 1) - 0.8)
-        ax.set_ylim(-0.2, world)
-        ax.set_xticks([k * (world + 1) + world / 2 for k in range(len(KINDS))])
+        ax.set_xlim(-0.2, len(KINDS) * (world_size + 1) - 0.8)
+        ax.set_ylim(-0.2, world_size)
+        ax.set_xticks([k * (world_size + 1) + world_size / 2 for k in range(len(KINDS))])
         ax.set_xticklabels(["params", "grads", "state"], fontsize=8)
-        ax.set_yticks([world - 1 - r + 0.4 for r in range(world)])
-        ax.set_yticklabels([f"rank {r}" for r in range(world)], fontsize=8)
+        ax.set_yticks([world_size - 1 - r + 0.4 for r in range(world_size)])
+        ax.set_yticklabels([f"rank {r}" for r in range(world_size)], fontsize=8)
         ax.set_title(STAGE_TITLES[stage], fontsize=9)
         ax.tick_params(length=0)
         for side in ax.spines.values():

@@ -80,23 +80,23 @@ def collective_volumes(numel):
     return results
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_collectives_follow_the_ring_and_tree_formulas(world):
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_collectives_follow_the_ring_and_tree_formulas(world_size):
     numel = 1024
     n = 4 * numel  # bytes of the full float32 tensor
-    ring = 2 * (world - 1) * n // world
-    for r, volumes in enumerate(launch(collective_volumes, numel, world_size=world)):
+    ring = 2 * (world_size - 1) * n // world_size
+    for r, volumes in enumerate(launch(collective_volumes, numel, world_size=world_size)):
         assert volumes["all_reduce"] == (ring, ring), "all-reduce: 2(P-1)/P * N"
-        shard_part = (world - 1) * n // world
+        shard_part = (world_size - 1) * n // world_size
         assert volumes["all_gather_single"] == (shard_part, shard_part)
         assert volumes["reduce_scatter_single"] == (shard_part, shard_part)
         assert volumes["all_gather_into_tensor"] == (shard_part, shard_part)
         assert volumes["all_gather"] == (shard_part, shard_part)
         assert volumes["barrier"] == (0, 0)
-        if world > 1:
-            root = r == world - 1
-            assert volumes["broadcast"] == (((world - 1) * n, 0) if root else (0, n))
-            assert volumes["reduce"] == ((0, (world - 1) * n) if root else (n, 0))
+        if world_size > 1:
+            root = r == world_size - 1
+            assert volumes["broadcast"] == (((world_size - 1) * n, 0) if root else (0, n))
+            assert volumes["reduce"] == ((0, (world_size - 1) * n) if root else (n, 0))
 
 
 def nested_and_outside():

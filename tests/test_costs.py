@@ -105,12 +105,12 @@ def ring_sent(numel: int) -> int:
     return counter.bytes_sent
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_all_reduce_bytes_is_what_the_ring_sends(world):
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_reduce_bytes_is_what_the_ring_sends(world_size):
     # The course's ring sends real chunks with send/recv, which CommCounter counts exactly.
     numel = 1000  # divisible by P: every chunk the same size
-    sent = launch(ring_sent, numel, world_size=world, timeout=60)
-    assert sent == [all_reduce_bytes(4 * numel, world)] * world
+    sent = launch(ring_sent, numel, world_size=world_size, timeout=60)
+    assert sent == [all_reduce_bytes(4 * numel, world_size)] * world_size
 
 
 # --- memory ----------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def test_zero_bytes_in_fp32_and_unknown_stages():
     )
     with pytest.raises(ValueError, match="unknown stage 'zero4'"):
         zero_bytes("zero4", n, p)
-    with pytest.raises(ValueError, match="world must be >= 1"):
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
         zero_bytes("ddp", n, 0)
 
 

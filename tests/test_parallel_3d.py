@@ -56,7 +56,7 @@ def test_every_kind_of_group_partitions_the_ranks(tp, pp, dp):
     grid = ProcessGrid(tp, pp, dp)
     for kind, size in (("tp", tp), ("pp", pp), ("dp", dp)):
         groups = grid.groups(kind)
-        assert sorted(r for g in groups for r in g) == list(range(grid.world))
+        assert sorted(r for g in groups for r in g) == list(range(grid.world_size))
         for group in groups:
             assert len(group) == size
             coords = [grid.coords(r) for r in group]
@@ -64,7 +64,7 @@ def test_every_kind_of_group_partitions_the_ranks(tp, pp, dp):
             assert [c[kind] for c in coords] == list(range(size))
             for other in {"tp", "pp", "dp"} - {kind}:
                 assert len({c[other] for c in coords}) == 1
-    for r in range(grid.world):  # the layout: tp fastest, then pp, then dp
+    for r in range(grid.world_size):  # the layout: tp fastest, then pp, then dp
         c = grid.coords(r)
         assert r == (c["dp"] * pp + c["pp"]) * tp + c["tp"]
 

@@ -37,23 +37,25 @@ CONSENSUS = {torch.float32: 1e-5, torch.float64: 1e-10}  # beyond the reference'
 # --- graphs --------------------------------------------------------------------------------
 
 
-def out_neighbors(graph: str, r: int, p: int, round_: int = 0) -> list[int]:
-    """The ranks that rank r sends to in round `round_` of `graph`, on p ranks."""
-    offsets = [2**k for k in range(p.bit_length()) if 2**k < p]  # 1, 2, 4, ... below p
+def out_neighbors(graph: str, r: int, world_size: int, round_: int = 0) -> list[int]:
+    """The ranks that rank r sends to in round `round_` of `graph`, on world_size ranks."""
+    offsets = [
+        2**k for k in range(world_size.bit_length()) if 2**k < world_size
+    ]  # 1, 2, 4, ... below P
     if graph == "exponential":
-        return [(r + d) % p for d in offsets]
+        return [(r + d) % world_size for d in offsets]
     if graph == "one-peer exponential":
-        return [(r + offsets[round_ % len(offsets)]) % p] if offsets else []
+        return [(r + offsets[round_ % len(offsets)]) % world_size] if offsets else []
     if graph == "irregular":
-        if p == 1:
+        if world_size == 1:
             return []
-        return [j for j in range(p) if j != 0] if r == 0 else [(r + 1) % p]
+        return [j for j in range(world_size) if j != 0] if r == 0 else [(r + 1) % world_size]
     raise ValueError(f"unknown graph {graph!r}: use one of {GRAPHS}")
 
 
-def in_neighbors(graph: str, r: int, p: int, round_: int = 0) -> list[int]:
+def in_neighbors(graph: str, r: int, world_size: int, round_: int = 0) -> list[int]:
     """The ranks that send to rank r in that round (in increasing order)."""
-    return [j for j in range(p) if r in out_neighbors(graph, j, p, round_)]
+    return [j for j in range(world_size) if r in out_neighbors(graph, j, world_size, round_)]
 
 
 def push_sum_reference(

@@ -210,8 +210,8 @@ def train_decentralized(
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
     p, me = world_size(), rank()
     topology = topology or _default_topology(method, p)
-    if topology.world != p:
-        raise ValueError(f"{topology!r} is for {topology.world} ranks, but {p} are running")
+    if topology.world_size != p:
+        raise ValueError(f"{topology!r} is for {topology.world_size} ranks, but {p} are running")
     if max_seconds is not None and method != "async_sgp":
         raise ValueError(
             f"{method!r} is synchronous: its ranks must agree on the number of steps, so it "

@@ -66,16 +66,16 @@ LAYERS = tuple(ALL_REDUCES)
 
 
 def comm_formula(
-    layer: str, tokens: int, hidden: int, world: int, element_size: int = 4
+    layer: str, tokens: int, hidden: int, world_size: int, element_size: int = 4
 ) -> tuple[float, float]:
-    """Bytes one rank sends in forward and in backward through `layer` with `world` ranks."""
+    """Bytes one rank sends in forward and in backward through `layer` with `world_size` ranks."""
     if layer not in ALL_REDUCES:
         raise ValueError(f"unknown layer {layer!r}; expected one of {LAYERS}")
     # Floats: the formula's exact share, not the whole bytes CommCounter rounds down to.
     activation = float(tokens * hidden * element_size)
-    forward, backward = (all_reduce_bytes(n * activation, world) for n in ALL_REDUCES[layer])
+    forward, backward = (all_reduce_bytes(n * activation, world_size) for n in ALL_REDUCES[layer])
     if layer == "head + cross-entropy":  # max, sum of exponentials, target logit per token
-        forward += 3 * all_reduce_bytes(float(tokens * element_size), world)
+        forward += 3 * all_reduce_bytes(float(tokens * element_size), world_size)
     return forward, backward
 
 
@@ -199,14 +199,14 @@ def run_all_layers(config: models.GPTConfig | None = None, batch: int = 2) -> li
     return [run_against_dense(layer, config, batch) for layer in LAYERS]
 
 
-def layer_table(runs: list[LayerRun], tokens: int, hidden: int, world: int) -> str:
+def layer_table(runs: list[LayerRun], tokens: int, hidden: int, world_size: int) -> str:
     """One row per layer: worst error, and bytes sent per pass against `comm_formula`."""
     rows = [
         f"{'layer':<22}{'max error':>11}{'fwd sent':>10}{'formula':>10}"
         f"{'bwd sent':>10}{'formula':>10}  all-reduces (fwd, bwd)"
     ]
     for run in runs:
-        fwd, bwd = comm_formula(run.layer, tokens, hidden, world, element_size=8)
+        fwd, bwd = comm_formula(run.layer, tokens, hidden, world_size, element_size=8)
         error = max(run.output_error, run.input_grad_error, run.weight_grad_error)
         calls = (run.forward_calls.get("all_reduce", 0), run.backward_calls.get("all_reduce", 0))
         rows.append(
