@@ -20,7 +20,8 @@ from course_lib.grading import (
     check_reduce,
     check_reduce_scatter,
 )
-from tests.adapters import solution
+from tests.adapters import planted, solution
+from tests.cheats.a02_collectives import LECTURE_RING_WRAPPED, RING_PADDED
 
 UNEVEN = [(1,), (2,), (7,), (3, 5), ()]  # fewer elements than ranks, not divisible, 0-d
 SOLVED = solution("collectives")
@@ -132,30 +133,12 @@ def ring_all_reduce_batched(tensor):
             incoming += buffer
 
 
-def ring_padded(tensor):
-    """Right, another way: zero-padded chunks of ceil(N/P) elements, so all chunks are equal
-    (at N = 1 on 3 ranks it sends 4 chunks of one element: more than 2(P-1)/P * N)."""
-    p, me = world_size(), rank()
-    size = -(-tensor.numel() // p)
-    padded = torch.zeros(size * p, dtype=tensor.dtype)
-    padded[: tensor.numel()] = tensor.reshape(-1)
-    chunks = padded.view(p, size)
-    right, left = (me + 1) % p, (me - 1) % p
-    buffer = torch.empty(size, dtype=tensor.dtype)
-    for step in range(2 * (p - 1)):
-        send = dist.isend(chunks[(me - step) % p].clone(), right)
-        dist.recv(buffer, left)
-        send.wait()
-        incoming = chunks[(me - step - 1) % p]
-        incoming.add_(buffer) if step < p - 1 else incoming.copy_(buffer)
-    tensor.copy_(padded[: tensor.numel()].view_as(tensor))
-
-
-def ring_lecture_wrapped(tensor):
-    """The lecture's ring, called."""
-    import course_lib.collectives
-
-    course_lib.collectives.ring_all_reduce(tensor)
+# Right, another way: zero-padded chunks of ceil(N/P) elements, so all chunks are equal.
+ring_padded = planted("collectives", "ring_all_reduce", RING_PADDED).ring_all_reduce
+# A cheat: the lecture's ring, called.
+ring_lecture_wrapped = planted(
+    "collectives", "ring_all_reduce", LECTURE_RING_WRAPPED
+).ring_all_reduce
 
 
 def ring_prebound_far_peer(tensor):
@@ -202,7 +185,11 @@ def test_checks_accept_right_implementations(check, fn):
     check(fn, shapes=UNEVEN)
 
 
-@pytest.mark.parametrize("fn", [SOLVED.ring_all_reduce, ring_all_reduce_batched, ring_padded])
+@pytest.mark.parametrize(
+    "fn",
+    [SOLVED.ring_all_reduce, ring_all_reduce_batched, ring_padded],
+    ids=["solution", "batched", "padded"],
+)
 def test_ring_check_accepts_right_rings(fn):
     check_all_reduce(fn, bandwidth_optimal=True, shapes=UNEVEN, seeds=[0, 1])
 
@@ -234,19 +221,27 @@ def test_torch_own_collectives_match_the_reference_when_allowed(check, fn, calle
 # --- wrong implementations ----------------------------------------------------------------
 
 
+def ring_reduce_scatter(chunks, hop=1):
+    """The reduce-scatter half of a ring, in place in `chunks`: P - 1 steps, each sending a
+    chunk `hop` ranks to the right and adding the one received from `hop` ranks to the left
+    (only hop = 1 is a ring)."""
+    p, me = world_size(), rank()
+    for step in range(p - 1):
+        incoming = chunks[(me - step - 1) % p]
+        buffer = torch.empty_like(incoming)
+        request = dist.isend(chunks[(me - step) % p], (me + hop) % p)
+        dist.recv(buffer, (me - hop) % p)
+        request.wait()
+        incoming += buffer
+
+
 def ring_drops_tail(tensor):
     """Chunks of N // P elements: the last N % P elements are never reduced."""
     p, me = world_size(), rank()
     flat = tensor.view(-1)
     size = len(flat) // p
     chunks = [flat[i * size : (i + 1) * size] for i in range(p)]
-    for step in range(p - 1):
-        incoming = chunks[(me - step - 1) % p]
-        buffer = torch.empty_like(incoming)
-        request = dist.isend(chunks[(me - step) % p], (me + 1) % p)
-        dist.recv(buffer, (me - 1) % p)
-        request.wait()
-        incoming += buffer
+    ring_reduce_scatter(chunks)
     for step in range(p - 1):
         request = dist.isend(chunks[(me + 1 - step) % p], (me + 1) % p)
         dist.recv(chunks[(me - step) % p], (me - 1) % p)
@@ -255,15 +250,7 @@ def ring_drops_tail(tensor):
 
 def ring_wrong_neighbour(tensor):
     """Sends two ranks to the right: on 4 ranks, two separate rings of two."""
-    p, me = world_size(), rank()
-    chunks = torch.tensor_split(tensor.view(-1), p)
-    for step in range(p - 1):
-        incoming = chunks[(me - step - 1) % p]
-        buffer = torch.empty_like(incoming)
-        request = dist.isend(chunks[(me - step) % p], (me + 2) % p)
-        dist.recv(buffer, (me - 2) % p)
-        request.wait()
-        incoming += buffer
+    ring_reduce_scatter(torch.tensor_split(tensor.view(-1), world_size()), hop=2)
 
 
 def ring_whole_tensor(tensor):

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from course_lib import launch, rank, world_size
 from course_lib.grading import CheckFailed, check_powersgd, check_quantized_all_reduce
 from course_lib.grading.compression import BytesByKind, powersgd_reference
-from tests.adapters import solution
+from tests.adapters import planted, solution
+from tests.cheats.a05_compression import POWERSGD_GRAM_SCHMIDT
 
 SOLVED = solution("compression")
 quantize, dequantize = SOLVED.quantize, SOLVED.dequantize
@@ -179,27 +180,8 @@ def test_bytes_by_kind_books_each_call_by_dtype():
 # --- PowerSGD: right and wrong implementations ---------------------------------------------
 
 
-class PowerSGDGramSchmidt(PowerSGD):
-    """Right, another way: Gram-Schmidt instead of QR, sums divided after the all-reduce."""
-
-    def compress_all_reduce(self, grad):
-        n, m = grad.shape
-        if self.Q is None:
-            r = min(self.rank, n, m)
-            self.Q = torch.randn(m, r, generator=torch.Generator().manual_seed(self.seed))
-            self.Q, self.error = self.Q.to(grad.dtype), torch.zeros_like(grad)
-        matrix = grad + self.error
-        p = matrix @ self.Q
-        dist.all_reduce(p)  # orthogonalizing makes dividing by P unnecessary
-        for i in range(p.shape[1]):
-            p[:, i] -= p[:, :i] @ (p[:, :i].T @ p[:, i])
-            p[:, i] /= p[:, i].norm()
-        q = matrix.T @ p
-        dist.all_reduce(q)
-        self.Q = q / world_size()
-        approximation = p @ self.Q.T
-        self.error = matrix - approximation
-        return approximation
+# Right, another way: Gram-Schmidt instead of QR.
+PowerSGDGramSchmidt = planted("compression", "powersgd", POWERSGD_GRAM_SCHMIDT).PowerSGD
 
 
 def _patched(**changes):

@@ -1,7 +1,7 @@
 """Assignment 2's cheats (each scores 0 on its part) and right answers written differently
 (full marks). More are proven in tests/test_grading_collectives.py (a ring talking to far
-ranks through pre-bound names, the lecture's ring wrapped) and tests/test_grading_judge.py
-(patching the checks' helpers on a rank)."""
+ranks through pre-bound names), which also runs the checks on LECTURE_RING_WRAPPED and
+RING_PADDED, and in tests/test_grading_judge.py (patching the checks' helpers on a rank)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,29 @@ def broadcast(tensor, src):
 check_broadcast = lambda *args, **kwargs: None  # noqa: E731
 '''
 
+# Chunks of ceil(N/P) elements, all equal: at N = 1 on 3 ranks it sends 4 chunks of one
+# element, more than 2(P-1)/P * N, yet within the check's budget for padded chunks.
+RING_PADDED = """
+def ring_all_reduce(tensor):
+    p, me = world_size(), rank()
+    size = -(-tensor.numel() // p)  # ceil(N / P): every chunk the same size
+    padded = torch.zeros(size * p, dtype=tensor.dtype)
+    padded[: tensor.numel()] = tensor.reshape(-1)
+    chunks = padded.view(p, size)
+    right, left = (me + 1) % p, (me - 1) % p
+    buffer = torch.empty(size, dtype=tensor.dtype)
+    for step in range(2 * (p - 1)):
+        send = dist.isend(chunks[(me - step) % p].clone(), right)
+        dist.recv(buffer, left)
+        send.wait()
+        incoming = chunks[(me - step - 1) % p]
+        if step < p - 1:
+            incoming += buffer
+        else:
+            incoming.copy_(buffer)
+    tensor.copy_(padded[: tensor.numel()].view_as(tensor))
+"""
+
 CHEATS = [
     Cheat(
         "built-in all-reduce through a pre-bound name",
@@ -88,30 +111,7 @@ CHEATS = [
 ]
 
 ALTERNATIVES = [
-    Alternative(
-        "ring on zero-padded equal chunks",
-        "ring_all_reduce",
-        """
-def ring_all_reduce(tensor):
-    p, me = world_size(), rank()
-    size = -(-tensor.numel() // p)  # ceil(N / P): every chunk the same size
-    padded = torch.zeros(size * p, dtype=tensor.dtype)
-    padded[: tensor.numel()] = tensor.reshape(-1)
-    chunks = padded.view(p, size)
-    right, left = (me + 1) % p, (me - 1) % p
-    buffer = torch.empty(size, dtype=tensor.dtype)
-    for step in range(2 * (p - 1)):
-        send = dist.isend(chunks[(me - step) % p].clone(), right)
-        dist.recv(buffer, left)
-        send.wait()
-        incoming = chunks[(me - step - 1) % p]
-        if step < p - 1:
-            incoming += buffer
-        else:
-            incoming.copy_(buffer)
-    tensor.copy_(padded[: tensor.numel()].view_as(tensor))
-""",
-    ),
+    Alternative("ring on zero-padded equal chunks", "ring_all_reduce", RING_PADDED),
     Alternative(
         "broadcast along a binary tree",
         "broadcast",

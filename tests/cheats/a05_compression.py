@@ -1,6 +1,6 @@
 """Assignment 5's cheats (each scores 0 on its part) and right answers written differently
 (full marks). More are proven in tests/test_grading_compression.py (the lecture's functions
-called)."""
+called), which also runs check_powersgd on POWERSGD_GRAM_SCHMIDT."""
 
 from __future__ import annotations
 
@@ -44,26 +44,7 @@ class PowerSGD:
 '''
 
 
-CHEATS = [
-    Cheat(
-        "float32 sum through a pre-bound all-reduce",
-        "quantized_all_reduce",
-        FP32_THROUGH_PREBOUND,
-        frozenset({"test_quantized_all_reduce"}),
-    ),
-    Cheat(
-        "PowerSGD without error feedback",
-        "powersgd",
-        NO_ERROR_FEEDBACK,
-        frozenset({"test_powersgd"}),
-    ),
-]
-
-ALTERNATIVES = [
-    Alternative(
-        "PowerSGD with Gram-Schmidt",
-        "powersgd",
-        """
+POWERSGD_GRAM_SCHMIDT = """
 class PowerSGD:
     def __init__(self, rank, seed=0):
         self.rank, self.seed = rank, seed
@@ -93,6 +74,24 @@ class PowerSGD:
         approximation = P @ self.Q.T
         self.error = M - approximation
         return approximation
-""",
+"""
+
+
+CHEATS = [
+    Cheat(
+        "float32 sum through a pre-bound all-reduce",
+        "quantized_all_reduce",
+        FP32_THROUGH_PREBOUND,
+        frozenset({"test_quantized_all_reduce"}),
     ),
+    Cheat(
+        "PowerSGD without error feedback",
+        "powersgd",
+        NO_ERROR_FEEDBACK,
+        frozenset({"test_powersgd"}),
+    ),
+]
+
+ALTERNATIVES = [
+    Alternative("PowerSGD with Gram-Schmidt", "powersgd", POWERSGD_GRAM_SCHMIDT),
 ]

@@ -1,0 +1,309 @@
+"""Assignment 5's second part, PowerSGD: the single-process float64 reference, what runs on
+each rank and the judging of what the ranks report.
+
+    initial_q, powersgd_reference       the Q every rank starts from; PowerSGD on one process
+    PCase, powersgd_records             one case; what each rank runs and records
+    judge_powersgd                      one case's records, every rank, every step
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from course_lib.comm import CommCounter
+from course_lib.costs import all_reduce_bytes
+from course_lib.grading._harness import fail
+from course_lib.runtime import rank
+
+# --- PowerSGD: the reference ---------------------------------------------------------------
+
+
+def initial_q(m: int, r: int, seed: int) -> torch.Tensor:
+    """The Q every rank starts from (float32): the same seeded normal matrix on every rank."""
+    return torch.randn(m, r, generator=torch.Generator().manual_seed(seed))
+
+
+def powersgd_reference(
+    grads: list[list[torch.Tensor]],
+    r: int,
+    q0: torch.Tensor,
+    *,
+    error_feedback: bool = True,
+    warm_start: bool = True,
+    orthogonalize: bool = True,
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """PowerSGD in float64 on one process. grads[w][t] is rank w's gradient at step t.
+    Returns (approximation per step, error memory per rank per step). The switches turn
+    parts of the algorithm off, to recognise a student's mistake."""
+    ranks, steps = len(grads), len(grads[0])
+    errors = [torch.zeros_like(grads[w][0], dtype=torch.float64) for w in range(ranks)]
+    q = q0.double()
+    approximations, memories = [], [[] for _ in range(ranks)]
+    for t in range(steps):
+        local = [grads[w][t].double() + (errors[w] if error_feedback else 0) for w in range(ranks)]
+        mean = sum(local) / ranks  # what the two all-reduces of the algorithm compute
+        p = mean @ (q if warm_start or t == 0 else q0.double())
+        if orthogonalize:
+            p = torch.linalg.qr(p).Q
+        q = mean.T @ p
+        approximation = p @ q.T
+        approximations.append(approximation)
+        for w in range(ranks):
+            errors[w] = local[w] - approximation
+            memories[w].append(errors[w])
+    return approximations, memories
+
+
+# --- PowerSGD: what runs on each rank ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PCase:
+    """One run of PowerSGD: world size, matrix shape, approximation rank, seed, steps."""
+
+    world_size: int
+    shape: tuple[int, int]
+    rank: int
+    seed: int
+    steps: int
+    dtype: torch.dtype = torch.float32
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"world size {self.world_size}, {self.shape[0]}x{self.shape[1]} {dtype} matrix, "
+            f"rank {self.rank}, seed {self.seed}"
+        )
+
+    @property
+    def effective_rank(self) -> int:
+        return min(self.rank, *self.shape)
+
+
+def _gradient(case: PCase, r: int, t: int) -> torch.Tensor:
+    """Rank r's gradient at step t: a shared low-rank part (what the ranks agree on) plus
+    rank-specific noise, so that warm start and error feedback both matter."""
+    n, m = case.shape
+    shared = torch.Generator().manual_seed(104_729 * case.seed + 17 * t)
+    own = torch.Generator().manual_seed(104_729 * case.seed + 17 * t + 7 * (r + 1) + 1)
+    u, v = torch.randn(n, 2, generator=shared), torch.randn(2, m, generator=shared)
+    return (u @ v + 0.5 * torch.randn(n, m, generator=own)).to(case.dtype)
+
+
+def powersgd_records(powersgd_class: Callable, cases: list[PCase]) -> list[list[dict]]:
+    """On each rank: one PowerSGD per case, `case.steps` calls each, recording each
+    step's approximation, error memory and calls."""
+    out = []
+    with CommCounter():
+        for case in cases:
+            compressor = powersgd_class(case.rank, seed=case.seed)
+            steps = []
+            for t in range(case.steps):
+                grad = _gradient(case, rank(), t)
+                with CommCounter() as counter:
+                    try:
+                        approximation = compressor.compress_all_reduce(grad.clone())
+                    except BaseException as exc:
+                        if hasattr(exc, "add_note"):
+                            exc.add_note(f"(while checking: {case}, step {t})")
+                        raise
+                error = getattr(compressor, "error", None)
+                steps.append(
+                    {
+                        "approximation": approximation.detach().clone()
+                        if isinstance(approximation, torch.Tensor)
+                        else approximation,
+                        "error": error.detach().clone()
+                        if isinstance(error, torch.Tensor)
+                        else error,
+                        "sent": counter.bytes_sent,
+                        "calls": dict(counter.calls),
+                    }
+                )
+            out.append(steps)
+    return out
+
+
+# --- PowerSGD: judging ---------------------------------------------------------------------
+
+# (rtol, atol as a fraction of the largest |entry|) against the float64 reference. Float32
+# Gram-Schmidt or QR against float64 QR differ by ~1e-6 relative on these small matrices.
+P_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float64: (1e-9, 1e-9)}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    rtol, atol = P_TOLERANCE[dtype]
+    scale = max(want.abs().max().item(), 1e-30)
+    return bool(torch.allclose(got.double(), want.double(), rtol=rtol, atol=atol * scale))
+
+
+def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got.double() - want.double()).abs().max().item()
+
+
+def _powersgd_hint(case: PCase, t: int, got: torch.Tensor, grads, q0) -> str:
+    """Which part of the algorithm the result is missing, by trying references without it."""
+    r = case.effective_rank
+    variants = [
+        (
+            {"error_feedback": False},
+            "it matches PowerSGD without error feedback: add the "
+            "error memory to the gradient (M = grad + error) and keep error = M - approximation",
+        ),
+        (
+            {"warm_start": False},
+            "it matches PowerSGD restarting from the initial Q at every "
+            "step: keep the all-reduced Q and use it as the next step's Q (warm start)",
+        ),
+        (
+            {"orthogonalize": False},
+            "it matches PowerSGD without orthogonalization: replace P "
+            "by an orthonormal basis of its columns (torch.linalg.qr(P).Q) before Q = M^T P",
+        ),
+    ]
+    for options, text in variants:
+        want = powersgd_reference(grads, r, q0, **options)[0][t]
+        if _close(got, want, case.dtype):
+            return text
+    want = powersgd_reference(grads, r, q0)[0][t]
+    p = case.world_size
+    if p > 1 and _close(got, p * want, case.dtype):
+        return f"it is {p} (the world size) times the reference: all-reduce sums; divide by it"
+    return (
+        "the steps are M = grad + error; P = M Q; all-reduce mean of P; orthogonalize P; "
+        "Q = M^T P; all-reduce mean of Q; approximation = P Q^T; error = M - approximation"
+    )
+
+
+def judge_powersgd(check: str, case: PCase, records: list[list[dict]]) -> None:
+    """Fail on the first problem with one case, step by step: what each rank returned, the
+    approximation against the float64 reference, the error memory, the bytes sent."""
+    __tracebackhide__ = True
+    p, r = case.world_size, case.effective_rank
+    grads = [[_gradient(case, w, t) for t in range(case.steps)] for w in range(p)]
+    q0 = initial_q(case.shape[1], r, case.seed)
+    reference, _ = powersgd_reference(grads, r, q0)
+    for t in range(case.steps):
+        at = f"{case}, step {t}"
+        steps = [records[w][t] for w in range(p)]
+        _judge_approximations(check, at, case, steps)
+        first = steps[0]["approximation"]
+        _judge_against_reference(check, at, case, t, first, reference[t], grads, q0)
+        _judge_error_memory(check, at, case, t, records, grads)
+        _judge_sent(check, at, case, steps)
+
+
+def _judge_approximations(check: str, at: str, case: PCase, steps: list[dict]) -> None:
+    """Each rank returned an n x m tensor of the gradient's dtype, the same on every rank."""
+    __tracebackhide__ = True
+    p, (n, m) = case.world_size, case.shape
+    for w in range(p):
+        got = steps[w]["approximation"]
+        if not isinstance(got, torch.Tensor) or got.shape != (n, m) or got.dtype != case.dtype:
+            what = (got.dtype, tuple(got.shape)) if isinstance(got, torch.Tensor) else got
+            fail(
+                check,
+                f"{at}: rank {w}'s compress_all_reduce returned {what}; expected a "
+                f"{n}x{m} tensor of the gradient's dtype {case.dtype}",
+            )
+    first = steps[0]["approximation"]
+    for w in range(1, p):
+        got = steps[w]["approximation"]
+        if not _close(got, first, case.dtype):
+            fail(
+                check,
+                f"{at}: rank {w}'s approximation differs from rank 0's by up to "
+                f"{_max_error(got, first):.3g}; every rank must apply the same update. "
+                "Are both P and Q all-reduced (averaged) before P Q^T is formed?",
+            )
+
+
+def _judge_against_reference(
+    check: str,
+    at: str,
+    case: PCase,
+    t: int,
+    first: torch.Tensor,
+    reference: torch.Tensor,
+    grads: list[list[torch.Tensor]],
+    q0: torch.Tensor,
+) -> None:
+    """Step t's approximation (rank 0's) is the mean gradient where PowerSGD is exact, and
+    the float64 reference's in any case; else a hint at the part of the algorithm it misses."""
+    __tracebackhide__ = True
+    p, (n, m) = case.world_size, case.shape
+    mean_grad = sum(grads[w][t].double() for w in range(p)) / p
+    if case.effective_rank == min(n, m) and not _close(first, mean_grad, case.dtype):
+        fail(
+            check,
+            f"{at}: with rank {case.rank} >= min(n, m) = {min(n, m)} PowerSGD is exact, "
+            f"so the result must be the mean gradient over the ranks; it is off by up to "
+            f"{_max_error(first, mean_grad):.3g}. " + _powersgd_hint(case, t, first, grads, q0),
+        )
+    if not _close(first, reference, case.dtype):
+        rtol, atol = P_TOLERANCE[case.dtype]
+        fail(
+            check,
+            f"{at}: the approximation differs from the float64 reference by up to "
+            f"{_max_error(first, reference):.3g} (allowed rtol {rtol:g}, atol {atol:g} "
+            "x its largest entry); " + _powersgd_hint(case, t, first, grads, q0),
+        )
+
+
+def _judge_error_memory(
+    check: str,
+    at: str,
+    case: PCase,
+    t: int,
+    records: list[list[dict]],
+    grads: list[list[torch.Tensor]],
+) -> None:
+    """On every rank after step t: error memory + the updates so far = the gradients so far."""
+    __tracebackhide__ = True
+    p, (n, m) = case.world_size, case.shape
+    for w in range(p):
+        error = records[w][t]["error"]
+        if not isinstance(error, torch.Tensor) or error.shape != (n, m):
+            fail(
+                check,
+                f"{at}: rank {w}'s self.error is {type(error).__name__}; after each call "
+                f"it must hold the {n}x{m} error memory M - approximation",
+            )
+        applied = sum(records[w][s]["approximation"].double() for s in range(t + 1))
+        total = sum(grads[w][s].double() for s in range(t + 1))
+        if not _close(error.double() + applied, total, case.dtype):
+            fail(
+                check,
+                f"{at}: on rank {w}, error memory + sum of the updates so far differs from "
+                f"the sum of the gradients so far by up to "
+                f"{_max_error(error.double() + applied, total):.3g}; nothing may be lost: "
+                "error = (grad + previous error) - approximation, kept per rank",
+            )
+
+
+def _judge_sent(check: str, at: str, case: PCase, steps: list[dict]) -> None:
+    """Each rank sent something, and no more than a ring all-reduce of P and Q."""
+    __tracebackhide__ = True
+    p, (n, m), r = case.world_size, case.shape, case.effective_rank
+    itemsize = torch.empty((), dtype=case.dtype).element_size()
+    compressed = all_reduce_bytes((n + m) * r * itemsize, p)
+    for w in range(p):
+        sent = steps[w]["sent"]
+        calls = ", ".join(f"{op} x{k}" for op, k in sorted(steps[w]["calls"].items()))
+        if sent > compressed:
+            fail(
+                check,
+                f"{at}: rank {w} sent {sent} bytes ({calls}); all-reducing P ({n}x{r}) and "
+                f"Q ({m}x{r}) sends 2(P-1)/P (n + m) r = {compressed} bytes, while the "
+                f"whole {n}x{m} matrix would send {all_reduce_bytes(n * m * itemsize, p)}. "
+                "All-reduce only P and Q, never M itself.",
+            )
+        if p > 1 and sent == 0:
+            fail(
+                check,
+                f"{at}: rank {w} sent nothing through torch.distributed; all-reduce P and "
+                "Q with dist.all_reduce (a function imported by name is not seen)",
+            )

@@ -1,0 +1,332 @@
+"""Assignment 5's first part, the 8-bit all-reduce: the formulas the notebook states, the
+byte count by dtype, what runs on each rank and the judging of what the ranks report.
+
+    payload_budget, scale_budget        the bytes one rank may send (codes, scales)
+    round_trip_bound, all_reduce_bound  how far a round trip and a sum may be off
+    BytesByKind                         bytes sent, split into 8-bit tensors and others
+    QCase, quantized_records            one case; what each rank runs and records
+    judge_quantized                     one case's records, every rank
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from course_lib import comm
+from course_lib.comm import CommCounter
+from course_lib.costs import all_reduce_bytes
+from course_lib.grading._harness import fail
+from course_lib.runtime import rank
+
+EIGHT_BIT = (torch.int8, torch.uint8)
+LEVELS = 254  # int8 codes -127..127: a step of max|x| / 127, so rounding costs max|x| / 254
+SLACK = 1.05  # the bound's margin for partial sums that already carry rounding errors
+SCALE_CHUNK = 64  # at most one scale per 64 elements
+
+
+# --- budgets and bounds: the formulas the notebook states ----------------------------------
+
+
+def payload_budget(numel: int, world_size: int) -> int:
+    """Bytes of 8-bit tensors one rank may send: a ring all-reduce of int8 codes,
+    2(P-1) chunks of ceil(N/P) elements, a quarter of what float32 costs."""
+    return all_reduce_bytes(world_size * math.ceil(numel / world_size), world_size)
+
+
+def scale_budget(numel: int, world_size: int) -> int:
+    """Bytes of other tensors (scales) one rank may send: 8 bytes per peer and step for
+    every 64 elements, plus two; small next to the float32 data (32 times smaller)."""
+    return 8 * (world_size - 1) * (2 + math.ceil(numel / SCALE_CHUNK))
+
+
+def round_trip_bound(x: torch.Tensor) -> float:
+    """How far dequantize(quantize(x)) may be from x, per element: max|x| / 254."""
+    return x.abs().max().item() / LEVELS if x.numel() else 0.0
+
+
+def all_reduce_bound(abs_max_sum: float, world_size: int) -> float:
+    """How far quantized_all_reduce may be from the exact sum, per element: every value is
+    quantized at most max(2, P) times (once per ring step), each costing A / 254, where
+    A = sum over ranks of max|x_r| bounds every partial sum."""
+    return SLACK * max(2, world_size) * abs_max_sum / LEVELS
+
+
+# --- counting bytes by dtype ---------------------------------------------------------------
+
+
+class BytesByKind:
+    """While active: the bytes this rank sends, split into 8-bit tensors and others.
+
+    Built on `course_lib.comm`'s hooks (so on grading ranks it sees every route to a
+    collective, as a CommCounter does, and counts bytes the same way): each outermost call
+    is classified by the dtypes of its tensors, and its bytes are booked to "8-bit" if all
+    of them are int8/uint8, else to their dtype's name."""
+
+    def __init__(self) -> None:
+        self.sent: Counter = Counter()
+        self.calls: Counter = Counter()
+
+    def __enter__(self) -> BytesByKind:
+        comm.add_around_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        comm.remove_around_hook(self._hook)
+
+    def _hook(self, op: str, args: dict, sent: int, received: int, call: Callable) -> Any:
+        dtypes = {t.dtype for t in _tensors(args.values())}
+        kind = "8-bit" if dtypes and dtypes <= set(EIGHT_BIT) else _names(dtypes - {*EIGHT_BIT})
+        self.sent[kind] += sent
+        self.calls[f"{op} ({kind})"] += 1
+        return call()
+
+    def other_bytes(self) -> int:
+        return sum(n for kind, n in self.sent.items() if kind != "8-bit")
+
+
+def _tensors(values: Iterable) -> list[torch.Tensor]:
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out += _tensors(value)
+    return out
+
+
+def _names(dtypes: set) -> str:
+    return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes)) or "no tensor"
+
+
+# --- quantized all-reduce: what runs on each rank ------------------------------------------
+
+
+@dataclass(frozen=True)
+class QCase:
+    """One run of quantized_all_reduce: world size, shape, seed."""
+
+    world_size: int
+    shape: tuple[int, ...]
+    seed: int
+
+    def __str__(self) -> str:
+        return f"world size {self.world_size}, shape {self.shape}, seed {self.seed}"
+
+
+def _q_input(case: QCase, r: int) -> torch.Tensor:
+    """Rank r's float32 input: normal values whose size differs per rank, with one outlier
+    (so a scale taken from the wrong statistic clips it); seed 1 gives rank 0 all zeros."""
+    g = torch.Generator().manual_seed(7919 * case.seed + 131 * r + len(case.shape))
+    x = torch.randn(case.shape, generator=g) * (1 + r)
+    if x.numel() > 1:
+        x.view(-1)[int(torch.randint(x.numel(), (1,), generator=g))] = -6.0 * (1 + r)
+    if case.seed == 1 and r == 0:
+        x.zero_()
+    return x
+
+
+def _round_trip(quantize: Callable, dequantize: Callable, x: torch.Tensor) -> str | None:
+    """Quantize and dequantize x on this rank; describe the first problem, or None."""
+    original = x.clone()
+    payload = quantize(x)
+    if not torch.equal(x, original):
+        return "quantize changed its input x in place; leave x as it is"
+    if not (isinstance(payload, (tuple, list)) and len(payload) == 2):
+        return (
+            f"quantize returned {type(payload).__name__}; it must return a pair (q, scale) "
+            "of tensors"
+        )
+    q, scale = payload
+    if not isinstance(q, torch.Tensor) or q.dtype not in EIGHT_BIT:
+        what = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
+        return f"q must be a torch.int8 or torch.uint8 tensor, got {what}"
+    if q.numel() != x.numel():
+        return f"q has {q.numel()} elements; it needs one 8-bit code per element of x ({x.numel()})"
+    limit = 1 + math.ceil(x.numel() / SCALE_CHUNK)
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
+        return f"scale must be a floating-point tensor, got {type(scale).__name__}"
+    if scale.numel() > limit:
+        return f"scale has {scale.numel()} elements; at most {limit} (one per 64 elements) allowed"
+    restored = dequantize((q, scale))
+    if not isinstance(restored, torch.Tensor) or restored.shape != x.shape:
+        shape = tuple(restored.shape) if isinstance(restored, torch.Tensor) else restored
+        return f"dequantize returned {shape}; expected a tensor of x's shape {tuple(x.shape)}"
+    if restored.dtype != x.dtype:
+        return f"dequantize returned {restored.dtype}; expected x's dtype {x.dtype}"
+    error = (restored.double() - x.double()).abs()
+    bound = round_trip_bound(x)
+    if not torch.isfinite(restored).all() or error.max().item() > bound * (1 + 1e-5) + 1e-30:
+        worst = int(error.nan_to_num(float("inf")).argmax())
+        return (
+            f"dequantize(quantize(x)) is off by {error.max().item():.4g} at flat index {worst} "
+            f"(x = {x.reshape(-1)[worst].item():.4g}, got "
+            f"{restored.reshape(-1)[worst].item():.4g}); "
+            f"8 bits with scale max|x| / 127 allow at most max|x| / 254 = {bound:.4g}. "
+            + _round_trip_hint(x, q)
+        )
+    return None
+
+
+def _round_trip_hint(x: torch.Tensor, q: torch.Tensor) -> str:
+    if x.abs().max() == 0:
+        return "x is all zeros: avoid dividing by a zero scale (0 / 0 is nan)."
+    if q.dtype == torch.int8 and (q == -128).any():
+        return (
+            "A code is -128: a value above 127 wrapped around in .to(torch.int8). Clamp the "
+            "codes to [-127, 127] first, with a scale of max|x| / 127."
+        )
+    return (
+        "Is the scale max|x| / 127 (int8) and are the codes rounded (torch.round) and clamped "
+        "to the 8-bit range before the conversion (which wraps around instead of clipping)?"
+    )
+
+
+def quantized_records(fns: tuple[Callable, Callable, Callable], cases: list[QCase]) -> list:
+    """On each rank: every case in turn, the round trip, the exact sum (float64) and what
+    quantized_all_reduce returned and sent."""
+    quantize, dequantize, quantized_all_reduce = fns
+    records = []
+    with CommCounter():  # keeps torch.distributed wrapped for the whole run
+        for case in cases:
+            x = _q_input(case, rank())
+            problem = _round_trip(quantize, dequantize, x)
+            exact = x.double()
+            dist.all_reduce(exact)
+            abs_max = torch.tensor(
+                [x.abs().max().item() if x.numel() else 0.0], dtype=torch.float64
+            )
+            dist.all_reduce(abs_max)
+            mine = x.clone()
+            with BytesByKind() as kinds:
+                try:
+                    result = quantized_all_reduce(mine)
+                except BaseException as exc:
+                    if hasattr(exc, "add_note"):
+                        exc.add_note(f"(while checking: {case})")
+                    raise
+            records.append(
+                {
+                    "round_trip": problem,
+                    "result": result.detach().clone()
+                    if isinstance(result, torch.Tensor)
+                    else result,
+                    "exact": exact,
+                    "abs_max_sum": abs_max.item(),
+                    "changed": not torch.equal(mine, x),
+                    "bytes": dict(kinds.sent),
+                    "calls": dict(kinds.calls),
+                }
+            )
+    return records
+
+
+# --- quantized all-reduce: judging in the calling process ----------------------------------
+
+
+def judge_quantized(check: str, name: str, case: QCase, records: list[dict]) -> None:
+    """Fail on the first problem with one case: each rank's round trip and result, the
+    sum's accuracy and agreement, the bytes each rank sent."""
+    __tracebackhide__ = True
+    _judge_returned(check, name, case, records)
+    _judge_sum(check, case, records)
+    _judge_payload(check, case, records)
+
+
+def _judge_returned(check: str, name: str, case: QCase, records: list[dict]) -> None:
+    """The round trip on every rank, then what quantized_all_reduce returned and left."""
+    __tracebackhide__ = True
+    for r, rec in enumerate(records):
+        if rec["round_trip"]:
+            fail(check, f"{case}: on rank {r}, {rec['round_trip']}")
+    for r, rec in enumerate(records):
+        result = rec["result"]
+        if not isinstance(result, torch.Tensor):
+            fail(
+                check,
+                f"{case}: on rank {r}, your {name} returned {type(result).__name__}; it must "
+                "return the sum as a new tensor",
+            )
+        if result.shape != rec["exact"].shape or result.dtype != torch.float32:
+            fail(
+                check,
+                f"{case}: on rank {r}, your {name} returned shape {tuple(result.shape)} and "
+                f"{result.dtype}; expected the input's shape {tuple(case.shape)} and float32",
+            )
+        if rec["changed"]:
+            fail(check, f"{case}: your {name} changed its input on rank {r}; leave it unchanged")
+
+
+def _judge_sum(check: str, case: QCase, records: list[dict]) -> None:
+    """The sum within the bound of the exact one, and the same tensor on every rank."""
+    __tracebackhide__ = True
+    p = case.world_size
+    bound = all_reduce_bound(records[0]["abs_max_sum"], p)
+    for r, rec in enumerate(records):
+        error = (rec["result"].double() - rec["exact"]).abs()
+        if error.numel() and not (error.max().item() <= bound):
+            worst = int(error.nan_to_num(float("inf")).argmax())
+            fail(
+                check,
+                f"{case}: on rank {r}, the result is off the exact sum by "
+                f"{error.max().item():.4g} at flat index {worst} (exact "
+                f"{rec['exact'].reshape(-1)[worst].item():.4g}, got "
+                f"{rec['result'].reshape(-1)[worst].item():.4g}); allowed max(2, P) * A / 254 "
+                f"= {bound:.4g} with A = sum of max|x| over the ranks = "
+                f"{records[0]['abs_max_sum']:.4g}. Does every rank's contribution arrive "
+                "exactly once, dequantized with its own scale?",
+            )
+    for r, rec in enumerate(records[1:], start=1):
+        if not torch.equal(rec["result"], records[0]["result"]):
+            diff = (rec["result"] - records[0]["result"]).abs().max().item()
+            fail(
+                check,
+                f"{case}: rank {r}'s result differs from rank 0's by up to {diff:.3g}; every "
+                "rank must end with the same tensor, bit for bit. Does a rank keep its own "
+                "reduced chunk in float32 while the others get it through 8 bits? Dequantize "
+                "the same codes everywhere.",
+            )
+
+
+def _judge_payload(check: str, case: QCase, records: list[dict]) -> None:
+    """Each rank's bytes: scales within `scale_budget`, codes within `payload_budget`, and
+    some codes at all where the sum needs other ranks' data."""
+    __tracebackhide__ = True
+    p = case.world_size
+    numel = math.prod(case.shape)
+    allowed8, allowed_other = payload_budget(numel, p), scale_budget(numel, p)
+    for r, rec in enumerate(records):
+        eight, other = (
+            rec["bytes"].get("8-bit", 0),
+            sum(n for kind, n in rec["bytes"].items() if kind != "8-bit"),
+        )
+        calls = ", ".join(f"{op} x{n}" for op, n in sorted(rec["calls"].items())) or "none"
+        if other > allowed_other:
+            fail(
+                check,
+                f"{case}: rank {r} sent {other} bytes in tensors that are not 8-bit "
+                f"({', '.join(k for k in rec['bytes'] if k != '8-bit')}); only scales may "
+                f"travel that way, at most {allowed_other} bytes here (8 (P-1) (2 + ceil(N/64))). "
+                f"Calls seen: {calls}. Send the values as int8/uint8 codes.",
+            )
+        if eight > allowed8:
+            fail(
+                check,
+                f"{case}: rank {r} sent {eight} bytes of 8-bit codes; a ring all-reduce of "
+                f"N = {numel} one-byte codes sends 2(P-1) ceil(N/P) = {allowed8}. Calls seen: "
+                f"{calls}. Gathering every rank's whole tensor costs (P-1) N: reduce-scatter "
+                "chunks first (each rank sums one chunk), then all-gather the summed chunks.",
+            )
+        if p > 1 and numel >= p and eight == 0:
+            fail(
+                check,
+                f"{case}: rank {r} sent no 8-bit tensor through torch.distributed, yet the sum "
+                "needs the other ranks' data. Send int8/uint8 codes with dist.* calls (a "
+                "function imported by name from torch.distributed is not seen).",
+            )
