@@ -21,7 +21,8 @@ from course_lib.grading.zero import (
     shard_bytes,
 )
 from course_lib.models import TinyGPT, count_parameters
-from tests.adapters import mutant, solution
+from tests.adapters import mutant, planted, solution
+from tests.cheats.a07_zero import FULL_STATE_ZERO1
 
 # --- right implementations: the solution notebook's, and others written differently -------
 
@@ -161,23 +162,9 @@ summed_zero3 = mutant(
 # --- wrong implementations: other designs ------------------------------------------------
 
 
-class FullStateOptimizer:
-    """Every rank keeps optimizer state for the whole model (plain DP with averaging)."""
-
-    def __init__(self, params, optimizer_cls, **kwargs):
-        self.params = list(params)
-        self.optimizer = optimizer_cls(self.params, **kwargs)
-        self.param_groups = self.optimizer.param_groups
-
-    def zero_grad(self):
-        self.optimizer.zero_grad()
-
-    @torch.no_grad()
-    def step(self):
-        for p in self.params:
-            dist.all_reduce(p.grad)
-            p.grad /= world_size()
-        self.optimizer.step()
+# Every rank keeps optimizer state for the whole model (plain DP with averaging): the cheat
+# "ZeRO-1 without sharding" of tests/cheats/a07_zero.py, in the zero1 cell it is planted in.
+FullStateOptimizer = planted("zero", "zero1", FULL_STATE_ZERO1).ShardedOptimizer
 
 
 class FloorShardOptimizer:

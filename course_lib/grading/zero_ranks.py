@@ -1,0 +1,229 @@
+"""Part of Assignment 7's checks (grading/zero.py): what runs on each rank, and the
+single-process reference the checks compare it with.
+
+Each check trains `TinyGPT(SMALL)` for a few AdamW steps in float64 (`Run`), every global
+batch split across the ranks and each rank's loss the mean over its own share:
+`_train_stage12` with a student's ZeRO-1/2 optimizer, `_train_stage3` with a student's
+`shard_module`, each recording what the judging compares and the bytes it measured.
+`reference` is torch.optim.AdamW on one process on the whole batch; `measure_memory` is the
+notebook's per-rank table of bytes for one step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from course_lib import data
+from course_lib.comm import CommCounter
+from course_lib.grading.training import ADAMW, make_optimizer, snapshot
+from course_lib.grading.zero_memory import (
+    _storage_bytes,
+    gradient_bytes,
+    held_bytes,
+    held_tensors,
+    live_tensor_bytes,
+    optimizer_state_bytes,
+    optimizers_in,
+    shard_numel,
+    storages_elsewhere,
+)
+from course_lib.launch import launch
+from course_lib.models import GPTConfig, TinyGPT, lm_loss
+from course_lib.runtime import rank, world_size
+
+# Every tensor of this model has a size that 2, 3 or 4 do not all divide (d_model 22,
+# d_ff 37, vocab 29, 7 positions), so shards come out uneven.
+SMALL = GPTConfig(vocab_size=29, seq_len=7, d_model=22, n_heads=2, n_layers=2, d_ff=37)
+STATE_NAMES = ("exp_avg", "exp_avg_sq")
+
+
+# --- one training run ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """Which model, data and steps a check trains."""
+
+    seed: int = 0
+    steps: int = 3
+    batch_size: int = 12
+
+    def describe(self, ranks: int) -> str:
+        return (
+            f"TinyGPT(SMALL), AdamW, float64, seed {self.seed}, batches of {self.batch_size} "
+            f"sequences split over {ranks} rank{'s' if ranks > 1 else ''}"
+        )
+
+
+def build_model(run: Run) -> TinyGPT:
+    return TinyGPT(SMALL, seed=run.seed, dtype=torch.float64)
+
+
+def global_batches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same global batches on every rank and in the reference."""
+    x, y = data.tokens(4 * run.batch_size, SMALL.seq_len, SMALL.vocab_size, seed=run.seed + 1)
+    return data.batches(x, y, run.batch_size, run.steps, seed=run.seed)
+
+
+def _visible_shards(optimizer: object, model: nn.Module, ranks: int) -> list | None:
+    """The tensors an optimizer steps, if they are exactly the model's shards in order
+    (one 1-D tensor of ceil(numel / P) elements per parameter); else None."""
+    sizes = [shard_numel(p.numel(), ranks) for p in model.parameters()]
+    for inner in optimizers_in(optimizer):
+        stepped = [p for g in inner.param_groups for p in g["params"]]
+        if [tuple(p.shape) for p in stepped] == [(n,) for n in sizes]:
+            return [(inner, p) for p in stepped]
+    return None
+
+
+def _state_values(shards: list | None) -> list | None:
+    if shards is None:
+        return None
+    out = []
+    for inner, p in shards:
+        state = inner.state.get(p, {})
+        out.append({k: state[k].detach().clone() for k in STATE_NAMES if k in state})
+    return out
+
+
+def _train_stage12(impl: Callable, stage: int, run: Run) -> dict:
+    """On each rank: train with the student's optimizer; record what the check compares."""
+    ranks, me = world_size(), rank()
+    model = build_model(run)
+    # optimizer_cls is torch.optim.AdamW itself: on the CPU it runs its single-tensor code
+    # (foreach=False), as the reference does.
+    optimizer = impl(model.parameters(), torch.optim.AdamW, **ADAMW)
+    groups = getattr(optimizer, "param_groups", None)
+    lr = groups[0].get("lr") if isinstance(groups, list) and groups else None
+    steps = []
+    for x, y in global_batches(run):
+        x, y = data.shard(x, me, ranks), data.shard(y, me, ranks)
+        optimizer.zero_grad()
+        before = live_tensor_bytes() if stage == 2 else 0
+        lm_loss(model(x), y).backward()
+        record = {"grad_bytes": gradient_bytes(model, optimizer)}
+        if stage == 2:  # what backward left alive, wherever the student's code keeps it
+            record["kept_bytes"] = live_tensor_bytes() - before
+        shards = _visible_shards(optimizer, model, ranks)
+        if stage == 2 and shards is not None:
+            record["grad_shards"] = [None if p.grad is None else p.grad.clone() for _, p in shards]
+        optimizer.step()
+        record["params"] = snapshot(model.named_parameters())
+        record["state_bytes"] = optimizer_state_bytes(optimizer)
+        record["state"] = _state_values(_visible_shards(optimizer, model, ranks))
+        steps.append(record)
+    return {"lr": lr, "steps": steps}
+
+
+def _train_stage3(shard_module: Callable, run: Run) -> dict:
+    """On each rank: shard the model with the student's shard_module, train it with AdamW
+    on the shards, and record shards, gradients, bytes held and what was gathered when."""
+    ranks, me = world_size(), rank()
+    model = build_model(run)
+    model = shard_module(model) or model
+    names = [name for name, _ in model.named_parameters()]
+    result = {"names": names, "initial": snapshot(model.named_parameters()), "steps": []}
+    if any(p.dim() != 1 for p in model.parameters()):
+        return result  # the check explains what a shard should look like
+    optimizer = make_optimizer("adamw", model.parameters())
+    for x, y in global_batches(run):
+        x, y = data.shard(x, me, ranks), data.shard(y, me, ranks)
+        optimizer.zero_grad()
+        logits = model(x)
+        after_forward = held_bytes(model)
+        holders = {n: _storage_bytes([t]) for n, t in held_tensors(model).items()}
+        # The check's own records are not the student's: without `records`, each scan would
+        # also copy every earlier record, and the scans would grow step after step.
+        elsewhere = storages_elsewhere(model, optimizer, records=result)
+        with CommCounter() as backward_traffic:
+            lm_loss(logits, y).backward()
+        del logits
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        result["steps"].append(
+            {
+                "held_after_forward": after_forward,
+                "holders": holders,
+                "elsewhere_after_forward": elsewhere,
+                "elsewhere_after_step": storages_elsewhere(
+                    model, optimizer, records=[result, elsewhere, grads]
+                ),
+                "held_after_step": held_bytes(model),
+                "gathered_in_backward": _gathered_bytes(backward_traffic),
+                "grads": grads,
+                "shards": snapshot(model.named_parameters()),
+            }
+        )
+    return result
+
+
+def _gathered_bytes(counter: CommCounter) -> int:
+    ops = ("all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast")
+    return sum(counter.by_op.get(op, [0, 0])[1] for op in ops)
+
+
+# --- the single-process reference, in the checking process --------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def reference(run: Run, loss_scale: float = 1.0) -> dict:
+    """torch.optim.AdamW on one process on the whole batch: per step the gradients,
+    parameters and optimizer state (named); `loss_scale` > 1 trains on summed gradients
+    instead of averaged ones (for telling that mistake apart)."""
+    model = build_model(run)
+    optimizer = make_optimizer("adamw", model.parameters())
+    steps = []
+    for x, y in global_batches(run):
+        optimizer.zero_grad()
+        (loss_scale * lm_loss(model(x), y)).backward()
+        grads = snapshot((n, p.grad) for n, p in model.named_parameters())
+        optimizer.step()
+        state = {
+            n: {k: optimizer.state[p][k].clone() for k in STATE_NAMES}
+            for n, p in model.named_parameters()
+        }
+        steps.append({"grads": grads, "params": snapshot(model.named_parameters()), "state": state})
+    return {"initial": snapshot(build_model(run).named_parameters()), "steps": steps}
+
+
+# --- for the notebook: measured bytes per rank --------------------------------------------
+
+
+def _measure_on_rank(impl: Callable, stage: int, run: Run) -> dict[str, int]:
+    """One step of training with a stage's implementation; this rank's bytes of
+    parameters, gradients (after backward) and optimizer state (after the step)."""
+    ranks, me = world_size(), rank()
+    model = build_model(run)
+    if stage == 3:
+        model = impl(model) or model
+        optimizer = make_optimizer("adamw", model.parameters())
+    elif stage == 0:
+        optimizer = make_optimizer("adamw", model.parameters())
+    else:
+        optimizer = impl(model.parameters(), torch.optim.AdamW, **ADAMW)
+    x, y = global_batches(run)[0]
+    x, y = data.shard(x, me, ranks), data.shard(y, me, ranks)
+    optimizer.zero_grad()
+    lm_loss(model(x), y).backward()
+    grads = gradient_bytes(model, optimizer)
+    optimizer.step()
+    return {
+        "parameters": held_bytes(model),
+        "gradients": grads,
+        "optimizer state": optimizer_state_bytes(optimizer),
+    }
+
+
+def measure_memory(
+    impl: Callable | None, stage: int, world_size: int, seed: int = 0, timeout: float = 60.0
+) -> list[dict[str, int]]:
+    """Per-rank bytes of parameters (at rest), gradients (after backward) and optimizer
+    state for one training step of `TinyGPT(SMALL)` in float64 on `world_size` ranks.
+    stage 0 is plain data parallelism without communication (impl None): the baseline."""
+    return launch(_measure_on_rank, impl, stage, Run(seed=seed, steps=1), world_size=world_size,
+                  timeout=timeout)  # fmt: skip
