@@ -226,12 +226,12 @@ def compare_communication(check: str, case: Case, result: dict, r: int, P: int) 
             )
 
 
-def judge_case(
-    check: str, verdict: Verdict, case: Case, ref: dict, results: list[dict], P: int
-) -> None:
-    """One case on P ranks, as two of the verdict's cases: the result (every rank's shards
-    and numbers, then the nudged layer), then the communication."""
+def judge_case(check: str, verdict: Verdict, case: Case, results: list[dict], P: int) -> None:
+    """One case on P ranks (results[r] from rank r), as two of the verdict's cases: the result
+    (every rank's shards and numbers against the dense layer's, then the nudged layer), then
+    the communication."""
     __tracebackhide__ = True
+    ref = dense_reference(case)
     with verdict.case():
         for r, result in enumerate(results):
             compare_held(check, case, ref, result, r, P)
