@@ -134,6 +134,8 @@ def lecture_best_time(problem: PartitionProblem) -> float:
 
 
 def judge_partition(check: str, problem: PartitionProblem, result, best: float) -> None:
+    """What optimal_partition returned for a problem: well formed, stages that cover the
+    layers in order with all the machines, the time they take, and no slower than `best`."""
     __tracebackhide__ = True
     at = problem.describe()
     try:

@@ -76,7 +76,7 @@ def _nudge(case: Case, layer: nn.Module, r: int, ranks: int) -> dict | None:
     would; return the parameters after it (None if they are not the expected ones)."""
     params = dict(layer.named_parameters())
     if set(params) != {name for name, _ in dense_layer(case).named_parameters()}:
-        return None  # _compare_held reports it
+        return None  # compare_held (tensor_parallel_judge) reports it
     g = torch.Generator().manual_seed(secrets.randbits(62))
     with torch.no_grad():
         for name, p in params.items():
