@@ -17,16 +17,15 @@ from course_lib.grading import (
     check_pipeline_trainer,
     check_simulate_schedule,
 )
-from course_lib.grading.pipeline import (
+from course_lib.grading.pipeline import recv_tensor, schedule_order, send_tensor
+from course_lib.grading.pipeline_partition import (
     PartitionProblem,
     brute_force_partition,
     partition_problems,
     partition_time,
-    recv_tensor,
-    schedule_order,
-    send_tensor,
 )
-from tests.adapters import mutant, solution
+from tests.adapters import mutant, planted, solution
+from tests.cheats.a08_pipeline import EXHAUSTIVE_PARTITION
 
 # Fresh workers cannot import this test module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -333,32 +332,10 @@ def test_optimal_partition_rejects_wrong_implementations(fn, message):
 # --- answers that are not the student's own work ---------------------------------------------
 
 
-def partition_exhaustive(
-    layer_times, activation_sizes, n_machines, bandwidth=1.0, weight_sizes=None
-):
-    """Right, but exponential: every cut and every split of the machines."""
-    import itertools
-
-    n = len(layer_times)
-    weights = weight_sizes or [0.0] * n
-
-    def stage(i, j, k):
-        sync = sum(2 * w / bandwidth for w in weights[i:j]) if k > 1 else 0.0
-        return max(sum(layer_times[i:j]), sync) / k
-
-    best = (float("inf"), None)
-    for s in range(1, min(n, n_machines) + 1):
-        for cuts in itertools.combinations(range(1, n), s - 1):
-            bounds = (0, *cuts, n)
-            for split in itertools.combinations(range(1, n_machines), s - 1):
-                counts = [b - a for a, b in zip((0, *split), (*split, n_machines), strict=True)]
-                stages = [(bounds[t], bounds[t + 1], counts[t]) for t in range(s)]
-                slowest = max(
-                    [stage(*st) for st in stages]
-                    + [2 * activation_sizes[b - 1] / bandwidth for _, b, _ in stages[:-1]]
-                )
-                best = min(best, (slowest, stages), key=lambda pair: pair[0])
-    return best
+# Right, but exponential: every cut and every split of the machines (the cheat's own text).
+partition_exhaustive = planted(
+    "pipeline", "optimal_partition", EXHAUSTIVE_PARTITION
+).optimal_partition
 
 
 def partition_from_the_lecture(

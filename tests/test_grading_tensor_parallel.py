@@ -27,7 +27,8 @@ from course_lib.grading.tensor_parallel import (
     expected_shards,
     head_rows,
 )
-from tests.adapters import solution
+from tests.adapters import planted, solution
+from tests.cheats.a09_tensor_parallel import MLP_FULL_COPY
 
 # Fresh workers cannot import this test module: ship its classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -206,23 +207,9 @@ class ColumnFullCopy(ColumnParallelLinear):
         return torch.cat([full[..., : rank() * n], y, full[..., (rank() + 1) * n :]], dim=-1)
 
 
-class MLPFullCopy(ParallelMLP):
-    """The dense MLP, kept whole, computes the output: no communication needed. The shards
-    get Megatron's local gradients through a path whose value is zero, and all-reduces of
-    zeros in forward and backward look like Megatron's."""
-
-    def __init__(self, block):
-        super().__init__(block)
-        self.dense = [block]  # in a list: not registered, not a parameter
-
-    def forward(self, x):
-        fc, proj = self.fc, self.proj
-        local = F.linear(F.gelu(F.linear(x.detach(), fc.weight, fc.bias)), proj.weight)
-        local = local + proj.bias
-        dummy = CopyToParallel.apply(torch.zeros_like(x, requires_grad=True))
-        out = self.dense[0](x + dummy)
-        out = out + ReduceFromParallel.apply(torch.zeros_like(out)).detach()
-        return out + (local - local.detach())
+# The dense MLP, kept whole, computes the output; the shards get Megatron's local gradients
+# through a path whose value is zero (the cheat's own text, planted in the solution).
+MLPFullCopy = planted("tensor_parallel", "parallel_mlp", MLP_FULL_COPY).ParallelMLP
 
 
 class ColumnLecture(nn.Module):
