@@ -178,58 +178,9 @@ def _well_formed(got, case: Case) -> bool:
 def _judge(check: str, name: str, case: Case, records: list[list[dict]]) -> None:
     __tracebackhide__ = True
     p = case.world_size
-    rtol, atol = TOLERANCE[case.dtype]
     average = sum(_start(case, r).double() for r in range(p)) / p
     for t in range(case.rounds):
-        at = f"{case}, round {t}"
-        for r in range(p):
-            got = records[r][t]["got"]
-            if not _well_formed(got, case):
-                fail(
-                    check,
-                    f"{at}: rank {r}'s {name} returned {_describe(got)}; expected a pair "
-                    f"(x_new, w_new): x_new a {case.dtype} tensor of shape ({case.size},) and "
-                    "w_new a tensor with one element",
-                )
-        xs = [records[r][t]["x"] for r in range(p)]
-        ws = [records[r][t]["w"] for r in range(p)]
-        got_x = [records[r][t]["got"][0].double() for r in range(p)]
-        got_w = [records[r][t]["got"][1].double().reshape(()) for r in range(p)]
-        want_x, want_w = push_sum_reference(xs, ws, case.graph, t)
-        total_w, before_w = sum(got_w).item(), sum(w.double() for w in ws).item()
-        if abs(total_w - before_w) > atol + rtol * abs(before_w):
-            fail(
-                check,
-                f"{at}: the weights w summed over the ranks were {before_w:.10g} before the "
-                f"round and {total_w:.10g} after; push-sum conserves them. Keep the share "
-                "w / (d + 1) and send one share to each of the d out-neighbours, then add "
-                "the shares received from the in-neighbours.",
-            )
-        total_x, before_x = sum(got_x), sum(x.double() for x in xs)
-        if not torch.allclose(total_x, before_x, rtol=rtol, atol=atol * before_x.abs().max()):
-            fail(
-                check,
-                f"{at}: x summed over the ranks changed by up to "
-                f"{(total_x - before_x).abs().max().item():.3g}; push-sum conserves the total "
-                "(every share of x kept or sent exactly once). "
-                + _hint(case, t, xs, ws, got_x, got_w),
-            )
-        for r in range(p):
-            scale = max(want_x[r].abs().max().item(), 1.0)
-            bad_x = not torch.allclose(got_x[r], want_x[r], rtol=rtol, atol=atol * scale)
-            bad_w = not torch.allclose(got_w[r], want_w[r], rtol=rtol, atol=atol)
-            if bad_x or bad_w:
-                what = "x" if bad_x else "w"
-                fail(
-                    check,
-                    f"{at}: rank {r} (out-neighbours {out_neighbors(case.graph, r, p, t)}, "
-                    f"in-neighbours {in_neighbors(case.graph, r, p, t)}) got {what} = "
-                    f"{_show(got_x[r] if bad_x else got_w[r])}, expected "
-                    f"{_show(want_x[r] if bad_x else want_w[r])}. "
-                    + _hint(case, t, xs, ws, got_x, got_w),
-                )
-        for r in range(p):
-            _judge_messages(check, at, case, t, r, records[r][t]["calls"])
+        got_x, got_w = _judge_round(check, name, case, t, records)
     z = [got_x[r] / got_w[r] for r in range(p)]
     worst = max((zr - average).abs().max().item() for zr in z)
     # As close as push-sum itself gets in that many rounds (some graphs mix slowly), twice.
@@ -242,6 +193,63 @@ def _judge(check: str, name: str, case: Case, records: list[list[dict]]) -> None
             f"{case}: after {case.rounds} rounds z = x / w is still up to {worst:.3g} away "
             f"from the average of the starting x (allowed {allowed:.3g}).",
         )
+
+
+def _judge_round(check: str, name: str, case: Case, t: int, records: list[list[dict]]):
+    """Round t on every rank: well-formed results, the totals push-sum conserves, each rank's
+    (x, w) against the reference, and its messages. Returns the new x and w, in float64."""
+    __tracebackhide__ = True
+    p = case.world_size
+    rtol, atol = TOLERANCE[case.dtype]
+    at = f"{case}, round {t}"
+    for r in range(p):
+        got = records[r][t]["got"]
+        if not _well_formed(got, case):
+            fail(
+                check,
+                f"{at}: rank {r}'s {name} returned {_describe(got)}; expected a pair "
+                f"(x_new, w_new): x_new a {case.dtype} tensor of shape ({case.size},) and "
+                "w_new a tensor with one element",
+            )
+    xs = [records[r][t]["x"] for r in range(p)]
+    ws = [records[r][t]["w"] for r in range(p)]
+    got_x = [records[r][t]["got"][0].double() for r in range(p)]
+    got_w = [records[r][t]["got"][1].double().reshape(()) for r in range(p)]
+    want_x, want_w = push_sum_reference(xs, ws, case.graph, t)
+    total_w, before_w = sum(got_w).item(), sum(w.double() for w in ws).item()
+    if abs(total_w - before_w) > atol + rtol * abs(before_w):
+        fail(
+            check,
+            f"{at}: the weights w summed over the ranks were {before_w:.10g} before the "
+            f"round and {total_w:.10g} after; push-sum conserves them. Keep the share "
+            "w / (d + 1) and send one share to each of the d out-neighbours, then add "
+            "the shares received from the in-neighbours.",
+        )
+    total_x, before_x = sum(got_x), sum(x.double() for x in xs)
+    if not torch.allclose(total_x, before_x, rtol=rtol, atol=atol * before_x.abs().max()):
+        fail(
+            check,
+            f"{at}: x summed over the ranks changed by up to "
+            f"{(total_x - before_x).abs().max().item():.3g}; push-sum conserves the total "
+            "(every share of x kept or sent exactly once). " + _hint(case, t, xs, ws, got_x, got_w),
+        )
+    for r in range(p):
+        scale = max(want_x[r].abs().max().item(), 1.0)
+        bad_x = not torch.allclose(got_x[r], want_x[r], rtol=rtol, atol=atol * scale)
+        bad_w = not torch.allclose(got_w[r], want_w[r], rtol=rtol, atol=atol)
+        if bad_x or bad_w:
+            what = "x" if bad_x else "w"
+            fail(
+                check,
+                f"{at}: rank {r} (out-neighbours {out_neighbors(case.graph, r, p, t)}, "
+                f"in-neighbours {in_neighbors(case.graph, r, p, t)}) got {what} = "
+                f"{_show(got_x[r] if bad_x else got_w[r])}, expected "
+                f"{_show(want_x[r] if bad_x else want_w[r])}. "
+                + _hint(case, t, xs, ws, got_x, got_w),
+            )
+    for r in range(p):
+        _judge_messages(check, at, case, t, r, records[r][t]["calls"])
+    return got_x, got_w
 
 
 def _judge_messages(check: str, at: str, case: Case, t: int, r: int, calls: list) -> None:

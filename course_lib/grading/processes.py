@@ -196,6 +196,29 @@ def check_chain(relay: Callable, run_chain: Callable, n: int = 4, wait: float = 
         timeout=3 * wait + 10,
         what="the chain",
     )[0]
+    _judge_relays(check, arrived, outcomes, n, wait)
+
+    result, own_pid, leftover = run_on_ranks(
+        check,
+        _student_chain,
+        run_chain,
+        n,
+        world_size=1,
+        timeout=3 * wait + 10,
+        what="your run_chain",
+    )[0]
+    _judge_run_chain(check, result, own_pid, leftover, n)
+    expected = (sum(range(n)), list(range(n)))
+    passed(
+        check,
+        f"{n} of your relays turned (0, []) into {expected!r}; your run_chain ran {n} relays, "
+        "each in a new process of its own, and returned with none left running",
+    )
+
+
+def _judge_relays(check: str, arrived, outcomes: list, n: int, wait: float) -> None:
+    """The chain of the student's relays, run by the reference: each relay's outcome, then
+    what came out of the last one."""
     for k, outcome in enumerate(outcomes):
         if outcome[0] in ("error", "died"):
             fail(check, describe(outcome, f"your relay in process {k} of {n}", wait))
@@ -216,15 +239,10 @@ def check_chain(relay: Callable, run_chain: Callable, n: int = 4, wait: float = 
     if arrived != expected:
         fail(check, f"{n} of your relays turned (0, []) into {arrived!r}, expected {expected!r}")
 
-    result, own_pid, leftover = run_on_ranks(
-        check,
-        _student_chain,
-        run_chain,
-        n,
-        world_size=1,
-        timeout=3 * wait + 10,
-        what="your run_chain",
-    )[0]
+
+def _judge_run_chain(check: str, result, own_pid: int, leftover: int, n: int) -> None:
+    """What the student's run_chain returned, the processes the relays ran in, and what it
+    left running."""
     if not (isinstance(result, tuple) and len(result) == 2):
         fail(check, f"run_chain({n}, relay) returned {result!r}, expected the final (total, path)")
     total, path = result
@@ -248,11 +266,6 @@ def check_chain(relay: Callable, run_chain: Callable, n: int = 4, wait: float = 
             f"run_chain({n}, relay) returned with {leftover} child process(es) still "
             "running: join() every process you start",
         )
-    passed(
-        check,
-        f"{n} of your relays turned (0, []) into {expected!r}; your run_chain ran {n} relays, "
-        "each in a new process of its own, and returned with none left running",
-    )
 
 
 # --- ping-pong with torch.distributed -----------------------------------------------------

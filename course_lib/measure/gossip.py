@@ -206,17 +206,8 @@ def train_decentralized(
     With `max_seconds`, "async_sgp" ranks stop stepping after that much wall time (or at the
     end of `batches`), each on its own: a slow rank then simply makes fewer steps.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
     p, me = world_size(), rank()
-    topology = topology or _default_topology(method, p)
-    if topology.world_size != p:
-        raise ValueError(f"{topology!r} is for {topology.world_size} ranks, but {p} are running")
-    if max_seconds is not None and method != "async_sgp":
-        raise ValueError(
-            f"{method!r} is synchronous: its ranks must agree on the number of steps, so it "
-            "cannot stop on a per-rank time budget; pass max_seconds only with 'async_sgp'"
-        )
+    topology = _checked_topology(method, topology, max_seconds)
     groups = GroupAllReduce(topology) if method == "group" else None
     log = GossipLog(method)
     x = flat_parameters(model).clone()  # numerators (the parameters, for non-push methods)
@@ -243,16 +234,7 @@ def train_decentralized(
                 pusher.step(update)  # the gossip thread mixes on its own
             else:
                 x = x - update  # Algorithm 1, line 4
-            if method == "gossip":
-                x = gossip_round(x, topology, step)
-            elif method == "sgp":
-                out_nbrs, in_nbrs = (
-                    topology.out_neighbors(me, step),
-                    topology.in_neighbors(me, step),
-                )
-                x, w = push_sum_step(x, w, out_nbrs, in_nbrs)  # lines 5-7
-            elif method == "group":
-                x = groups.average(x, step)
+            x, w = _mix(method, x, w, topology, groups, step)
             log.losses.append(loss.item())
             log.step_s.append(time.perf_counter() - start)
             log.bytes_sent.append(counter.bytes_sent - sent_before)
@@ -263,6 +245,35 @@ def train_decentralized(
     _vector_to_model(x / w, model)
     log.parameters = (x / w).clone()
     return log
+
+
+def _checked_topology(method: str, topology: Topology | None, max_seconds) -> Topology:
+    """`topology`, or the method's default graph, once the arguments are known to fit."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    p = world_size()
+    topology = topology or _default_topology(method, p)
+    if topology.world_size != p:
+        raise ValueError(f"{topology!r} is for {topology.world_size} ranks, but {p} are running")
+    if max_seconds is not None and method != "async_sgp":
+        raise ValueError(
+            f"{method!r} is synchronous: its ranks must agree on the number of steps, so it "
+            "cannot stop on a per-rank time budget; pass max_seconds only with 'async_sgp'"
+        )
+    return topology
+
+
+def _mix(method: str, x: torch.Tensor, w: torch.Tensor, topology: Topology, groups, step: int):
+    """One synchronous round of `method`'s communication after a step: (x, w)."""
+    if method == "gossip":
+        return gossip_round(x, topology, step), w
+    if method == "sgp":
+        me = rank()
+        out_nbrs, in_nbrs = topology.out_neighbors(me, step), topology.in_neighbors(me, step)
+        return push_sum_step(x, w, out_nbrs, in_nbrs)  # Algorithm 1, lines 5-7
+    if method == "group":
+        return groups.average(x, step), w
+    return x, w  # "allreduce" averaged the gradients; "async_sgp" mixes in its own thread
 
 
 def _default_topology(method: str, p: int) -> Topology:
