@@ -426,7 +426,7 @@ def build_ddp(
 
 
 @dataclass
-class Run:
+class CompressionLog:
     """What one rank measured in `train_compressed`: one entry per step."""
 
     method: str
@@ -445,7 +445,7 @@ def train_compressed(
     lr: float = 0.1,
     network: dict | None = None,
     **options,
-) -> Run:
+) -> CompressionLog:
     """Train the seeded MLP(sizes) with SGD under `method` (run on every rank in `launch`),
     each rank on its shard of every batch; record loss, bytes sent and time per step.
 
@@ -454,7 +454,7 @@ def train_compressed(
     emulated network time beyond the real transfer); `options` go to `build_ddp`."""
     model = build_ddp(models.MLP(sizes).to(device()), method, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    run = Run(method)
+    run = CompressionLog(method)
     p, r = world_size(), rank()
     net = SlowNetwork(**network) if network is not None else None
     with net if net is not None else nullcontext():
@@ -475,6 +475,6 @@ def train_compressed(
     return run
 
 
-def mean_losses(per_rank: Sequence[Run]) -> list[float]:
+def mean_losses(per_rank: Sequence[CompressionLog]) -> list[float]:
     """Loss per step averaged over the ranks' shards: the loss of the whole batch."""
     return [sum(losses) / len(losses) for losses in zip(*(r.losses for r in per_rank), strict=True)]

@@ -12,7 +12,7 @@ import torch
 from matplotlib.figure import Figure
 
 from course_lib import plots
-from course_lib.compression import Run, mean_losses
+from course_lib.compression import CompressionLog, mean_losses
 
 
 def plot_loss_curves(
@@ -33,7 +33,7 @@ def plot_loss_curves(
     )
 
 
-def loss_curves(runs: dict[str, Sequence[Run]], against: str = "step") -> dict:
+def loss_curves(runs: dict[str, Sequence[CompressionLog]], against: str = "step") -> dict:
     """Curves for `plot_loss_curves` from {label: per-rank runs}: mean loss against the step
     number, or against rank 0's cumulative wall-clock seconds (`against="time"`)."""
     curves = {}
