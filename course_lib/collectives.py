@@ -10,7 +10,7 @@ Every algorithm sums `tensor` over all ranks in place, like `dist.all_reduce(ten
 - `butterfly_all_reduce`: recursive doubling; in round k each rank swaps its whole vector with
   the rank whose number differs in bit k (needs a power-of-two number of ranks).
 - `ring_all_reduce`: reduce-scatter then all-gather around a ring, talking to neighbours only,
-  driven by `ring_schedule` -- the same schedule `course_lib.plots.RingWidget` draws.
+  driven by `ring_schedule` -- the same schedule `course_lib.measure.collectives.RingWidget` draws.
 
 `bytes_sent` and `messages_sent` give what each rank sends, as formulas in N and P, to hold
 against `course_lib.CommCounter`.
