@@ -104,6 +104,74 @@ def test_check_parts_stand_below_their_topic_and_out_of_notebooks():
                 assert not part_of(module), f"{notebook.name} imports grading.{module}, a part"
 
 
+# Imports that break the layers on purpose (docs/architecture.md says why): (importer, imported).
+LAYER_EXCEPTIONS = {
+    # an untrusted rank loads the checks before any student code runs on it
+    ("_worker", "grading"),
+    ("_zygote", "grading"),
+    # the large partition problems' optimum: the lecture's DP, itself held to a brute force
+    ("grading.pipeline_partition", "pipeline"),
+    # the bytes a tensor's storage takes, as lecture 6 counts them
+    ("grading.parallel_3d", "memory"),
+}
+
+
+def course_lib_imports() -> dict[str, set[str]]:
+    """module -> the course_lib modules it imports, both without the "course_lib." prefix."""
+    graph = {}
+    for path in sorted((ROOT / "course_lib").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT / "course_lib").with_suffix("").parts)
+        names = set()
+        for name in imported(path):
+            if name.startswith("course_lib."):
+                name = name.removeprefix("course_lib.")
+                # "from course_lib.grading import x": x may be a function; keep the module
+                names.add(name if module_exists(name) else name.rsplit(".", 1)[0])
+        graph[module.removesuffix(".__init__")] = names - {""}
+    return graph
+
+
+def module_exists(name: str) -> bool:
+    path = ROOT / "course_lib" / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def test_imports_follow_the_layers():
+    """The import table of docs/architecture.md: the machinery knows no topic, a topic module
+    builds only on earlier topics, a lecture's measurements on their own topic, and a check
+    on no topic module (its reference is independent of code a student can copy) and on no
+    other topic's checks."""
+    number = {t.name: t.number for t in TOPICS}
+    checks_of = {
+        m: part_of(m.split(".")[1]) or m.split(".")[1]
+        for m in course_lib_imports()
+        if m.startswith("grading.") and m.split(".")[1] not in GRADING_LIBRARY
+    }
+    broken = []
+    for module, names in course_lib_imports().items():
+        for name in names:
+            top = name.split(".")[0]
+            if (module, top) in LAYER_EXCEPTIONS or (module, name) in LAYER_EXCEPTIONS:
+                continue
+            if name.startswith("measure."):
+                topic_of_name = name.split(".")[1]
+            else:
+                topic_of_name = top if top in number else None
+            if module in number or module.startswith("measure."):  # a lecture's code
+                own = module.split(".")[-1]
+                later = topic_of_name and number[topic_of_name] > number[own]
+                if top == "grading" or later or (name.startswith("measure.") and module in number):
+                    broken.append(f"{module} -> {name}")
+            elif module in checks_of:  # a check module or one of its parts
+                other = checks_of.get(name)
+                if topic_of_name or (other and other != checks_of[module]):
+                    broken.append(f"{module} -> {name}")
+            elif module.split(".")[0] in LIBRARY:  # the machinery
+                if topic_of_name or top in ("grading", "measure"):
+                    broken.append(f"{module} -> {name}")
+    assert not broken, "imports across the layers (docs/architecture.md):\n" + "\n".join(broken)
+
+
 def readme_course_table() -> list[list[str]]:
     lines = (ROOT / "README.md").read_text().split("## The course\n", 1)[1].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
