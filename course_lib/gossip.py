@@ -100,7 +100,8 @@ class Ring(Topology):
 class ExponentialGraph(Topology):
     """SGP's directed exponential graph: rank i sends to i + 2^k (mod P), one peer per step,
     cycling k = 0, 1, ..., floor(log2(P - 1)). For P a power of two, log2(P) rounds of it
-    average exactly (each round halves the number of distinct values)."""
+    average exactly: each round doubles the window of starting values averaged into every
+    copy (after round k, copy i is the mean of x_{i-2^(k+1)+1}, ..., x_i)."""
 
     name = "exponential graph"
 
@@ -200,8 +201,10 @@ def _exchange(
 def gossip_round(x: torch.Tensor, topology: Topology, step: int = 0) -> torch.Tensor:
     """One round of gossip averaging (D-PSGD's mixing): x_i <- sum_j W[i, j] x_j.
 
-    The global mean is conserved only when W is doubly stochastic (ring, exponential graph);
-    on other graphs use push-sum (`push_sum_step`)."""
+    Pushed shares make every column of W sum to 1, so the sum (and the mean) of the x_i is
+    kept on every graph. The copies converge to that mean when the rows sum to 1 too (W
+    doubly stochastic: ring, exponential graph); elsewhere each x_i tends to w_i times the
+    mean, with w_i push-sum's weight: use push-sum (`push_sum_step`) and z = x / w."""
     me = rank()
     out_nbrs, in_nbrs = topology.out_neighbors(me, step), topology.in_neighbors(me, step)
     share = x / (1 + len(out_nbrs))  # kept, and sent to each out-neighbour

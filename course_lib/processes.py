@@ -2,7 +2,7 @@
 
     launch(pipe_message_times, SIZES, world_size=1)   # one-way seconds over a multiprocessing Pipe
     launch(p2p_message_times, SIZES, world_size=2)    # the same over torch.distributed send/recv
-    fit = fit_latency_bandwidth(SIZES, times)         # t(n) = alpha + n / beta
+    fit = fit_latency_bandwidth(SIZES, times)         # t(n) = alpha + n * beta
     plot_message_times(ax, SIZES, times, "pipe")      # points and fitted line, log-log
 
 Every timing is one way: the sender reads `time.perf_counter()` just before it sends, the
@@ -266,39 +266,45 @@ def overlap_times(
 
 @dataclass(frozen=True)
 class LinkFit:
-    """t(n) = alpha + n / beta: latency `alpha` in seconds, bandwidth `beta` in bytes/s."""
+    """t(n) = alpha + n * beta: latency `alpha` in seconds, `bandwidth` in bytes/s, and beta =
+    1 / bandwidth the seconds per byte (the course's one notation, lecture 1 to the planner)."""
 
     alpha: float
-    beta: float
+    bandwidth: float
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte."""
+        return 1 / self.bandwidth
 
     def predict(self, nbytes: np.ndarray | Sequence[float] | float) -> np.ndarray:
         """Seconds the model predicts for messages of `nbytes` bytes."""
-        return alpha_beta_time(np.asarray(nbytes, dtype=float), self.alpha, self.beta)
+        return alpha_beta_time(np.asarray(nbytes, dtype=float), self.alpha, self.bandwidth)
 
     def __str__(self) -> str:
-        return f"alpha = {1e6 * self.alpha:.1f} us, beta = {self.beta / 1e9:.2f} GB/s"
+        return f"alpha = {1e6 * self.alpha:.1f} us, 1/beta = {self.bandwidth / 1e9:.2f} GB/s"
 
 
 def fit_latency_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> LinkFit:
-    """Least-squares fit of t(n) = alpha + n / beta in relative error, so that the small
+    """Least-squares fit of t(n) = alpha + n * beta in relative error, so that the small
     messages (which set alpha) count as much as the large ones (which set beta)."""
     n, t = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
     if n.shape != t.shape or n.size < 2 or np.ptp(n) == 0:
         raise ValueError("need times for at least two different sizes, one time per size")
     if np.any(t <= 0):
         raise ValueError(f"times must be positive seconds, got {t.tolist()}")
-    # Minimise sum(((alpha + n * inv_beta) - t) / t)^2: linear in (alpha, inv_beta).
+    # Minimise sum(((alpha + n * beta) - t) / t)^2: linear in (alpha, beta).
     rows = np.stack([1 / t, n / t], axis=1)
-    (alpha, inv_beta), *_ = np.linalg.lstsq(rows, np.ones_like(t), rcond=None)
+    (alpha, beta), *_ = np.linalg.lstsq(rows, np.ones_like(t), rcond=None)
     if alpha < 0:  # noise can push a tiny latency below zero; pin it at zero instead
-        alpha, inv_beta = 0.0, float(np.sum(n / t) / np.sum((n / t) ** 2))
-    if inv_beta <= 0:
+        alpha, beta = 0.0, float(np.sum(n / t) / np.sum((n / t) ** 2))
+    if beta <= 0:
         raise ValueError("the times do not grow with the size: no bandwidth to fit")
-    return LinkFit(float(alpha), float(1 / inv_beta))
+    return LinkFit(float(alpha), float(1 / beta))
 
 
 def plot_message_times(ax, sizes: Sequence[int], times: Sequence[float], label: str) -> LinkFit:
-    """Draw measured times (points) and the fitted alpha + n/beta (dashed line, same colour)
+    """Draw measured times (points) and the fitted alpha + n*beta (dashed line, same colour)
     on log-log axes; return the fit."""
     fit = fit_latency_bandwidth(sizes, times)
     (points,) = ax.loglog(sizes, times, "o", label=f"{label} (measured)")

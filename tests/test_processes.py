@@ -46,7 +46,7 @@ def test_fit_recovers_exact_latency_and_bandwidth():
     sizes = np.array([2**k for k in range(10, 27, 2)], dtype=float)
     fit = fit_latency_bandwidth(sizes, 50e-6 + sizes / 2e9)
     assert fit.alpha == pytest.approx(50e-6, rel=1e-9)
-    assert fit.beta == pytest.approx(2e9, rel=1e-9)
+    assert fit.bandwidth == pytest.approx(2e9, rel=1e-9)
 
 
 def test_fit_is_least_squares_in_relative_error():
@@ -59,7 +59,7 @@ def test_fit_is_least_squares_in_relative_error():
     fit = fit_latency_bandwidth(sizes, times)
     assert intercept > 0
     assert fit.alpha == pytest.approx(intercept, rel=1e-9)
-    assert fit.beta == pytest.approx(1 / slope, rel=1e-9)
+    assert fit.beta == pytest.approx(slope, rel=1e-9)
 
 
 def test_fit_pins_a_negative_latency_at_zero():
@@ -69,7 +69,7 @@ def test_fit_pins_a_negative_latency_at_zero():
     # Reference: the best line through the origin, t = n * x, in relative error.
     (x,), *_ = np.linalg.lstsq((sizes / times)[:, None], np.ones(4), rcond=None)
     assert fit.alpha == 0.0
-    assert fit.beta == pytest.approx(1 / x, rel=1e-9)
+    assert fit.beta == pytest.approx(x, rel=1e-9)
 
 
 @pytest.mark.parametrize(
@@ -88,9 +88,9 @@ def test_fit_rejects_bad_input(sizes, times, words):
 
 
 def test_link_fit_predicts_and_prints():
-    fit = LinkFit(alpha=1e-4, beta=1e9)
+    fit = LinkFit(alpha=1e-4, bandwidth=1e9)
     np.testing.assert_allclose(fit.predict([0, 1e9]), [1e-4, 1 + 1e-4], rtol=1e-12)
-    assert str(fit) == "alpha = 100.0 us, beta = 1.00 GB/s"
+    assert str(fit) == "alpha = 100.0 us, 1/beta = 1.00 GB/s"
 
 
 # --- the plots ----------------------------------------------------------------------------
