@@ -36,3 +36,17 @@ def test_versions_are_pinned_once_in_pyproject():
     assert all("==" in r for r in requirements), "every dependency is pinned exactly"
     env = (ROOT / "environment.yml").read_text()
     assert "-e .[test]" in env and "torch" not in env.replace("pytorch.org", "")
+
+
+# A file a person can read in one sitting: split a longer one by what a reader looks for (a
+# topic's measurements into course_lib/measure/, a check's machinery into its parts).
+MAX_LINES = 500
+
+
+def test_every_course_lib_file_reads_in_one_sitting():
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in sorted((ROOT / "course_lib").rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"over {MAX_LINES} lines: {long}"
