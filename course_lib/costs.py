@@ -272,6 +272,14 @@ def bubble_formula(n_stages: int, m: int, chunks: int = 1) -> float:
     return (n_stages - 1) / (chunks * m + n_stages - 1)
 
 
+def interleaved_peak_chunks(n_stages: int, chunks: int) -> int:
+    """Micro-batch chunks of activations the first stage holds at its peak under interleaved
+    1F1B with `chunks` model chunks per stage (m a multiple of P): P * chunks + P - 1, each
+    1/chunks of a stage's activations, so 1 + (P-1)/(P * chunks) times 1F1B's P micro-batches
+    (counted by `course_lib.pipeline.simulate`)."""
+    return n_stages * chunks + n_stages - 1
+
+
 def pp_boundary_bytes(activation_bytes):
     """Bytes crossing one pipeline-stage boundary per micro-batch: the activation forward and
     its gradient back, 2 * the activation."""
@@ -324,16 +332,22 @@ GPT3_175B = TransformerShape(layers=96, hidden=12288, heads=96, seq=2048, batch=
 
 
 def traffic_per_microbatch(
-    shape: TransformerShape, t: int, p: int, element_size: int = 2
+    shape: TransformerShape,
+    t: int,
+    p: int,
+    element_size: int = 2,
+    sequence_parallel: bool = False,
 ) -> dict[str, float]:
     """Bytes one GPU sends per micro-batch (forward and backward) under tensor parallelism
     over t ranks (4 all-reduces of an sbh activation per layer it holds) and at one
-    pipeline-stage boundary (the activation forward, its gradient back)."""
+    pipeline-stage boundary (the activation forward, its gradient back). With sequence
+    parallelism the boundary activation is split over the stage's t GPUs along the sequence,
+    and each sends its 1/t of it (Megatron's scatter-gather does the same without SP)."""
     activation = shape.seq * shape.batch * shape.hidden * element_size
     layers_per_stage = shape.layers / p
     return {
         "TP": layers_per_stage * tp_layer_bytes(float(activation), t),
-        "PP": pp_boundary_bytes(activation),
+        "PP": pp_boundary_bytes(activation) / (t if sequence_parallel else 1),
     }
 
 

@@ -359,9 +359,11 @@ def estimate(model: Model, cluster: Cluster, plan: Plan) -> Estimate:
         # Selective recomputation redoes the attention scores, QK^T and scores x V: 4bs^2h.
         "selective": stage.layers * 4 * b * s * s * h / plan.tp / cluster.flops_per_s,
     }[plan.checkpointing]
-    per_micro = traffic_per_microbatch(stage, plan.tp, 1, element_size=BF16)
+    per_micro = traffic_per_microbatch(
+        stage, plan.tp, 1, element_size=BF16, sequence_parallel=plan.sequence_parallel
+    )
     tp_bytes = per_micro["TP"] * (1.5 if plan.checkpointing == "full" else 1)  # forward's 2 of 4
-    pp_bytes = 0.0 if plan.pp == 1 else per_micro["PP"] / (plan.tp if plan.sequence_parallel else 1)
+    pp_bytes = 0.0 if plan.pp == 1 else per_micro["PP"]
     link = links(plan, cluster)
     bandwidth = {"intra-node": cluster.intra_bandwidth, "inter-node": cluster.inter_bandwidth}
     tp_s, pp_s = tp_bytes / bandwidth[link["tp"]], pp_bytes / bandwidth[link["pp"]]

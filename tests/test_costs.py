@@ -31,6 +31,7 @@ from course_lib.costs import (
     busiest_bytes,
     collective_steps,
     ep_bytes,
+    interleaved_peak_chunks,
     pp_boundary_bytes,
     ring_attention_bytes,
     ring_bytes,
@@ -183,6 +184,13 @@ def test_bubble_formula_by_hand_and_against_the_simulator():
     for schedule in ("gpipe", "1f1b"):  # equal stages: the simulated idle share is the formula
         timeline = simulate(4, 8, schedule)
         assert math.isclose(timeline.bubble, bubble_formula(4, 8), abs_tol=1e-12), schedule
+
+
+@pytest.mark.parametrize("n_stages, m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_interleaved_peak_is_what_the_simulator_keeps_in_flight(n_stages, m):
+    assert interleaved_peak_chunks(4, 2) == 11  # by hand: 8 chunks filling, 3 more warming up
+    timeline = simulate(n_stages, m, "interleaved", chunks=2)
+    assert timeline.peak_in_flight(0) == interleaved_peak_chunks(n_stages, 2)
 
 
 def test_parallelism_traffic_by_hand():

@@ -384,6 +384,9 @@ def test_traffic_per_microbatch_tp_against_pp():
     # 12 layers per stage, 4 all-reduces each, a ring all-reduce sends 2 * 7/8 of its tensor
     assert traffic["TP"] == pytest.approx(12 * 4 * 1.75 * activation)
     assert traffic["PP"] == pytest.approx(2 * activation)
+    # with sequence parallelism each of the stage's t GPUs sends its 1/t of the sequence
+    split = traffic_per_microbatch(GPT3_175B, t, p, sequence_parallel=True)
+    assert split["PP"] == pytest.approx(2 * activation / t) and split["TP"] == traffic["TP"]
 
 
 def test_compute_seconds_per_microbatch():
