@@ -1,4 +1,4 @@
-"""All-reduce four ways, built from torch.distributed point-to-point sends and receives.
+"""All-reduce five ways, built from torch.distributed point-to-point sends and receives.
 
     from course_lib.collectives import ring_all_reduce
     ring_all_reduce(t)      # inside a launched function: t becomes the sum over all ranks
@@ -11,6 +11,9 @@ Every algorithm sums `tensor` over all ranks in place, like `dist.all_reduce(ten
   the rank whose number differs in bit k (needs a power-of-two number of ranks).
 - `ring_all_reduce`: reduce-scatter then all-gather around a ring, talking to neighbours only,
   driven by `ring_schedule` -- the same schedule `course_lib.measure.collectives.RingWidget` draws.
+- `halving_doubling_all_reduce`: Rabenseifner's; recursive halving (a reduce-scatter) then
+  recursive doubling (an all-gather): the butterfly's log P rounds each way with the ring's
+  bytes (a power-of-two number of ranks).
 
 `bytes_sent` and `messages_sent` give what each rank sends, as formulas in N and P, to hold
 against `course_lib.CommCounter`.
@@ -18,6 +21,7 @@ against `course_lib.CommCounter`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -251,11 +255,70 @@ def ring_all_reduce(tensor: torch.Tensor, steps: int | None = None) -> torch.Ten
     return tensor
 
 
+# --- halving-doubling: the butterfly's few messages with the ring's few bytes -------------
+
+
+@dataclass(frozen=True)
+class HalvingRound:
+    """One round of halving-doubling for one rank: exchange with `partner`, sending chunks
+    send[0]..send[1]-1 and receiving chunks recv[0]..recv[1]-1 (of the P chunks)."""
+
+    phase: str  # REDUCE_SCATTER (add what arrives) or ALL_GATHER (keep it)
+    partner: int
+    send: tuple[int, int]
+    recv: tuple[int, int]
+
+
+def halving_doubling_rounds(world_size: int, rank: int) -> list[HalvingRound]:
+    """Rabenseifner's all-reduce, as a schedule for `rank`. Reduce-scatter by recursive
+    halving: with partners P/2, P/4, ..., 1 apart, give away half of the chunks still held and
+    add the partner's copy of the half kept, until only chunk `rank` is left, fully summed.
+    All-gather by recursive doubling: with partners 1, 2, ..., P/2 apart, swap everything held.
+    2 log2 P messages, and 2(P-1)/P * N elements sent, like the ring."""
+    _log2_world(world_size, "halving_doubling_all_reduce")
+    rounds, lo, hi, d = [], 0, world_size, world_size // 2
+    while d >= 1:  # reduce-scatter: [lo, hi) halves each round
+        mid = (lo + hi) // 2
+        keep, give = ((mid, hi), (lo, mid)) if rank & d else ((lo, mid), (mid, hi))
+        rounds.append(HalvingRound(REDUCE_SCATTER, rank ^ d, give, keep))
+        (lo, hi), d = keep, d // 2
+    d = 1
+    while d < world_size:  # all-gather: [lo, hi) doubles each round
+        size = hi - lo
+        theirs = (lo - size, lo) if rank & d else (hi, hi + size)
+        rounds.append(HalvingRound(ALL_GATHER, rank ^ d, (lo, hi), theirs))
+        lo, hi, d = min(lo, theirs[0]), max(hi, theirs[1]), 2 * d
+    return rounds
+
+
+def halving_doubling_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over all ranks in place by recursive halving, then recursive doubling:
+    log2 P rounds each way, 2(P-1)/P * N bytes per rank; P a power of two."""
+    p, me = _world_size(), _rank()
+    rounds = halving_doubling_rounds(p, me)  # every rank raises: nobody is left waiting
+    flat = _flat(tensor, "halving_doubling_all_reduce")
+    starts = [0, *itertools.accumulate(chunk_sizes(flat.numel(), p))]  # chunk c's elements:
+
+    def span(chunks: tuple[int, int]) -> torch.Tensor:  # starts[c] .. starts[c + 1] - 1
+        return flat[starts[chunks[0]] : starts[chunks[1]]]
+
+    for step in rounds:
+        target = span(step.recv)
+        incoming = torch.empty_like(target)
+        _exchange(span(step.send), step.partner, incoming, step.partner)
+        if step.phase == REDUCE_SCATTER:
+            target.add_(incoming)  # the partner's copy of the half this rank keeps
+        else:
+            target.copy_(incoming)  # the partner's finished chunks
+    return tensor
+
+
 ALGORITHMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "naive": naive_all_reduce,
     "tree": tree_all_reduce,
     "butterfly": butterfly_all_reduce,
     "ring": ring_all_reduce,
+    "halving_doubling": halving_doubling_all_reduce,
 }
 
 # --- what each rank sends: the formulas ---------------------------------------------------
@@ -269,8 +332,8 @@ def _check(algorithm: str, numel: int, world_size: int, rank: int) -> None:
             "need numel >= 0, world_size >= 1 and 0 <= rank < world_size; "
             f"got {numel}, {world_size}, {rank}"
         )
-    if algorithm == "butterfly":
-        _log2_world(world_size, "butterfly_all_reduce")
+    if algorithm in ("butterfly", "halving_doubling"):
+        _log2_world(world_size, f"{algorithm}_all_reduce")
 
 
 def elements_sent(algorithm: str, numel: int, world_size: int, rank: int, root: int = 0) -> int:
@@ -286,6 +349,9 @@ def elements_sent(algorithm: str, numel: int, world_size: int, rank: int, root: 
         return to_parent + n * len(tree_children(rank, p))
     if algorithm == "butterfly":
         return n * int(math.log2(p))
+    if algorithm == "halving_doubling":
+        sizes = chunk_sizes(n, p)
+        return sum(sum(sizes[slice(*r.send)]) for r in halving_doubling_rounds(p, rank))
     # ring: the reduce-scatter sends every chunk but its own (chunk r), the all-gather every
     # chunk but the one it receives last (chunk r+1). With P | N: 2N - 2N/P = 2(P-1)/P * N.
     sizes = chunk_sizes(n, p)
@@ -311,6 +377,9 @@ def messages_sent(algorithm: str, numel: int, world_size: int, rank: int, root: 
         return (tree_parent(rank) is not None) + len(tree_children(rank, p))
     if algorithm == "butterfly":
         return int(math.log2(p))
+    if algorithm == "halving_doubling":  # empty spans (N < P) are not sent
+        sizes = chunk_sizes(n, p)
+        return sum(sum(sizes[slice(*r.send)]) > 0 for r in halving_doubling_rounds(p, rank))
     # ring: one message per step, except that empty chunks (N < P) are not sent
     return sum(chunk_sizes(n, p)[step.send[rank]] > 0 for step in ring_schedule(p))
 

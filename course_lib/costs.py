@@ -97,7 +97,8 @@ def all_reduce_seconds(
     message per direction at a time.
 
     naive 2(P-1)(a + Nb) (the root's link carries everything); tree 2 * sum over levels of
-    (children of the busiest parent)(a + Nb); butterfly log2(P)(a + Nb); ring 2(P-1)(a + Nb/P).
+    (children of the busiest parent)(a + Nb); butterfly log2(P)(a + Nb); ring 2(P-1)(a + Nb/P);
+    halving-doubling (Rabenseifner) 2 log2(P) a + 2(P-1)/P Nb.
     """
     if world_size == 1:
         return 0.0
@@ -114,6 +115,8 @@ def all_reduce_seconds(
         return math.log2(world_size) * (alpha + nbytes * beta)
     if algorithm == "ring":
         return collective_steps("all_reduce", world_size) * (alpha + nbytes / world_size * beta)
+    if algorithm == "halving_doubling":  # rounds of N/2, N/4, ..., N/P bytes, each way
+        return 2 * math.log2(world_size) * alpha + all_reduce_bytes(nbytes * beta, world_size)
     raise ValueError(f"unknown all-reduce algorithm {algorithm!r}")
 
 

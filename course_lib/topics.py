@@ -82,7 +82,7 @@ TOPICS = (
     Topic(
         2,
         "collectives",
-        "Collectives: all-reduce four ways",
+        "Collectives: all-reduce five ways",
         assignment="collectives from point-to-point",
     ),
     Topic(

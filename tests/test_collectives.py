@@ -20,6 +20,7 @@ from course_lib.collectives import (
     REDUCE_SCATTER,
     bytes_sent,
     chunk_sizes,
+    halving_doubling_rounds,
     messages_sent,
     model_seconds,
     record_peers,
@@ -52,7 +53,8 @@ def shapes(p: int) -> list[tuple[int, ...]]:
 
 
 def algorithms_for(p: int) -> list[str]:
-    return [a for a in ALGORITHMS if a != "butterfly" or p & (p - 1) == 0]
+    power_of_two = p & (p - 1) == 0
+    return [a for a in ALGORITHMS if power_of_two or a not in ("butterfly", "halving_doubling")]
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"P={p}")
@@ -130,6 +132,9 @@ def test_formulas_match_the_textbook_when_p_divides_n():
         assert messages_sent("ring", n, p, 1) == 2 * (p - 1)
         if p in (2, 4, 8):
             assert bytes_sent("butterfly", n, p, 1) == int(math.log2(p)) * nbytes
+            # halving-doubling: the ring's bytes in the butterfly's rounds, each way
+            assert bytes_sent("halving_doubling", n, p, 1) == 2 * (p - 1) * nbytes // p
+            assert messages_sent("halving_doubling", n, p, 1) == 2 * int(math.log2(p))
     # the ring's per-rank volume stays under 2N while the naive root's grows with P
     assert bytes_sent("ring", n, 8, 0) < 2 * 4 * n < bytes_sent("naive", n, 8, 0)
 
@@ -137,6 +142,8 @@ def test_formulas_match_the_textbook_when_p_divides_n():
 def test_formulas_reject_bad_arguments():
     with pytest.raises(ValueError, match="power-of-two"):
         bytes_sent("butterfly", 10, 3, 0)
+    with pytest.raises(ValueError, match="halving_doubling_all_reduce needs a power-of-two"):
+        messages_sent("halving_doubling", 10, 6, 0)
     with pytest.raises(ValueError, match="one of"):
         bytes_sent("star", 10, 4, 0)
     with pytest.raises(ValueError, match="rank"):
@@ -270,6 +277,9 @@ def test_alpha_beta_model():
     assert model_seconds("tree", n, 4, alpha, beta) == pytest.approx(6 * one_message)
     assert model_seconds("butterfly", n, 4, alpha, beta) == pytest.approx(2 * one_message)
     assert model_seconds("ring", n, 4, alpha, beta) == pytest.approx(6 * (alpha + n * beta))
+    # halving-doubling: 4 messages (2 log2 4) carrying the ring's 1.5 N in all
+    halving = model_seconds("halving_doubling", n, 4, alpha, beta)
+    assert halving == pytest.approx(4 * alpha + 1.5 * 4 * n * beta)
     assert all(model_seconds(a, n, 1, alpha, beta) == 0 for a in ALGORITHMS)
     # bandwidth-bound (alpha = 0): the ring's time tends to 2N*beta whatever P; naive grows
     ring = [model_seconds("ring", n, p, 0, beta) for p in (2, 4, 8, 16)]
@@ -371,3 +381,31 @@ def test_the_static_strip_has_one_panel_per_frame():
 def test_figures_show_themselves_as_png_without_pyplot():
     png = ring_steps_figure(2)._repr_png_()
     assert png.startswith(b"\x89PNG")
+
+
+def halving_schedule_holds(p: int) -> None:
+    """Replay every rank's halving-doubling rounds on sets of contributions: after them every
+    rank holds every chunk with all P contributions, and each exchange is mirrored."""
+    held = [[{r} for c in range(p)] for r in range(p)]  # chunk c of rank r: whose values
+    schedules = [halving_doubling_rounds(p, r) for r in range(p)]
+    for k in range(len(schedules[0])):
+        before = [[set(x) for x in row] for row in held]
+        for r in range(p):
+            step, partner = schedules[r][k], schedules[r][k].partner
+            mirror = schedules[partner][k]
+            assert mirror.partner == r and mirror.send == step.recv and mirror.recv == step.send
+            for c in range(*step.recv):
+                held[r][c] = (
+                    before[r][c] | before[partner][c]
+                    if step.phase == REDUCE_SCATTER
+                    else before[partner][c]
+                )
+    assert all(chunk == set(range(p)) for row in held for chunk in row)
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 8, 16])
+def test_halving_doubling_rounds_sum_everything_in_2_log2_p_rounds(p):
+    halving_schedule_holds(p)
+    rounds = halving_doubling_rounds(p, 0)
+    assert len(rounds) == 2 * int(math.log2(p))
+    assert {r.partner for r in rounds} == {2**k for k in range(int(math.log2(p)))}

@@ -71,6 +71,8 @@ def test_all_reduce_seconds_by_hand():
     # ring: 6 messages of N/4 bytes, 1 ms + 0.25 ms each
     assert all_reduce_seconds("ring", n, 4, alpha, beta) == pytest.approx(6 * 1.25e-3, rel=1e-12)
     assert all_reduce_seconds("ring", n, 1, alpha, beta) == 0
+    # halving-doubling: 2 log2 4 = 4 latencies, and the ring's 2(P-1)/P N = 1.5 N of bytes
+    assert all_reduce_seconds("halving_doubling", n, 4, alpha, beta) == pytest.approx(5.5e-3)
     with pytest.raises(ValueError, match="unknown all-reduce algorithm"):
         all_reduce_seconds("hypercube", n, 4, alpha, beta)
 
