@@ -5,13 +5,14 @@
 One module per topic.
 
 The machinery: `launch` (workers from a notebook cell), `runtime` (who am I), `comm` (counting
-bytes), `network` (an emulated slow network and stragglers), `magic` (the `%%distributed` cell
-magic), `torchrun` (the same functions on a cluster), `models` and `data` (seeded toy models and
-data), `compare` (single-process references, parameter-by-parameter comparison), `plots`
-(figures and widgets), `grading` (the assignments' checks, and how autograding runs them: a
-judge that never runs student code, a sandbox), `counted_group` (the process group of grading
-ranks, which reports every call to `comm`), `_integrity` (has a rank's code changed the
-libraries the checks measure with?).
+bytes: by the textbook algorithm, and as written to the sockets), `network` (an emulated slow
+network and stragglers), `magic` (the `%%distributed` cell magic), `torchrun` (the same
+functions on a cluster), `models` and `data` (seeded toy models and data), `compare`
+(single-process references, parameter-by-parameter comparison), `plots` (figures and widgets),
+`grading` (the assignments' checks, and how autograding runs them: a judge that never runs
+student code, a sandbox), `counted_group` (the process group of grading ranks, which reports
+every call to `comm`), `_integrity` (has a rank's code changed the libraries the checks
+measure with?).
 
 `costs`: every cost model (alpha-beta time, collective volumes, ZeRO and activation memory,
 the bubble, TP/PP/CP/EP traffic), one function each, shared by lectures, planner and checks.
@@ -28,18 +29,20 @@ The lectures' plumbing, one module each:
 - `processes` (1): message costs over pipes and gloo;
 - `collectives` (2): all-reduce algorithms and the ring's schedule;
 - `data_parallel` (3): host scheme, all-reduce DP, DDP timelines;
-- `gossip` (4): topologies, gossip, push-sum, group all-reduce, stale gradients;
+- `gossip` (4): topologies, gossip, push-sum, group all-reduce;
 - `compression` (5): 8-bit quantization, error feedback, PowerSGD via torch's hook;
 - `memory` (6): bytes of weights, gradients, optimizer state and activations; checkpointing;
 - `zero` (7): torch's ZeRO-1 and FSDP2 against the ZeRO formulas; sharded checkpoints;
 - `pipeline` (8): schedules and their bubble, a real GPipe/1F1B pipeline, stage partition;
 - `tensor_parallel` (9): Megatron layers, their traffic and activation memory.
 - `parallel_3d` (10): the grid of ranks and its groups, a TP x PP x DP planner.
+
+What a lecture measures and draws, where that is long, is in `measure/<topic>.py`.
 """
 
 import sys
 
-from course_lib.comm import CommCounter
+from course_lib.comm import CommCounter, WireCounter
 from course_lib.launch import (
     LaunchError,
     LaunchTimeout,
@@ -54,6 +57,7 @@ from course_lib.runtime import device, local_rank, rank, world_size
 
 __all__ = [
     "CommCounter",
+    "WireCounter",
     "LaunchError",
     "LaunchTimeout",
     "RankError",

@@ -16,6 +16,9 @@ send`), through the process-group object, or from C++ (DistributedDataParallel's
 not seen by these wrappers. On grading ranks they are: there the default process group is a
 `course_lib.counted_group.CountedGroup`, which reports every call to `record` below.
 
+`WireCounter` counts instead what the process really wrote to its sockets, from the
+operating system: the check on those textbook volumes.
+
 Other modules hook the same wrapped calls with `add_around_hook` (the emulated network in
 `course_lib.network` does), so the two never wrap each other.
 """
@@ -83,6 +86,45 @@ class CommCounter:
             f"{self.bytes_received:>14,}"
         )
         return "\n".join(rows)
+
+
+class WireCounter:
+    """Bytes this process really wrote through the operating system while the block ran, read
+    from Linux's /proc/self/io (`wchar`). On gloo the ranks talk over TCP sockets, so this is
+    what crossed the loopback to the other ranks, gloo's small message headers included: a
+    count that does not come from any formula, to hold `CommCounter`'s textbook volumes of
+    the built-in collectives against. It counts every write of the process (keep prints out
+    of the block); on NCCL, GPU-to-GPU traffic does not pass through the OS and is not seen.
+
+        with WireCounter() as wire:
+            dist.all_reduce(t)
+        wire.bytes_written   # ~ 2(P-1)/P * N, plus ~50 bytes of header per message
+    """
+
+    def __init__(self) -> None:
+        self.bytes_written = 0
+        self._start: int | None = None
+
+    def __enter__(self) -> WireCounter:
+        self._start = written_bytes()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.bytes_written = written_bytes() - self._start
+
+
+def written_bytes() -> int:
+    """Bytes this process has written through system calls so far (/proc/self/io)."""
+    try:
+        with open("/proc/self/io") as io:
+            for line in io:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError as error:
+        raise RuntimeError(
+            "WireCounter reads /proc/self/io, which only Linux provides; use CommCounter"
+        ) from error
+    raise RuntimeError("/proc/self/io has no wchar line")
 
 
 _active: list[CommCounter] = []

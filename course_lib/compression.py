@@ -37,7 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 from torch.nn.parallel import DistributedDataParallel
 
 from course_lib import models
-from course_lib.comm import CommCounter
+from course_lib.comm import CommCounter, WireCounter
 from course_lib.costs import all_gather_bytes, all_reduce_bytes, alpha_beta_time, collective_steps
 from course_lib.data import shard
 from course_lib.network import SlowNetwork
@@ -432,6 +432,7 @@ class CompressionLog:
     method: str
     losses: list[float] = field(default_factory=list)  # loss on this rank's shard
     bytes_sent: list[int] = field(default_factory=list)  # by this rank, per CommCounter
+    bytes_written: list[int] = field(default_factory=list)  # to the sockets, per the OS
     step_s: list[float] = field(default_factory=list)  # wall-clock time of the step
     wait_s: list[float] = field(default_factory=list)  # of step_s, waiting for the network
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
@@ -462,7 +463,7 @@ def train_compressed(
             x, y = shard(x, r, p).to(device()), shard(y, r, p).to(device())
             waited = net.waited if net is not None else 0.0
             start = time.perf_counter()
-            with CommCounter() as counter:
+            with CommCounter() as counter, WireCounter() as wire:
                 optimizer.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()  # the comm hook runs in here
@@ -471,6 +472,7 @@ def train_compressed(
             run.wait_s.append(net.waited - waited if net is not None else 0.0)
             run.losses.append(loss.item())
             run.bytes_sent.append(counter.bytes_sent)
+            run.bytes_written.append(wire.bytes_written)
     run.params = {n: t.detach().cpu().clone() for n, t in model.module.named_parameters()}
     return run
 

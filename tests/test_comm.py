@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import CommCounter, WorkerPool, launch, rank, world_size
+from course_lib import CommCounter, WireCounter, WorkerPool, launch, rank, world_size
 from course_lib.comm import COLLECTIVE_MODEL
 
 
@@ -136,3 +136,43 @@ def test_a_counter_left_open_does_not_leak_into_the_next_call(pool4):
 def test_every_modelled_collective_exists_in_torch():
     for op in COLLECTIVE_MODEL:
         assert callable(getattr(dist, op))
+
+
+# --- WireCounter: what the operating system saw written ------------------------------------
+
+
+def wire_all_reduce(numel: int) -> tuple[int, int]:
+    t = torch.ones(numel)
+    dist.all_reduce(t)  # gloo's first call sets up its connections: keep that out
+    with CommCounter() as counted, WireCounter() as wire:
+        dist.all_reduce(t)
+    return counted.bytes_sent, wire.bytes_written
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_wire_counter_sees_what_gloo_writes_to_its_sockets(world_size):
+    numel = 250_000  # 1 MB: headers (tens of bytes a message) are noise beside it
+    for counted, written in launch(wire_all_reduce, numel, world_size=world_size, timeout=60):
+        # gloo's all-reduce on CPU is a ring: it writes the textbook volume, plus headers
+        assert counted <= written <= counted + 4096
+
+
+def wire_point_to_point(nbytes: int) -> int:
+    t = torch.zeros(nbytes, dtype=torch.uint8)
+    if rank() == 0:
+        dist.send(t, dst=1)  # the first send also sets up the connection
+    else:
+        dist.recv(t, src=0)
+    dist.barrier()
+    with WireCounter() as wire:
+        if rank() == 0:
+            dist.send(t, dst=1)
+        else:
+            dist.recv(t, src=0)
+    return wire.bytes_written
+
+
+def test_wire_counter_counts_the_sender_not_the_receiver():
+    sender, receiver = launch(wire_point_to_point, 1_000_000, world_size=2, timeout=60)
+    assert 1_000_000 <= sender <= 1_000_000 + 4096
+    assert receiver <= 4096  # receiving writes nothing but an acknowledgement, if that

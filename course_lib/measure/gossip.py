@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.comm import CommCounter
+from course_lib.comm import CommCounter, written_bytes
 from course_lib.data import shard
 from course_lib.data_parallel import allreduce_gradients, flat_gradients, flat_parameters
 from course_lib.gossip import (
@@ -177,6 +177,7 @@ class GossipLog:
     losses: list[float] = field(default_factory=list)  # loss on this rank's shard, at z
     step_s: list[float] = field(default_factory=list)  # wall time of the step
     bytes_sent: list[int] = field(default_factory=list)  # counted by CommCounter
+    bytes_written: list[int] = field(default_factory=list)  # to the sockets, per the OS
     weights: list[float] = field(default_factory=list)  # push-sum weight w after the step
     parameters: torch.Tensor | None = None  # this rank's final z (a flat vector)
     gossip_rounds: int = 0  # rounds of the asynchronous gossip thread
@@ -220,6 +221,7 @@ def train_decentralized(
             if max_seconds is not None and time.perf_counter() - began > max_seconds:
                 break
             start, sent_before = time.perf_counter(), counter.bytes_sent
+            written_before = written_bytes()
             z = pusher.z() if pusher else x / w
             _vector_to_model(z, model)  # gradients are computed at z = x / w
             model.zero_grad(set_to_none=True)
@@ -238,6 +240,7 @@ def train_decentralized(
             log.losses.append(loss.item())
             log.step_s.append(time.perf_counter() - start)
             log.bytes_sent.append(counter.bytes_sent - sent_before)
+            log.bytes_written.append(written_bytes() - written_before)
             log.weights.append(float(pusher.w if pusher else w))
         if pusher:
             x, w = pusher.finish()
