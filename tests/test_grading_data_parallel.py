@@ -4,7 +4,6 @@ and the partial credit each mistake deserves."""
 from __future__ import annotations
 
 import inspect
-import sys
 import time
 from collections import Counter
 
@@ -12,32 +11,45 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import all_reduce as prebound_all_reduce
 
 import course_lib.data_parallel as lecture
 from course_lib import rank, world_size
 from course_lib.grading import CheckFailed, check_ddp, check_sync_gradients
 from course_lib.grading._harness import grading_pool
 from course_lib.grading.data_parallel import (
-    BUCKET_ELEMENTS,
     FORBIDDEN,
-    MB,
     AllReduceLog,
     ProbeModel,
     Run,
     bucket_layout,
     buckets,
-    draw_shard,
     shard_sizes,
 )
+from course_lib.grading.data_parallel_runs import BUCKET_ELEMENTS, MB, draw_shard
 from course_lib.grading.provenance import Provenance
-from tests.adapters import solution
+from tests.adapters import planted, solution
+from tests.cheats import a03_data_parallel as cheats
 
 # --- sync_gradients -----------------------------------------------------------------------
 
 
 A03 = solution("data_parallel")
 sync_gradients = A03.sync_gradients
+
+
+def sync_cheat(source):
+    """The `sync_gradients` a notebook holding tests/cheats' `source` would define."""
+    return planted("data_parallel", "sync_gradients", source).sync_gradients
+
+
+# Right, in other styles: one flat all-reduce with the count appended, through a name bound
+# at import; the counts by all-gather, the gradients through the group object.
+sync_gradients_flat = sync_cheat(cheats.ONE_FLAT_ALL_REDUCE)
+sync_gradients_gathered_counts = sync_cheat(cheats.GATHERED_COUNTS)
+# Cheats: the lecture's allreduce_gradients after weighting; the gradient recomputed from
+# the samples found up the stack, without communicating (they are this rank's own only).
+sync_with_lecture_code = sync_cheat(cheats.LECTURE_HELPER_WRAPPED)
+sync_from_the_stack = sync_cheat(cheats.WHOLE_BATCH_ON_EVERY_RANK)
 
 
 def sync_weights_in_float32(model, num_samples):
@@ -48,31 +60,6 @@ def sync_weights_in_float32(model, num_samples):
         if p.grad is not None:
             p.grad *= num_samples / total
             dist.all_reduce(p.grad)
-
-
-def sync_gradients_flat(model, num_samples):
-    """Right, in another style: one all-reduce of the weighted gradients with the count
-    appended, then divide by the total (through a name bound at import)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([*(num_samples * g.reshape(-1) for g in grads), grads[0].new_ones(1)])
-    flat[-1] = num_samples
-    prebound_all_reduce(flat)
-    flat /= flat[-1].clone()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def sync_gradients_gathered_counts(model, num_samples):
-    """Right, in another style: all-gather the counts, average through the group object."""
-    counts = torch.zeros(world_size(), dtype=torch.float64)
-    dist.all_gather_into_tensor(counts, torch.tensor([float(num_samples)], dtype=torch.float64))
-    share = num_samples / counts.sum().item()
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad *= share
-            dist.group.WORLD.allreduce([p.grad]).wait()
 
 
 def sync_plain_average(model, num_samples):
@@ -131,16 +118,6 @@ def sync_total_of_first_step(model, num_samples):
             dist.all_reduce(p.grad)
 
 
-def sync_with_lecture_code(model, num_samples):
-    """Weights right, then the lecture's allreduce_gradients does the rest."""
-    total = torch.tensor(float(num_samples))
-    dist.all_reduce(total)
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad *= num_samples * world_size() / total
-    lecture.allreduce_gradients(model)
-
-
 def sync_with_pasted_lecture_code(model, num_samples):
     """Weights right, then the lecture's allreduce_gradients pasted under another name (made
     from its source on the rank)."""
@@ -154,17 +131,6 @@ def sync_with_pasted_lecture_code(model, num_samples):
         if p.grad is not None:
             p.grad *= num_samples * world_size() / total.item()
     namespace["average_gradients"](model)
-
-
-def sync_from_the_stack(model, num_samples):
-    """A cheat: recompute the gradient from whatever samples the callers hold, without
-    communicating. They hold this rank's own samples only."""
-    frame = sys._getframe(1)
-    while frame is not None and not {"x", "y"} <= set(frame.f_locals):
-        frame = frame.f_back
-    x, y = frame.f_locals["x"], frame.f_locals["y"]
-    model.zero_grad()
-    (model(x) - y).pow(2).mean().backward()
 
 
 def sync_then_round(model, num_samples):
@@ -296,6 +262,11 @@ def rule_buckets(params, cap_bytes, order="reverse", new_at=lambda size, cap: si
 
 
 DDP = A03.DDP
+# Right, in another style: the same buckets, each a preallocated buffer laid out
+# first-registered first, ReduceOp.AVG through a name bound at import, readiness by sets.
+DDPOtherStyle = planted("data_parallel", "ddp", cheats.OTHER_STYLE).DDP
+# torch's own DDP behind the assignment's interface: not the student's work.
+TorchDDP = planted("data_parallel", "ddp", cheats.TORCH_DDP).DDP
 
 
 class TemplateDDP(nn.Module):
@@ -371,73 +342,12 @@ class DDPGradersBuckets(TemplateDDP):
         return buckets(list(self.module.parameters()), bucket_cap_mb * MB)
 
 
-class DDPOtherStyle(nn.Module):
-    """Right, in another style: the same buckets, but each flat buffer preallocated and laid
-    out first-registered first, ReduceOp.AVG through a name bound at import, readiness by
-    sets, and incomplete buckets flushed last one first."""
-
-    def __init__(self, module, bucket_cap_mb=25.0):
-        super().__init__()
-        self.module = module
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0)
-        layout = rule_buckets(module.parameters(), bucket_cap_mb * MB)
-        self.buckets = [list(reversed(bucket)) for bucket in layout]
-        self.buffers = [torch.cat([p.detach().reshape(-1) for p in b]) for b in self.buckets]
-        self.waiting = [set(map(id, b)) for b in self.buckets]
-        self.works = [None] * len(self.buckets)
-        for i, bucket in enumerate(self.buckets):
-            for p in bucket:
-                p.register_post_accumulate_grad_hook(lambda p, i=i: self._ready(i, p))
-
-    def forward(self, x):
-        return self.module(x)
-
-    def _ready(self, i, p):
-        self.waiting[i].discard(id(p))
-        if not self.waiting[i]:
-            self._send(i)
-
-    def _send(self, i):
-        offset = 0
-        for p in self.buckets[i]:
-            view = self.buffers[i][offset : offset + p.numel()]
-            view.copy_(p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(view))
-            offset += p.numel()
-        self.works[i] = prebound_all_reduce(self.buffers[i], op=dist.ReduceOp.AVG, async_op=True)
-
-    def finish_gradient_synchronization(self):
-        for i in reversed(range(len(self.buckets))):
-            if self.works[i] is None:
-                self._send(i)
-        for i, bucket in enumerate(self.buckets):
-            self.works[i].wait()
-            offset = 0
-            for p in bucket:
-                if p.grad is not None:
-                    p.grad.view(-1).copy_(self.buffers[i][offset : offset + p.numel()])
-                offset += p.numel()
-        self.works = [None] * len(self.buckets)
-        self.waiting = [set(map(id, b)) for b in self.buckets]
-
-
 class DDPGroupObject(TemplateDDP):
     """Right: launches through the process-group object, which returns a Work at once."""
 
     def launch(self, i):
         flat = self.flatten(i)
         self.pending[i] = (dist.group.WORLD.allreduce([flat]), flat)
-
-
-class TorchDDP(nn.parallel.DistributedDataParallel):
-    """torch's own DDP behind the assignment's interface: not the student's work."""
-
-    def __init__(self, module, bucket_cap_mb=25.0):
-        super().__init__(module, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=True)
-
-    def finish_gradient_synchronization(self):
-        pass
 
 
 class DDPSum(TemplateDDP):
@@ -585,6 +495,10 @@ class DDPZeroGradDoesNothing(TemplateDDP):
         pass
 
 
+# The cheat "one all-reduce after backward": every gradient in one flat all-reduce.
+OneAllReduce = planted("data_parallel", "ddp", cheats.ONE_ALL_REDUCE_AFTER_BACKWARD).DDP
+
+
 class DDPFakeBuckets(TemplateDDP):
     """A cheat: all-reduces of zeros during backward for show, the real average in one
     synchronous call afterwards."""
@@ -601,14 +515,7 @@ class DDPFakeBuckets(TemplateDDP):
         self.average_for_real()
 
     def average_for_real(self):
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= world_size()
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        OneAllReduce.finish_gradient_synchronization(self)
 
 
 class DDPAveragesWithAllGather(DDPFakeBuckets):

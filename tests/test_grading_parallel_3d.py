@@ -13,19 +13,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import data, models
+from course_lib import models
 from course_lib import tensor_parallel as tpl
 from course_lib.grading import CheckFailed, check_2d_training, check_process_grid
 from course_lib.grading.parallel_3d import (
-    _partners,
     formula,
     gather_dense,
     measure_configuration,
     split_counts,
     tp_shard,
 )
+from course_lib.grading.parallel_3d_layout import _partners
 from course_lib.runtime import world_size
-from tests.adapters import mutant, solution
+from tests.adapters import mutant, planted, solution
+from tests.cheats import a10_parallel_3d as cheats
 
 # Fresh workers cannot import this test module: ship its functions and classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -41,25 +42,9 @@ process_grid, make_groups, GPT2D, train_step = (
     A10.GPT2D,
     A10.train_step,
 )
-
-
-def train_step_flat_avg(model, optimizer, x, y, dp_group):
-    """Right, in another style: one flat all-reduce with ReduceOp.AVG, loss all-reduced too."""
-    me, size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
-    optimizer.zero_grad()
-    loss = models.lm_loss(model(data.shard(x, me, size)), data.shard(y, me, size))
-    loss.backward()
-    grads = [p.grad for p in model.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=dp_group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-    optimizer.step()
-    loss = loss.detach().clone()
-    dist.all_reduce(loss, group=dp_group)  # for logging: in the DP group, allowed
-    return loss.item() / size
+# Right, in another style (an alternative in tests/cheats): one flat all-reduce with
+# ReduceOp.AVG, and the loss all-reduced too, for logging, in the DP group.
+train_step_flat_avg = planted("parallel_3d", "train_step", cheats.FLAT_AVG_TRAIN_STEP).train_step
 
 
 # Tensor-parallel layers of one's own (Assignment 9 style), with a switch for the bug.
@@ -235,30 +220,20 @@ train_step_global_rank_shard = mutant(
 ).train_step
 
 
-def train_step_whole_batch_unseen(model, optimizer, x, y, dp_group):
-    """Shows the model its shard, then trains every rank on the whole batch by calling
-    forward directly (the check's hooks skipped): no DP all-reduce needed, if the whole
-    batch were real."""
-    shard_of = (dist.get_rank(dp_group), dist.get_world_size(dp_group))
-    with torch.no_grad():
-        model(data.shard(x, *shard_of))
-    optimizer.zero_grad()
-    models.lm_loss(type(model).forward(model, x), y).backward()
-    optimizer.step()
+# A cheat: shows the model its shard, then trains every rank on the whole batch by calling
+# forward directly (the check's hooks skipped): no DP all-reduce needed, if the whole batch
+# were real.
+train_step_whole_batch_unseen = planted(
+    "parallel_3d", "train_step", cheats.WHOLE_BATCH_EVERYWHERE
+).train_step
 
 
 def not_implemented(*args, **kwargs):
     raise NotImplementedError()
 
 
-def process_grid_from_planner(world, tp):
-    """Right, but lecture 10's ProcessGrid does the work."""
-    from course_lib.parallel_3d import ProcessGrid
-
-    if world % tp:
-        raise ValueError("tp_size must divide world_size")
-    grid = ProcessGrid(tp, 1, world // tp)
-    return grid.groups("tp"), grid.groups("dp")
+# Right, but lecture 10's ProcessGrid does the work (a cheat).
+process_grid_from_planner = planted("parallel_3d", "process_grid", cheats.PLANNER_GRID).process_grid
 
 
 def make_groups_from_planner(tp_size):

@@ -174,29 +174,22 @@ class DDP(nn.parallel.DistributedDataParallel):
         pass
 '''
 
-GRADERS_BUCKET_RULE = '''
+GRADERS_BUCKET_RULE = (
+    '''
 from course_lib.grading.data_parallel import buckets
 
 
 class DDP(nn.Module):
     """Right, but its buckets come from the grader's own rule, which ships with course_lib."""
-
-    def __init__(self, module, bucket_cap_mb=25.0):
-        super().__init__()
-        self.module = module
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0)
-        self.buckets = buckets(list(module.parameters()), bucket_cap_mb * 2**20)
+'''
+    + _BROADCAST
+    + """        self.buckets = buckets(list(module.parameters()), bucket_cap_mb * 2**20)
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self.missing = [len(b) for b in self.buckets]
         self.in_flight = {}
         for b in self.buckets:
             for p in b:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
-
-    def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
 
     def _grad_ready(self, param):
         i = self.bucket_of[id(param)]
@@ -223,9 +216,11 @@ class DDP(nn.Module):
                 offset += p.numel()
         self.missing = [len(b) for b in self.buckets]
         self.in_flight = {}
-'''
+"""
+)
 
-OTHER_STYLE = '''
+OTHER_STYLE = (
+    '''
 from torch.distributed import all_reduce
 
 
@@ -233,14 +228,9 @@ class DDP(nn.Module):
     """The rule's buckets, each a preallocated buffer laid out first-registered first,
     averaged with ReduceOp.AVG through a name bound at import; readiness kept as sets, and
     incomplete buckets sent last one first."""
-
-    def __init__(self, module, bucket_cap_mb=25.0):
-        super().__init__()
-        self.module = module
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0)
-        self.buckets, room = [], 0
+'''
+    + _BROADCAST
+    + """        self.buckets, room = [], 0
         for p in reversed([p for p in module.parameters() if p.requires_grad]):
             nbytes = p.numel() * p.element_size()
             if not self.buckets or nbytes > room:
@@ -254,9 +244,6 @@ class DDP(nn.Module):
         for i, bucket in enumerate(self.buckets):
             for p in bucket:
                 p.register_post_accumulate_grad_hook(lambda p, i=i: self._ready(i, p))
-
-    def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
 
     def _ready(self, i, p):
         self.waiting[i].discard(id(p))
@@ -284,20 +271,17 @@ class DDP(nn.Module):
                 offset += p.numel()
         self.works = [None] * len(self.buckets)
         self.waiting = [set(map(id, b)) for b in self.buckets]
-'''
+"""
+)
 
-GROUP_OBJECT = '''
+GROUP_OBJECT = (
+    '''
 class DDP(nn.Module):
     """The rule's buckets, launched through the process-group object (which returns a Work
     at once) in a hook per parameter that counts down."""
-
-    def __init__(self, module, bucket_cap_mb=25.0):
-        super().__init__()
-        self.module = module
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0)
-        cap, self.buckets, size = bucket_cap_mb * 2**20, [[]], 0
+'''
+    + _BROADCAST
+    + """        cap, self.buckets, size = bucket_cap_mb * 2**20, [[]], 0
         for p in reversed([p for p in module.parameters() if p.requires_grad]):
             nbytes = p.numel() * p.element_size()
             if self.buckets[-1] and size + nbytes > cap:
@@ -310,9 +294,6 @@ class DDP(nn.Module):
         for i, bucket in enumerate(self.buckets):
             for p in bucket:
                 p.register_post_accumulate_grad_hook(lambda p, i=i: self._count_down(i))
-
-    def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
 
     def _count_down(self, i):
         self.left[i] -= 1
@@ -338,7 +319,8 @@ class DDP(nn.Module):
                     p.grad.copy_(piece.view_as(p))
         self.left = [len(b) for b in self.buckets]
         self.sent = {}
-'''
+"""
+)
 
 CHEATS = [
     Cheat(

@@ -1,0 +1,147 @@
+"""The training runs of Assignment 3's checks, as the ranks and the reference both see them.
+
+`Run` says which model, optimizer, precision and batches; `build_model` builds its model
+(`ProbeModel` is the check's own); `shard_sizes` splits each global batch into the ranks'
+uneven shards, `draw_shard` draws a rank's samples (secret: no other rank can predict them),
+and `rank_loss` is the loss a rank backpropagates in part 1 ("sync") or part 2 ("ddp").
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import data
+from course_lib.grading.training import snapshot
+from course_lib.models import MLP, TinyGPT
+
+MB = 2**20  # bytes in one "MB" of bucket_cap_mb, as in torch's DDP
+INIT_SEED_STRIDE = 1000  # check_ddp builds rank r's model with seed + 1000 * r
+# (rtol, atol) per dtype; fp32 rounding between split and whole batches is ~1e-7 (measured on
+# the course's models), fp64 ~1e-14.
+TOLERANCE = {torch.float32: (1e-5, 1e-6), torch.float64: (1e-10, 1e-10)}
+# Default caps, in elements: below the largest parameter. ProbeModel's 60 makes the rule's
+# layout differ from forward order, from 1 MB = 10^6 bytes and from closing a bucket when
+# it reaches the cap (one of its buckets fills the cap exactly).
+BUCKET_ELEMENTS = {"probe": 60, "mlp": 300, "gpt": 2048}
+
+
+# --- the check's own model ----------------------------------------------------------------
+
+
+class ProbeModel(nn.Module):
+    """8 -> 24 -> 12 -> 4 with uneven parameter sizes, a frozen gain, a buffer, and a layer
+    (`unused`) whose weight never gets a gradient and shares a bucket with `inp.bias`."""
+
+    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.gain = nn.Parameter(torch.rand(24, dtype=dtype) + 0.5, requires_grad=False)
+            self.inp = nn.Linear(8, 24, dtype=dtype)
+            self.unused = nn.Linear(6, 6, bias=False, dtype=dtype)  # never called
+            self.mid = nn.Linear(24, 12, dtype=dtype)
+            self.out = nn.Linear(12, 4, dtype=dtype)
+            self.register_buffer("shift", 0.1 * torch.randn(24, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x) + self.shift) * self.gain
+        return self.out(torch.relu(self.mid(h)))
+
+
+# --- models, data and losses shared by the ranks and the reference ------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: which model, optimizer, precision and batches."""
+
+    model: str = "mlp"  # "mlp", "probe" or "gpt"
+    optimizer: str = "sgd"  # "sgd" or "adamw"
+    seed: int = 0
+    dtype: torch.dtype = torch.float32
+    steps: int = 3
+    batch_size: int = 16
+    bucket_cap_mb: float | None = None
+
+    def batch(self, step: int, ranks: int) -> int:
+        """Samples in the global batch of `step`: batch_size, but a quarter fewer at the last
+        step (as the last batch of an epoch often is), and never fewer than the ranks."""
+        if step < self.steps - 1:
+            return self.batch_size
+        return max(ranks, 3 * self.batch_size // 4)
+
+    def describe(self, ranks: int) -> str:
+        name = {"sgd": "SGD", "adamw": "AdamW"}[self.optimizer]
+        dtype = str(self.dtype).removeprefix("torch.")
+        last = self.batch(self.steps - 1, ranks)
+        batches = f"batches of {self.batch_size}" + (
+            f" (the last {last})" if last != self.batch_size else ""
+        )
+        return (
+            f"{self.model} model, {name}, {dtype}, seed {self.seed}, {batches} on {ranks} "
+            f"rank{'s' if ranks > 1 else ''}"
+        )
+
+    def cap_mb(self) -> float:
+        """bucket_cap_mb, or by default a cap smaller than the model's largest parameter."""
+        if self.bucket_cap_mb is not None:
+            return self.bucket_cap_mb
+        element_size = torch.empty(0, dtype=self.dtype).element_size()
+        return BUCKET_ELEMENTS[self.model] * element_size / MB
+
+
+def build_model(run: Run, seed: int) -> nn.Module:
+    if run.model == "mlp":
+        return MLP((8, 32, 32, 4), seed=seed, dtype=run.dtype)
+    if run.model == "probe":
+        return ProbeModel(seed=seed, dtype=run.dtype)
+    if run.model == "gpt":
+        return TinyGPT(seed=seed, dtype=run.dtype)
+    raise ValueError(f"unknown model {run.model!r}: use 'mlp', 'probe' or 'gpt'")
+
+
+def shard_sizes(run: Run, ranks: int, step: int) -> list[int]:
+    """How many of the `run.batch(step, ranks)` samples each rank holds at `step`: a random
+    split (the same on every rank and in the reference), every rank at least one, usually
+    uneven."""
+    total = run.batch(step, ranks)
+    g = torch.Generator().manual_seed(1_000_003 * run.seed + 1009 * step + ranks)
+    cuts = (torch.randperm(total - 1, generator=g)[: ranks - 1] + 1).sort().values
+    edges = [0, *cuts.tolist(), total]
+    return [b - a for a, b in itertools.pairwise(edges)]
+
+
+def draw_shard(run: Run, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n` samples nobody else can predict: a fresh secret seed on every call."""
+    seed = secrets.randbits(62)
+    if run.model == "gpt":
+        return data.tokens(n, seed=seed)
+    return data.regression(n, seed=seed, dtype=run.dtype)
+
+
+def per_sample_loss(run: Run, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """One loss per sample: mean squared error, or mean next-token cross-entropy."""
+    if run.model == "gpt":
+        tokens = F.cross_entropy(output.flatten(0, 1), target.flatten(), reduction="none")
+        return tokens.view(target.shape).mean(dim=1)
+    return (output - target).pow(2).mean(dim=1)
+
+
+def rank_loss(kind: str, run: Run, output, target, sizes: list[int]) -> torch.Tensor:
+    """This rank's loss when the ranks hold `sizes` samples. Part 1 ("sync"): the mean over
+    its shard (sync_gradients weights it). Part 2 ("ddp"): the shard's sum * world_size /
+    batch size, whose plain average over the ranks is the full-batch mean for any split."""
+    losses = per_sample_loss(run, output, target)
+    if kind == "sync":
+        return losses.mean()
+    return losses.sum() * (len(sizes) / sum(sizes))
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return snapshot((name, p.grad) for name, p in model.named_parameters())
