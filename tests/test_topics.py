@@ -112,7 +112,7 @@ LAYER_EXCEPTIONS = {
     # the large partition problems' optimum: the lecture's DP, itself held to a brute force
     ("grading.pipeline_partition", "pipeline"),
     # the bytes a tensor's storage takes, as lecture 6 counts them
-    ("grading.parallel_3d", "memory"),
+    ("grading.parallel_3d_configurations", "memory"),
 }
 
 
