@@ -1,10 +1,10 @@
 """Tensor parallelism, Megatron style: every weight matrix split across ranks (lecture 9).
 
-    fc = ColumnParallelLinear.from_dense(dense.fc)      # this rank's slice of the output columns
-    proj = RowParallelLinear.from_dense(dense.proj)     # this rank's slice of the input rows
-    mlp = ParallelMLP.from_dense(dense_mlp)             # column -> GeLU -> row: one all-reduce
-    attn = ParallelSelfAttention.from_dense(dense_attn) # heads split across ranks
-    emb = VocabParallelEmbedding.from_dense(dense_emb)  # vocabulary rows split across ranks
+    fc = ColumnParallelLinear(dense.fc)         # this rank's slice of the output columns
+    proj = RowParallelLinear(dense.proj)        # this rank's slice of the input rows
+    mlp = ParallelMLP(dense_mlp)                # column -> GeLU -> row: one all-reduce
+    attn = ParallelSelfAttention(dense_attn)    # heads split across ranks
+    emb = VocabParallelEmbedding(dense_emb)     # vocabulary rows split across ranks
     loss = vocab_parallel_cross_entropy(local_logits, targets)   # softmax over a split vocabulary
 
 Everything rests on two autograd functions of the Megatron paper (Shoeybi et al., 2019):
@@ -14,9 +14,12 @@ Everything rests on two autograd functions of the Megatron paper (Shoeybi et al.
 - g (`reduce_from_tp`): all-reduce in forward, identity in backward. It stands where the
   ranks' partial results are summed back into one replicated tensor.
 
-Each layer is built from the dense layer's weights (`from_dense`), so it computes exactly
-what the dense layer computes, and tests and lectures can compare the two. All layers take
-an optional `group` (default: every rank), the tensor-parallel group of a 2-D layout.
+Each layer is built from the dense layer it replaces (`ColumnParallelLinear(dense.fc)`), with
+this rank's share of its weights, so it computes exactly what the dense layer computes, and
+tests and lectures can compare the two. (Megatron creates each rank's shard directly and never
+holds the dense model; the slicing is the same.) Assignment 9's layers take the same
+arguments. All layers take an optional `group` (default: every rank), the tensor-parallel
+group of a 2-D layout.
 
 The lecture's measurements (each layer against its dense original, with the bytes it sent;
 torch's own tensor parallelism; activation memory; TP against PP traffic) are in
@@ -26,7 +29,6 @@ torch's own tensor parallelism; activation memory; TP against PP traffic) are in
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Mapping
 
 import torch
@@ -151,11 +153,11 @@ def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> to
 # --- linear layers ----------------------------------------------------------------------------
 
 
-def _load(layer: nn.Module, dense: nn.Module) -> nn.Module:
-    """Give `layer` its share of `dense`'s weights, on `dense`'s device."""
-    layer.to(next(dense.parameters()).device)
-    layer.load_state_dict(local_view(layer, dense.state_dict()))
-    return layer
+def _take_share(layer: nn.Module, dense: nn.Module) -> None:
+    """Give `layer` parameters holding its share of `dense`'s weights (`layer.shard_dense`
+    says which), as copies on `dense`'s device: the dense layer is left as it was."""
+    for name, value in layer.shard_dense(dense.state_dict()).items():
+        setattr(layer, name, nn.Parameter(value.clone()))
 
 
 def local_view(module: nn.Module, dense: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -184,24 +186,18 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(
         self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
+        linear: nn.Linear,
         *,
         gather_output: bool = False,
         group: dist.ProcessGroup | None = None,
         parts: int = 1,
-        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.group, self.gather_output, self.parts = group, gather_output, parts
-        if out_features % parts:
-            raise ValueError(f"out_features={out_features} is not {parts} equal blocks")
-        start, end = shard_range(out_features // parts, tp_rank(group), tp_size(group), "block")
-        local = parts * (end - start)
-        self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(local, dtype=dtype)) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's initialisation
+        if linear.out_features % parts:
+            raise ValueError(f"out_features={linear.out_features} is not {parts} equal blocks")
+        self.bias = None
+        _take_share(self, linear)
 
     def shard_dense(self, dense: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's rows of the dense weight (and bias): a slice of each of `parts` blocks."""
@@ -213,27 +209,6 @@ class ColumnParallelLinear(nn.Module):
             return torch.cat([block[start:end] for block in blocks], dim=0)
 
         return {name: rows(t) for name, t in dense.items() if name in ("weight", "bias")}
-
-    @classmethod
-    def from_dense(
-        cls,
-        linear: nn.Linear,
-        *,
-        gather_output: bool = False,
-        group: dist.ProcessGroup | None = None,
-        parts: int = 1,
-    ) -> ColumnParallelLinear:
-        """This rank's share of `linear`, with the same weights."""
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            gather_output=gather_output,
-            group=group,
-            parts=parts,
-            dtype=linear.weight.dtype,
-        )
-        return _load(layer, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
@@ -250,20 +225,15 @@ class RowParallelLinear(nn.Module):
 
     def __init__(
         self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
+        linear: nn.Linear,
         *,
         input_is_parallel: bool = True,
         group: dist.ProcessGroup | None = None,
-        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
-        start, end = shard_range(in_features, tp_rank(group), tp_size(group), "in_features")
-        self.weight = nn.Parameter(torch.empty(out_features, end - start, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.bias = None
+        _take_share(self, linear)
 
     def shard_dense(self, dense: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's columns of the dense (out, in) weight; the bias whole (replicated)."""
@@ -273,25 +243,6 @@ class RowParallelLinear(nn.Module):
         if "bias" in dense:
             out["bias"] = dense["bias"]
         return out
-
-    @classmethod
-    def from_dense(
-        cls,
-        linear: nn.Linear,
-        *,
-        input_is_parallel: bool = True,
-        group: dist.ProcessGroup | None = None,
-    ) -> RowParallelLinear:
-        """This rank's share of `linear`, with the same weights."""
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            input_is_parallel=input_is_parallel,
-            group=group,
-            dtype=linear.weight.dtype,
-        )
-        return _load(layer, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -307,19 +258,10 @@ class ParallelMLP(nn.Module):
     """The transformer MLP, d -> d_ff -> d: column-parallel, GeLU on the local slice,
     row-parallel. One all-reduce in forward (g) and one in backward (f)."""
 
-    def __init__(self, fc: ColumnParallelLinear, proj: RowParallelLinear) -> None:
+    def __init__(self, mlp: models.MLPBlock, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
-        self.fc, self.proj = fc, proj
-
-    @classmethod
-    def from_dense(
-        cls, mlp: models.MLPBlock, group: dist.ProcessGroup | None = None
-    ) -> ParallelMLP:
-        """This rank's share of the course's `MLPBlock`, with the same weights."""
-        return cls(
-            ColumnParallelLinear.from_dense(mlp.fc, group=group),
-            RowParallelLinear.from_dense(mlp.proj, group=group),
-        )
+        self.fc = ColumnParallelLinear(mlp.fc, group=group)
+        self.proj = RowParallelLinear(mlp.proj, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # GeLU acts on each element, so GeLU of a column slice is a slice of GeLU: no talk here
@@ -331,23 +273,15 @@ class ParallelSelfAttention(nn.Module):
     q, k, v for its heads only (column-parallel), attends, and the output projection
     (row-parallel) sums the heads' contributions. One all-reduce each way, as in the MLP."""
 
-    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, n_heads: int) -> None:
+    def __init__(
+        self, attn: models.CausalSelfAttention, group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__()
-        self.qkv, self.proj = qkv, proj
-        self.n_heads = n_heads  # heads on this rank
-
-    @classmethod
-    def from_dense(
-        cls, attn: models.CausalSelfAttention, group: dist.ProcessGroup | None = None
-    ) -> ParallelSelfAttention:
-        """This rank's heads of the course's `CausalSelfAttention`, with the same weights."""
         start, end = shard_range(attn.n_heads, tp_rank(group), tp_size(group), "n_heads")
-        return cls(
-            # heads are contiguous within each of q, k and v: slice the three blocks alike
-            ColumnParallelLinear.from_dense(attn.qkv, group=group, parts=3),
-            RowParallelLinear.from_dense(attn.proj, group=group),
-            n_heads=end - start,
-        )
+        self.n_heads = end - start  # heads on this rank
+        # heads are contiguous within each of q, k and v: slice the three blocks alike
+        self.qkv = ColumnParallelLinear(attn.qkv, group=group, parts=3)
+        self.proj = RowParallelLinear(attn.proj, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         width = self.qkv.weight.shape[0] // 3  # this rank's heads * head_dim
@@ -362,8 +296,8 @@ class ParallelBlock(nn.Module):
     def __init__(self, block: models.Block, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
-        self.attn = ParallelSelfAttention.from_dense(block.attn, group)
-        self.mlp = ParallelMLP.from_dense(block.mlp, group)
+        self.attn = ParallelSelfAttention(block.attn, group)
+        self.mlp = ParallelMLP(block.mlp, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -375,30 +309,16 @@ class VocabParallelEmbedding(nn.Module):
     tokens in its range and writes zeros for the others; g sums the ranks' lookups, and
     exactly one rank contributed each token's row."""
 
-    def __init__(
-        self,
-        vocab_size: int,
-        dim: int,
-        *,
-        group: dist.ProcessGroup | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
+    def __init__(self, embedding: nn.Embedding, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.group = group
-        self.start, self.end = shard_range(vocab_size, tp_rank(group), tp_size(group), "vocab")
-        self.weight = nn.Parameter(torch.randn(self.end - self.start, dim, dtype=dtype))
+        vocab = embedding.num_embeddings
+        self.start, self.end = shard_range(vocab, tp_rank(group), tp_size(group), "vocab")
+        _take_share(self, embedding)
 
     def shard_dense(self, dense: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's rows (its vocabulary range) of the dense embedding table."""
         return {"weight": dense["weight"][self.start : self.end]}
-
-    @classmethod
-    def from_dense(
-        cls, embedding: nn.Embedding, group: dist.ProcessGroup | None = None
-    ) -> VocabParallelEmbedding:
-        """This rank's rows of `embedding`, with the same weights."""
-        vocab, dim = embedding.weight.shape
-        return _load(cls(vocab, dim, group=group, dtype=embedding.weight.dtype), embedding)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)

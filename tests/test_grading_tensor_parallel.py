@@ -219,7 +219,7 @@ class ColumnLecture(nn.Module):
         super().__init__()
         import course_lib.tensor_parallel as lecture
 
-        self.layer = lecture.ColumnParallelLinear.from_dense(linear, gather_output=gather_output)
+        self.layer = lecture.ColumnParallelLinear(linear, gather_output=gather_output)
         self.weight, self.bias = self.layer.weight, self.layer.bias
 
     def forward(self, x):

@@ -116,25 +116,25 @@ def build(layer, model, group):
     block = model.blocks[0]
     if layer == "column":
         d = block.mlp.fc
-        p = ColumnParallelLinear.from_dense(d, group=group)
+        p = ColumnParallelLinear(d, group=group)
     elif layer == "row":
         d = block.mlp.proj
-        p = RowParallelLinear.from_dense(d, group=group)
+        p = RowParallelLinear(d, group=group)
     elif layer == "mlp":
         d = block.mlp
-        p = ParallelMLP.from_dense(d, group)
+        p = ParallelMLP(d, group)
     elif layer == "attention":
         d = block.attn
-        p = ParallelSelfAttention.from_dense(d, group)
+        p = ParallelSelfAttention(d, group)
     elif layer == "block":
         d = block
         p = ParallelBlock(d, group)
     elif layer == "embedding":
         d = model.embed.tokens
-        p = VocabParallelEmbedding.from_dense(d, group)
+        p = VocabParallelEmbedding(d, group)
     else:
         d = model.head.out
-        p = ColumnParallelLinear.from_dense(d, group=group)
+        p = ColumnParallelLinear(d, group=group)
         targets = torch.arange(BATCH * CONFIG.seq_len).remainder(CONFIG.vocab_size)
         targets = targets.view(BATCH, CONFIG.seq_len)
 
@@ -316,7 +316,7 @@ def test_uneven_split_is_a_clear_error():
 def heads_not_divisible():
     config = models.GPTConfig(n_heads=2, d_model=32)
     try:
-        ParallelSelfAttention.from_dense(models.TinyGPT(config).blocks[0].attn)
+        ParallelSelfAttention(models.TinyGPT(config).blocks[0].attn)
     except ValueError as exc:
         return str(exc)
     return None

@@ -109,17 +109,17 @@ def _pair(
             "embedding": model.embed.tokens,
         }[layer]
         parallel = {
-            "column": lambda: ColumnParallelLinear.from_dense(dense, group=group),
-            "row": lambda: RowParallelLinear.from_dense(dense, group=group),
-            "mlp": lambda: ParallelMLP.from_dense(dense, group),
-            "attention": lambda: ParallelSelfAttention.from_dense(dense, group),
+            "column": lambda: ColumnParallelLinear(dense, group=group),
+            "row": lambda: RowParallelLinear(dense, group=group),
+            "mlp": lambda: ParallelMLP(dense, group),
+            "attention": lambda: ParallelSelfAttention(dense, group),
             "block": lambda: ParallelBlock(dense, group),
-            "embedding": lambda: VocabParallelEmbedding.from_dense(dense, group),
+            "embedding": lambda: VocabParallelEmbedding(dense, group),
         }[layer]()
         return dense, parallel, dense, parallel
     if layer == "head + cross-entropy":
         dense = model.head.out
-        parallel = ColumnParallelLinear.from_dense(dense, group=group)
+        parallel = ColumnParallelLinear(dense, group=group)
         targets = torch.arange(model.config.seq_len) % model.config.vocab_size
 
         def dense_loss(h: torch.Tensor) -> torch.Tensor:
@@ -246,7 +246,7 @@ def run_torch_mlp(config: models.GPTConfig | None = None, batch: int = 2) -> dic
     x.requires_grad_()
     dense(x).sum().backward()
     result = {}
-    ours = ParallelMLP.from_dense(dense)
+    ours = ParallelMLP(dense)
     theirs = torch_parallel_mlp(copy.deepcopy(dense))
     for name, module in (("ours", ours), ("torch", theirs)):
         xi = x.detach().clone().requires_grad_()
@@ -320,7 +320,7 @@ def mlp_saved_formula(tokens: int, hidden: int, d_ff: int, t: int, element_size:
 def measure_mlp_saved(config: models.GPTConfig | None = None, batch: int = 2) -> int:
     """Bytes autograd saves in this rank's ParallelMLP forward (fp32), weights excluded."""
     config = config or models.GPTConfig()
-    mlp = ParallelMLP.from_dense(models.TinyGPT(config).blocks[0].mlp)
+    mlp = ParallelMLP(models.TinyGPT(config).blocks[0].mlp)
     x = torch.randn(batch, config.seq_len, config.d_model)
     with SavedTensors(exclude=mlp.parameters()) as saved:
         y = mlp(x)

@@ -37,7 +37,7 @@ class ParallelSelfAttention(nn.Module):
     """The lecture's layer, handed over as this one."""
 
     def __new__(cls, attn):
-        return tp_lecture.ParallelSelfAttention.from_dense(attn)
+        return tp_lecture.ParallelSelfAttention(attn)
 '''
 
 
