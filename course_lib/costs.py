@@ -322,7 +322,10 @@ def ring_attention_bytes(kv_bytes, world_size: int):
 
 @dataclass(frozen=True)
 class TransformerShape:
-    """The sizes the formulas need: layers L, hidden h, heads a, sequence s, micro-batch b."""
+    """The sizes the formulas need: layers L, hidden h, heads a, sequence s, micro-batch b,
+    named as the papers write them. It describes a model to be priced, never built (GPT-3,
+    Llama): the models the course runs are `models.GPTConfig`, whose d_model, n_heads,
+    n_layers and seq_len are h, a, L and s."""
 
     layers: int
     hidden: int
