@@ -19,8 +19,8 @@ from course_lib.grading._harness import grading_pool
 from course_lib.grading.data_parallel import (
     FORBIDDEN,
     AllReduceLog,
+    DDPRun,
     ProbeModel,
-    Run,
     bucket_layout,
     buckets,
     shard_sizes,
@@ -220,7 +220,7 @@ def test_sync_gradients_failure_lists_every_failing_run_with_rank_step_and_toler
         check_sync_gradients(sync_plain_average)
     text = str(info.value)
     assert "[result] failed in 4 case(s):" in text  # mlp and probe, SGD and AdamW
-    sizes = shard_sizes(Run(), 4, 0)
+    sizes = shard_sizes(DDPRun(), 4, 0)
     where = "(mlp model, SGD, float32, seed 0, batches of 16 (the last 12) on 4 ranks)"
     assert f"rank 0, step 0 {where}" in text
     assert f"the shards here hold {sizes} samples" in text
@@ -229,17 +229,17 @@ def test_sync_gradients_failure_lists_every_failing_run_with_rank_step_and_toler
 
 def test_the_default_shards_are_uneven_and_change_every_step():
     for ranks, batch in ((4, 16), (3, 10), (2, 16)):
-        run = Run(batch_size=batch)
+        run = DDPRun(batch_size=batch)
         splits = [shard_sizes(run, ranks, s) for s in range(3)]
         assert [sum(sizes) for sizes in splits] == [batch, batch, 3 * batch // 4]
         assert all(min(sizes) >= 1 and len(set(sizes)) > 1 for sizes in splits), splits
         assert len({tuple(sizes) for sizes in splits}) == 3, splits
-    assert shard_sizes(Run(batch_size=4, steps=1), 4, 0) == [1, 1, 1, 1]
+    assert shard_sizes(DDPRun(batch_size=4, steps=1), 4, 0) == [1, 1, 1, 1]
 
 
 def test_every_rank_draws_samples_nobody_can_predict():
-    x1, _ = draw_shard(Run(), 3)
-    x2, _ = draw_shard(Run(), 3)
+    x1, _ = draw_shard(DDPRun(), 3)
+    x2, _ = draw_shard(DDPRun(), 3)
     assert x1.shape == (3, 8) and not torch.equal(x1, x2)
 
 

@@ -51,8 +51,8 @@ from course_lib.grading.data_parallel_runs import (
     BUCKET_ELEMENTS,
     MB,
     TOLERANCE,
+    DDPRun,
     ProbeModel,
-    Run,
     shard_sizes,
 )
 from course_lib.grading.data_parallel_training import (
@@ -113,7 +113,7 @@ def buckets(parameters: list[nn.Parameter], cap_bytes: float) -> list[list]:
 # --- what runs on each rank ---------------------------------------------------------------
 
 
-def _train_on_rank(impl: Callable, kind: str, runs: list[Run]) -> dict:
+def _train_on_rank(impl: Callable, kind: str, runs: list[DDPRun]) -> dict:
     """Every run with the student's code, watched for the course's own implementations."""
     with Provenance(FORBIDDEN[kind]) as seen:
         results = [_train_one(impl, kind, run) for run in runs]
@@ -123,7 +123,7 @@ def _train_on_rank(impl: Callable, kind: str, runs: list[Run]) -> dict:
 # --- the checks ---------------------------------------------------------------------------
 
 
-def _run(check: str, impl: Callable, kind: str, runs: list[Run], ranks: int, timeout: float):
+def _run(check: str, impl: Callable, kind: str, runs: list[DDPRun], ranks: int, timeout: float):
     __tracebackhide__ = True
     what = "your sync_gradients" if kind == "sync" else "your DDP"
     try:
@@ -142,7 +142,7 @@ def _run(check: str, impl: Callable, kind: str, runs: list[Run], ranks: int, tim
         ) from None
 
 
-def _judge(check: str, kind: str, runs: list[Run], results: list[dict], verdict: Verdict):
+def _judge(check: str, kind: str, runs: list[DDPRun], results: list[dict], verdict: Verdict):
     """Every run's training (and for DDP its communication), each a case of the verdict."""
     copied = next((result["copied"] for result in results if result["copied"]), None)
     if copied:
@@ -165,8 +165,8 @@ def _judge(check: str, kind: str, runs: list[Run], results: list[dict], verdict:
             _judge_communication(check, run, per_rank, ref, verdict, buckets)
 
 
-def _grade(check: str, impl: Callable, kind: str, runs: list[Run], ranks: int, timeout, verdict):
-    """Run the student's code on the ranks, then judge what came back (each a verdict case)."""
+def _grade(check: str, impl: Callable, kind: str, runs: list[DDPRun], ranks: int, timeout, verdict):
+    """DDPRun the student's code on the ranks, then judge what came back (each a verdict case)."""
     __tracebackhide__ = True
     results = None
     with verdict.case():
@@ -175,11 +175,11 @@ def _grade(check: str, impl: Callable, kind: str, runs: list[Run], ranks: int, t
         _judge(check, kind, runs, results, verdict)
 
 
-def _runs(models, optimizers, **fields) -> list[Run]:
-    return [Run(model=m, optimizer=o, **fields) for m in models for o in optimizers]
+def _runs(models, optimizers, **fields) -> list[DDPRun]:
+    return [DDPRun(model=m, optimizer=o, **fields) for m in models for o in optimizers]
 
 
-def _validate(ranks: int, batch_size: int, dtype: torch.dtype, runs: list[Run]) -> None:
+def _validate(ranks: int, batch_size: int, dtype: torch.dtype, runs: list[DDPRun]) -> None:
     """Refuse bad arguments before any rank starts."""
     for run in runs:
         if run.model not in BUCKET_ELEMENTS:
@@ -196,7 +196,7 @@ def _validate(ranks: int, batch_size: int, dtype: torch.dtype, runs: list[Run]) 
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
 
 
-def _what_ran(runs: list[Run], ranks: int) -> str:
+def _what_ran(runs: list[DDPRun], ranks: int) -> str:
     first = runs[0]
     rtol, atol = TOLERANCE[first.dtype]
     models = "/".join(dict.fromkeys(run.model for run in runs))
@@ -289,7 +289,7 @@ __all__ = [
     "AllReduceCall",
     "AllReduceLog",
     "ProbeModel",
-    "Run",
+    "DDPRun",
     "bucket_layout",
     "buckets",
     "check_ddp",

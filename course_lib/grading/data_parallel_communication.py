@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from course_lib.grading._harness import RESULT, fail
-from course_lib.grading.data_parallel_runs import MB, Run, build_model
+from course_lib.grading.data_parallel_runs import MB, DDPRun, build_model
 
 
-def _each_step(check: str, run: Run, results: list[dict], judge: Callable, prop: str) -> None:
+def _each_step(check: str, run: DDPRun, results: list[dict], judge: Callable, prop: str) -> None:
     """Fail at the first (step, rank) where `judge(step)` returns a problem."""
     __tracebackhide__ = True
     where = run.describe(len(results))
@@ -52,7 +52,7 @@ def _traffic_problem(trainable_bytes: int):
     return judge
 
 
-def _bucket_problem(run: Run, rule: Callable):
+def _bucket_problem(run: DDPRun, rule: Callable):
     """The buckets property: each step's all-reduce sizes are the buckets of `rule` (the
     assignment's, `buckets`), in any order, so the order inside a bucket and the order of
     sending are free."""
@@ -112,7 +112,7 @@ def _overlap_problem(n_buckets: int):
 
 
 def _judge_communication(
-    check: str, run: Run, results: list[dict], ref, verdict, rule: Callable
+    check: str, run: DDPRun, results: list[dict], ref, verdict, rule: Callable
 ) -> None:
     """check_ddp's communication, one verdict case per property; `rule` is the bucket rule."""
     trainable_bytes = sum(p.numel() * p.element_size() for p in ref["trainable"])

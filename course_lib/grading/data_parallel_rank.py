@@ -19,7 +19,7 @@ from torch import nn
 from course_lib import comm
 from course_lib.grading.data_parallel_runs import (
     INIT_SEED_STRIDE,
-    Run,
+    DDPRun,
     _grads,
     build_model,
     draw_shard,
@@ -95,7 +95,7 @@ class AllReduceLog:
         comm.remove_around_hook(self._hook)
 
 
-def _train_one(impl: Callable, kind: str, run: Run) -> dict:
+def _train_one(impl: Callable, kind: str, run: DDPRun) -> dict:
     """Train `run` on this rank with the student's code; record this rank's samples, its
     gradients after synchronization, its parameters after each step, and its communication."""
     ranks, me = world_size(), rank()
@@ -140,7 +140,7 @@ def _train_one(impl: Callable, kind: str, run: Run) -> dict:
     return {"initial": initial, "steps": steps}
 
 
-def _model_on_rank(impl: Callable, kind: str, run: Run, ready: list[float]):
+def _model_on_rank(impl: Callable, kind: str, run: DDPRun, ready: list[float]):
     """The model this rank trains, and for DDP its parameters and buffers right after
     construction. Part 2 builds rank r's model from its own seed and wraps it in the
     student's class, after hooks that time each gradient (ours run first); part 1 trains

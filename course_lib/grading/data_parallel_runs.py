@@ -1,6 +1,6 @@
 """The training runs of Assignment 3's checks, as the ranks and the reference both see them.
 
-`Run` says which model, optimizer, precision and batches; `build_model` builds its model
+`DDPRun` says which model, optimizer, precision and batches; `build_model` builds its model
 (`ProbeModel` is the check's own); `shard_sizes` splits each global batch into the ranks'
 uneven shards, `draw_shard` draws a rank's samples (secret: no other rank can predict them),
 and `rank_loss` is the loss a rank backpropagates in part 1 ("sync") or part 2 ("ddp").
@@ -58,7 +58,7 @@ class ProbeModel(nn.Module):
 
 
 @dataclass(frozen=True)
-class Run:
+class DDPRun:
     """One training run: which model, optimizer, precision and batches."""
 
     model: str = "mlp"  # "mlp", "probe" or "gpt"
@@ -96,7 +96,7 @@ class Run:
         return BUCKET_ELEMENTS[self.model] * element_size / MB
 
 
-def build_model(run: Run, seed: int) -> nn.Module:
+def build_model(run: DDPRun, seed: int) -> nn.Module:
     if run.model == "mlp":
         return MLP((8, 32, 32, 4), seed=seed, dtype=run.dtype)
     if run.model == "probe":
@@ -106,7 +106,7 @@ def build_model(run: Run, seed: int) -> nn.Module:
     raise ValueError(f"unknown model {run.model!r}: use 'mlp', 'probe' or 'gpt'")
 
 
-def shard_sizes(run: Run, ranks: int, step: int) -> list[int]:
+def shard_sizes(run: DDPRun, ranks: int, step: int) -> list[int]:
     """How many of the `run.batch(step, ranks)` samples each rank holds at `step`: a random
     split (the same on every rank and in the reference), every rank at least one, usually
     uneven."""
@@ -117,7 +117,7 @@ def shard_sizes(run: Run, ranks: int, step: int) -> list[int]:
     return [b - a for a, b in itertools.pairwise(edges)]
 
 
-def draw_shard(run: Run, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_shard(run: DDPRun, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`n` samples nobody else can predict: a fresh secret seed on every call."""
     seed = secrets.randbits(62)
     if run.model == "gpt":
@@ -125,7 +125,7 @@ def draw_shard(run: Run, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return data.regression(n, seed=seed, dtype=run.dtype)
 
 
-def per_sample_loss(run: Run, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def per_sample_loss(run: DDPRun, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """One loss per sample: mean squared error, or mean next-token cross-entropy."""
     if run.model == "gpt":
         tokens = F.cross_entropy(output.flatten(0, 1), target.flatten(), reduction="none")
@@ -133,7 +133,7 @@ def per_sample_loss(run: Run, output: torch.Tensor, target: torch.Tensor) -> tor
     return (output - target).pow(2).mean(dim=1)
 
 
-def rank_loss(kind: str, run: Run, output, target, sizes: list[int]) -> torch.Tensor:
+def rank_loss(kind: str, run: DDPRun, output, target, sizes: list[int]) -> torch.Tensor:
     """This rank's loss when the ranks hold `sizes` samples. Part 1 ("sync"): the mean over
     its shard (sync_gradients weights it). Part 2 ("ddp"): the shard's sum * world_size /
     batch size, whose plain average over the ranks is the full-batch mean for any split."""

@@ -14,7 +14,7 @@ from course_lib import compare
 from course_lib.grading._harness import fail
 from course_lib.grading.data_parallel_runs import (
     TOLERANCE,
-    Run,
+    DDPRun,
     _grads,
     build_model,
     per_sample_loss,
@@ -26,7 +26,7 @@ from course_lib.grading.training import make_optimizer, snapshot
 # --- the single-process reference, in the checking process --------------------------------
 
 
-def _shards(check: str, run: Run, results: list[dict], s: int) -> list[tuple]:
+def _shards(check: str, run: DDPRun, results: list[dict], s: int) -> list[tuple]:
     """Step s's samples as the ranks report them, checked for shape (they come from a rank
     that ran the student's code)."""
     shards = []
@@ -40,7 +40,7 @@ def _shards(check: str, run: Run, results: list[dict], s: int) -> list[tuple]:
     return shards
 
 
-def _reference(check: str, run: Run, results: list[dict], prefix: str) -> dict:
+def _reference(check: str, run: DDPRun, results: list[dict], prefix: str) -> dict:
     """What every rank is measured against: the whole batches the ranks drew (as shards, per
     step) and the initial model, its names prefixed with `prefix` (e.g. "module.")."""
     initial = build_model(run, run.seed)
@@ -61,7 +61,7 @@ class _Replay:
     turns a gradient of 1e-10 where the whole batch gives exactly 0 into a step of lr / 100,
     after which free-running reference training and a right rank would part ways."""
 
-    def __init__(self, run: Run, prefix: str):
+    def __init__(self, run: DDPRun, prefix: str):
         self.run, self.prefix = run, prefix
         self.model = build_model(run, run.seed)
         self.optimizer = make_optimizer(run.optimizer, self.model.parameters())
@@ -84,7 +84,7 @@ class _Replay:
         return {self.prefix + n: p for n, p in snapshot(self.model.named_parameters()).items()}
 
 
-def _local_grads(kind: str, run: Run, step: dict, name: str) -> list[torch.Tensor]:
+def _local_grads(kind: str, run: DDPRun, step: dict, name: str) -> list[torch.Tensor]:
     """The gradient of parameter `name` each rank computes from its own shard alone."""
     out = []
     sizes = [len(x) for x, _ in step["shards"]]
@@ -105,7 +105,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return compare.find_mismatch({"t": got}, {"t": want}, rtol=1e-4, atol=1e-5 * scale) is None
 
 
-def _gradient_hint(kind: str, run: Run, replay: _Replay, s: int, r: int, name: str, got) -> str:
+def _gradient_hint(kind: str, run: DDPRun, replay: _Replay, s: int, r: int, name: str, got) -> str:
     """Which mistake makes rank r's gradient `got` at step s."""
     step, prefix = replay.steps[s], replay.prefix
     want = step["grads"][name]
@@ -202,7 +202,7 @@ def _none_hint(kind: str, name: str, frozen: bool, has_grad: bool) -> str:
     return f"{name!r} has no gradient {what}, but it should have one"
 
 
-def _step_problem(kind: str, run: Run, ref: dict, s: int, r: int, step: dict, replay: _Replay):
+def _step_problem(kind: str, run: DDPRun, ref: dict, s: int, r: int, step: dict, replay: _Replay):
     """What is wrong with rank r's gradients or parameters at step s, or None."""
     rtol, atol = TOLERANCE[run.dtype]
     sync = "finish_gradient_synchronization" if kind == "ddp" else "sync_gradients"
@@ -231,7 +231,7 @@ def _step_problem(kind: str, run: Run, ref: dict, s: int, r: int, step: dict, re
     return None
 
 
-def _compare_training(check: str, kind: str, run: Run, results: list[dict], ref: dict) -> None:
+def _compare_training(check: str, kind: str, run: DDPRun, results: list[dict], ref: dict) -> None:
     """Fail at the first step where a rank differs from the reference (naming the first such
     rank and how many others)."""
     __tracebackhide__ = True
@@ -250,7 +250,7 @@ def _compare_training(check: str, kind: str, run: Run, results: list[dict], ref:
             fail(check, f"rank {r}, step {s} ({where}){also}: {problem}")
 
 
-def _compare_initial(check: str, run: Run, results: list[dict], ref: dict) -> None:
+def _compare_initial(check: str, run: DDPRun, results: list[dict], ref: dict) -> None:
     """Right after construction every rank must hold rank 0's parameters and buffers."""
     __tracebackhide__ = True
     expected_names = list(ref["initial_params"])

@@ -61,7 +61,7 @@ from course_lib.grading.zero_memory import (
 )
 from course_lib.grading.zero_ranks import (
     SMALL,
-    Run,
+    ZeroRun,
     _train_stage3,
     _train_stage12,
     build_model,
@@ -86,7 +86,7 @@ def check_zero1(
     shards with optimizer_cls, and leaves the full updated parameters on every rank.
     Checked: parameters on every rank after every step; optimizer state bytes per rank."""
     __tracebackhide__ = True
-    run = Run(seed=seed, steps=steps, batch_size=batch_size)
+    run = ZeroRun(seed=seed, steps=steps, batch_size=batch_size)
     _check_stage12("check_zero1", sharded_optimizer, 1, world_size, run, timeout)
 
 
@@ -103,11 +103,13 @@ def check_zero2(
     shards: checked are the gradient shards' values (where the optimizer's tensors are
     the shards) and the gradient bytes per rank."""
     __tracebackhide__ = True
-    run = Run(seed=seed, steps=steps, batch_size=batch_size)
+    run = ZeroRun(seed=seed, steps=steps, batch_size=batch_size)
     _check_stage12("check_zero2", sharded_grad_optimizer, 2, world_size, run, timeout)
 
 
-def _check_stage12(check: str, impl: Callable, stage: int, ranks: int, run: Run, timeout: float):
+def _check_stage12(
+    check: str, impl: Callable, stage: int, ranks: int, run: ZeroRun, timeout: float
+):
     """Each property a case of its own, over every step: a failing check lists each
     property's first problem."""
     __tracebackhide__ = True
@@ -156,7 +158,7 @@ def check_zero3(
     bytes the model holds after forward and after each step; all-gathers during backward."""
     __tracebackhide__ = True
     check = "check_zero3"
-    run = Run(seed=seed, steps=steps, batch_size=batch_size)
+    run = ZeroRun(seed=seed, steps=steps, batch_size=batch_size)
     _validate(world_size, run)
     ranks = world_size
     results = run_on_ranks(
@@ -189,7 +191,7 @@ def check_zero3(
 __all__ = [
     "ADAMW",
     "SMALL",
-    "Run",
+    "ZeroRun",
     "check_zero1",
     "check_zero2",
     "check_zero3",

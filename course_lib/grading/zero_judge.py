@@ -17,7 +17,7 @@ from course_lib import compare
 from course_lib.grading._harness import fail
 from course_lib.grading.training import ADAMW
 from course_lib.grading.zero_memory import chunk_of, shard_bytes, shard_numel
-from course_lib.grading.zero_ranks import STATE_NAMES, Run, reference
+from course_lib.grading.zero_ranks import STATE_NAMES, ZeroRun, reference
 
 # float64 rounding between a split and a whole batch is ~1e-17 in the gradients and ~1e-14
 # after a few AdamW steps (measured); 1e-10 leaves room and still catches any real mistake.
@@ -31,7 +31,7 @@ KEPT_SLACK = 1024
 # --- before running -----------------------------------------------------------------------
 
 
-def _validate(ranks: int, run: Run) -> None:
+def _validate(ranks: int, run: ZeroRun) -> None:
     if not 1 <= ranks <= 8:
         raise ValueError(f"world_size must be 1..8, got {ranks}")
     if run.batch_size % ranks or run.batch_size < ranks:
@@ -50,7 +50,7 @@ def _mismatch(got: dict, want: dict, tolerance: dict = TOLERANCE) -> str | None:
     return compare.find_mismatch(got, want, **tolerance)
 
 
-def _parameter_hint(run: Run, results: list[dict], r: int, s: int, ranks: int) -> str:
+def _parameter_hint(run: ZeroRun, results: list[dict], r: int, s: int, ranks: int) -> str:
     """Why rank r's parameters after step s are wrong, as far as the check can tell."""
     got = results[r]["steps"][s]["params"]
     for other in range(ranks):
@@ -87,7 +87,7 @@ def _parameter_hint(run: Run, results: list[dict], r: int, s: int, ranks: int) -
     )
 
 
-def _compare_parameters(check: str, run: Run, results: list[dict], ref: dict) -> None:
+def _compare_parameters(check: str, run: ZeroRun, results: list[dict], ref: dict) -> None:
     __tracebackhide__ = True
     ranks = len(results)
     where = run.describe(ranks)

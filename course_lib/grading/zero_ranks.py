@@ -1,7 +1,7 @@
 """Part of Assignment 7's checks (grading/zero.py): what runs on each rank, and the
 single-process reference the checks compare it with.
 
-Each check trains `TinyGPT(SMALL)` for a few AdamW steps in float64 (`Run`), every global
+Each check trains `TinyGPT(SMALL)` for a few AdamW steps in float64 (`ZeroRun`), every global
 batch split across the ranks and each rank's loss the mean over its own share:
 `_train_stage12` with a student's ZeRO-1/2 optimizer, `_train_stage3` with a student's
 `shard_module`, each recording what the judging compares and the bytes it measured.
@@ -46,7 +46,7 @@ STATE_NAMES = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
-class Run:
+class ZeroRun:
     """Which model, data and steps a check trains."""
 
     seed: int = 0
@@ -60,11 +60,11 @@ class Run:
         )
 
 
-def build_model(run: Run) -> TinyGPT:
+def build_model(run: ZeroRun) -> TinyGPT:
     return TinyGPT(SMALL, seed=run.seed, dtype=torch.float64)
 
 
-def global_batches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def global_batches(run: ZeroRun) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same global batches on every rank and in the reference."""
     x, y = data.tokens(4 * run.batch_size, SMALL.seq_len, SMALL.vocab_size, seed=run.seed + 1)
     return data.batches(x, y, run.batch_size, run.steps, seed=run.seed)
@@ -91,7 +91,7 @@ def _state_values(shards: list | None) -> list | None:
     return out
 
 
-def _train_stage12(impl: Callable, stage: int, run: Run) -> dict:
+def _train_stage12(impl: Callable, stage: int, run: ZeroRun) -> dict:
     """On each rank: train with the student's optimizer; record what the check compares."""
     ranks, me = world_size(), rank()
     model = build_model(run)
@@ -120,7 +120,7 @@ def _train_stage12(impl: Callable, stage: int, run: Run) -> dict:
     return {"lr": lr, "steps": steps}
 
 
-def _train_stage3(shard_module: Callable, run: Run) -> dict:
+def _train_stage3(shard_module: Callable, run: ZeroRun) -> dict:
     """On each rank: shard the model with the student's shard_module, train it with AdamW
     on the shards, and record shards, gradients, bytes held and what was gathered when."""
     ranks, me = world_size(), rank()
@@ -171,7 +171,7 @@ def _gathered_bytes(counter: CommCounter) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def reference(run: Run, loss_scale: float = 1.0) -> dict:
+def reference(run: ZeroRun, loss_scale: float = 1.0) -> dict:
     """torch.optim.AdamW on one process on the whole batch: per step the gradients,
     parameters and optimizer state (named); `loss_scale` > 1 trains on summed gradients
     instead of averaged ones (for telling that mistake apart)."""
@@ -194,7 +194,7 @@ def reference(run: Run, loss_scale: float = 1.0) -> dict:
 # --- for the notebook: measured bytes per rank --------------------------------------------
 
 
-def _measure_on_rank(impl: Callable, stage: int, run: Run) -> dict[str, int]:
+def _measure_on_rank(impl: Callable, stage: int, run: ZeroRun) -> dict[str, int]:
     """One step of training with a stage's implementation; this rank's bytes of
     parameters, gradients (after backward) and optimizer state (after the step)."""
     ranks, me = world_size(), rank()
@@ -225,5 +225,5 @@ def measure_memory(
     """Per-rank bytes of parameters (at rest), gradients (after backward) and optimizer
     state for one training step of `TinyGPT(SMALL)` in float64 on `world_size` ranks.
     stage 0 is plain data parallelism without communication (impl None): the baseline."""
-    return launch(_measure_on_rank, impl, stage, Run(seed=seed, steps=1), world_size=world_size,
+    return launch(_measure_on_rank, impl, stage, ZeroRun(seed=seed, steps=1), world_size=world_size,
                   timeout=timeout)  # fmt: skip
