@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -152,17 +153,30 @@ MARKERS = (
 
 
 def make(course: Path, *targets: str, timeout: float = 1500) -> float:
-    """Run make targets in the course folder; return the seconds they took."""
+    """Run make targets in the course folder; return the seconds they took. Past `timeout`,
+    make and everything it started (nbgrader, sandboxes, ranks) are killed, and the error
+    says which submissions were graded by then."""
     start = time.monotonic()
-    result = subprocess.run(
+    process = subprocess.Popen(
         ["make", "-s", f"VENV={VENV}", *targets],
         cwd=course,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"},
+        start_new_session=True,  # its own process group, to stop as a whole
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        graded = sorted(str(p.relative_to(course)) for p in course.glob("autograded/*/*"))
+        raise AssertionError(
+            f"make {' '.join(targets)} took over {timeout:.0f} s and was stopped; graded by "
+            f"then: {', '.join(graded) or 'nothing'}"
+        ) from None
+    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
     return time.monotonic() - start
 
 
