@@ -172,4 +172,4 @@ def graded_course() -> tuple[Path, float]:
     global _course_build
     if _course_build is None:  # not started at collection (a test selected some other way)
         _course_build = _CourseBuild()
-    return _course_build.result(timeout=2400)
+    return _course_build.result(timeout=3000)

@@ -269,7 +269,7 @@ def build(course: Path) -> float:
                 submit(course, "forger", assignment, nb, release.name)
             for student, nb in cheats.submissions(release, solution, assignment):
                 submit(course, student, assignment, nb, release.name)
-    seconds = make(course, "autograde")
+    seconds = make(course, "autograde", timeout=2700)
     make(course, "feedback")
     return seconds
 
