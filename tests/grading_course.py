@@ -9,6 +9,8 @@ others (`python -m tests.grading_course FOLDER`, started by conftest.py).
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import signal
@@ -19,12 +21,15 @@ from pathlib import Path
 
 import nbformat
 from nbgrader.api import Gradebook
+from nbgrader.utils import determine_grade
 
+from course_lib.grading.autograde import apply_verdicts, judge_cells, role, run_judge
 from tests import cheats
 from tests.conftest import ROOT
 
 ASSIGNMENTS = sorted(p.name for p in (ROOT / "solutions").iterdir() if p.is_dir())
 VENV = Path(sys.executable).parent.parent
+JUDGED = "judged.json"  # scores of the submissions graded by the judge alone (`judge`)
 
 # Bugs planted in a correct submission: (cell id, text, replacement, tests expected to fail).
 BUG = {
@@ -223,8 +228,28 @@ def submit(course: Path, student: str, assignment: str, nb: nbformat.NotebookNod
     nbformat.write(nb, str(folder / name))
 
 
+def judge(course: Path, assignment: str, notebook: str, nb) -> dict[str, list[float]]:
+    """grade id -> [score, max score] of a submission as `make autograde` scores it, from
+    the judge alone: the cells it gets from the gradebook, the sandboxed judge, its verdicts
+    turned into the test cells' outputs and nbgrader's scoring of those. What it skips is the
+    kernel that runs the notebook for the feedback, which has no say in a score."""
+    info = {"db_url": f"sqlite:///{course / 'gradebook.db'}"}
+    info.update(notebook=notebook, assignment=assignment)
+    verdicts = run_judge(judge_cells(nb, {"nbgrader": info}), sandboxed=True, timeout=1800)
+    apply_verdicts(nb, verdicts, logging.getLogger(__name__))
+    return {
+        cell.metadata.nbgrader["grade_id"]: list(determine_grade(cell))
+        for cell in nb.cells
+        if role(cell) == "test"
+    }
+
+
 def scores(course: Path, assignment: str, student: str) -> dict[str, tuple[float, float]]:
-    """grade id -> (score, max score), from the gradebook."""
+    """grade id -> (score, max score), from the gradebook (or from `judge`'s record for a
+    submission graded by the judge alone)."""
+    judged = json.loads((course / JUDGED).read_text()).get(assignment, {})
+    if student in judged:
+        return {grade: tuple(pair) for grade, pair in judged[student].items()}
     out = {}
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
         for notebook in gradebook.find_assignment(assignment).notebooks:
@@ -237,6 +262,7 @@ def build(course: Path) -> float:
     """A course folder with a fresh release, graded submissions (the solution, the blank
     release, planted bugs, a deadlock, a tampered test, and the cheats and alternatives of
     `tests/cheats/`) and feedback; returns how long `make autograde` took."""
+    judge_only = []
     for name in ("Makefile", "pyproject.toml", "nbgrader_config.py"):
         shutil.copy2(ROOT / name, course / name)  # copy2 keeps mtimes: no reinstall
     shutil.copytree(ROOT / "solutions", course / "solutions")
@@ -267,10 +293,17 @@ def build(course: Path) -> float:
             if assignment == FORGED[0]:
                 nb = forged(solved(release, solution))
                 submit(course, "forger", assignment, nb, release.name)
-            for student, nb in cheats.submissions(release, solution, assignment):
-                submit(course, student, assignment, nb, release.name)
+            for student, nb, whole in cheats.submissions(release, solution, assignment):
+                if whole:
+                    submit(course, student, assignment, nb, release.name)
+                else:
+                    judge_only.append((student, assignment, release.stem, nb))
     seconds = make(course, "autograde", timeout=2700)
     make(course, "feedback")
+    judged = {}
+    for student, assignment, notebook, nb in judge_only:
+        judged.setdefault(assignment, {})[student] = judge(course, assignment, notebook, nb)
+    (course / JUDGED).write_text(json.dumps(judged, indent=1))
     return seconds
 
 

@@ -1,8 +1,10 @@
 """Cheats score 0 on what they target; right-but-different answers keep full marks.
 
 Each assignment's cheats and alternatives (tests/cheats/<assignment>.py) are planted in
-copies of its solution and graded with every other test submission through `make autograde`
-(the session's `graded_course`): the sandbox, the judge and the checks, as for a real class.
+copies of its solution and graded with the session's other test submissions
+(`graded_course`): a cheat that changes shared state through `make autograde`, as for a real
+class; the others by the same sandboxed judge on the same cells, without the kernel that only
+renders the feedback (`tests/grading_course.judge`).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class GradeInSandbox(Execute):
             self.log.warning("GRADING WITHOUT A SANDBOX: %s", why or "switched off")
         # The judge needs only the cells' sources: it runs while the kernel runs the notebook.
         judged: dict = {}
-        cells = _judge_cells(nb, resources)
+        cells = judge_cells(nb, resources)
         judge = threading.Thread(target=lambda: judged.update(self._run_judge(cells)), daemon=True)
         judge.start()
         scratch = tempfile.mkdtemp(prefix="course_lib-grade-")
@@ -128,7 +128,7 @@ class GradeInSandbox(Execute):
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
             judge.join()
-        self._apply_verdicts(nb, judged)
+        apply_verdicts(nb, judged, self.log)
         return nb, resources
 
     def _prepare_scratch(self, scratch: str, resources) -> None:
@@ -146,48 +146,55 @@ class GradeInSandbox(Execute):
     # --- the judge ---
 
     def _run_judge(self, cells: list[dict]) -> dict:
-        """Run the judge on the cells; its verdicts by cell id, plus why it stopped under the
-        key None if it did not grade every test cell."""
-        if not any(cell["role"] == "test" for cell in cells):
-            return {}
-        token = secrets.token_hex(16)
-        request = json.dumps({"token": token, "cells": cells})
-        argv = [sys.executable, "-m", "course_lib.grading.judge"]
-        if self._sandboxed:
-            limits = sandbox.Limits(seconds=self.judge_timeout)
-            code, out, err, killed = sandbox.run(argv, input=request, limits=limits)
-        else:
-            code, out, err, killed = _run_plain(argv, request, self.judge_timeout)
-        verdicts: dict = {None: killed or f"the grader stopped (exit code {code}): {err[-800:]}"}
-        for line in out.splitlines():
-            if line.startswith(token):
-                verdict = json.loads(line[len(token) :])
-                verdicts[verdict["id"]] = verdict
-        return verdicts
-
-    def _apply_verdicts(self, nb, verdicts: dict) -> None:
-        """The judge's verdicts become the test cells' outputs, from which nbgrader scores."""
-        for cell in nb.cells:
-            if role(cell) != "test":
-                continue
-            cell_id = cell.metadata.get("nbgrader", {}).get("grade_id", cell.id)
-            verdict = verdicts.get(cell_id)
-            if verdict is None:
-                why = verdicts.get(None, "the grader did not run")
-                self.log.error("test cell %s was not graded: %s", cell_id, why)
-                verdict = _not_graded(cell_id, why)
-            cell.outputs = [nbformat.from_dict(o) for o in verdict["outputs"]]
-            cell.execution_count = None
-            cell.metadata["course_lib"] = {
-                "score": verdict.get("score", 0),
-                "tampering": verdict.get("tampering", []),
-                "seconds": verdict.get("seconds"),
-            }
-            for what in verdict.get("tampering", []):
-                self.log.warning("TAMPERING in test cell %s: %s", cell_id, what)
+        return run_judge(cells, sandboxed=self._sandboxed, timeout=self.judge_timeout)
 
 
-def _judge_cells(nb, resources) -> list[dict]:
+def apply_verdicts(nb, verdicts: dict, log) -> None:
+    """The judge's verdicts become the test cells' outputs, from which nbgrader scores."""
+    for cell in nb.cells:
+        if role(cell) != "test":
+            continue
+        cell_id = cell.metadata.get("nbgrader", {}).get("grade_id", cell.id)
+        verdict = verdicts.get(cell_id)
+        if verdict is None:
+            why = verdicts.get(None, "the grader did not run")
+            log.error("test cell %s was not graded: %s", cell_id, why)
+            verdict = _not_graded(cell_id, why)
+        cell.outputs = [nbformat.from_dict(o) for o in verdict["outputs"]]
+        cell.execution_count = None
+        cell.metadata["course_lib"] = {
+            "score": verdict.get("score", 0),
+            "tampering": verdict.get("tampering", []),
+            "seconds": verdict.get("seconds"),
+        }
+        for what in verdict.get("tampering", []):
+            log.warning("TAMPERING in test cell %s: %s", cell_id, what)
+
+
+def run_judge(cells: list[dict], *, sandboxed: bool, timeout: float) -> dict:
+    """Run the judge on the cells (`judge_cells`), in the sandbox unless `sandboxed` is
+    False; its verdicts by cell id, plus why it stopped under the key None if it did not
+    grade every test cell."""
+    if not any(cell["role"] == "test" for cell in cells):
+        return {}
+    token = secrets.token_hex(16)
+    request = json.dumps({"token": token, "cells": cells})
+    argv = [sys.executable, "-m", "course_lib.grading.judge"]
+    if sandboxed:
+        code, out, err, killed = sandbox.run(
+            argv, input=request, limits=sandbox.Limits(seconds=timeout)
+        )
+    else:
+        code, out, err, killed = _run_plain(argv, request, timeout)
+    verdicts: dict = {None: killed or f"the grader stopped (exit code {code}): {err[-800:]}"}
+    for line in out.splitlines():
+        if line.startswith(token):
+            verdict = json.loads(line[len(token) :])
+            verdicts[verdict["id"]] = verdict
+    return verdicts
+
+
+def judge_cells(nb, resources) -> list[dict]:
     """What the judge gets: the set-up, answer and test cells, in the notebook's order.
 
     The judge runs set-up and test cells itself, so their code comes from the gradebook (the

@@ -1,9 +1,13 @@
 """Cheats and right-but-different answers, one module per assignment (`a02_collectives.py`, ...).
 
 `tests/test_cheats.py` plants each in a copy of the assignment's solution notebook, grades
-the copies through `make autograde` (sandbox, judge and all) and asserts that every cheat
-scores 0 on the parts it targets, while the untouched parts, the solution and every
-alternative keep full marks.
+the copies and asserts that every cheat scores 0 on the parts it targets, while the untouched
+parts, the solution and every alternative keep full marks. A copy whose cheat changes shared
+state (`alone=True`: rebinding a check, patching a module) is graded through `make
+autograde`, sandbox, judge and tampering report, as for a real class; the others, whose
+verdicts come from the judge alone, are judged exactly as `make autograde` judges (the same
+cells from the gradebook, the same sandboxed judge, nbgrader's scoring of its outputs) without
+the kernel that runs the notebook for the feedback's outputs (`tests/grading_course.py`).
 
 A module defines
 
@@ -34,7 +38,7 @@ class Cheat:
     cell: str  # id of the answer cell it rewrites
     source: str  # the cell's new source (the whole cell)
     fails: frozenset[str]  # grade ids of the test cells that must score 0
-    alone: bool = False  # changes shared state: graded in a notebook of its own
+    alone: bool = False  # changes shared state: in a notebook of its own, via make autograde
 
 
 @dataclass(frozen=True)
@@ -99,10 +103,10 @@ def students(assignment: str) -> dict[str, list]:
 
 
 def submissions(release, solution, assignment: str):
-    """(student id, notebook) for every cheat and alternative notebook of `assignment`: the
-    solved release with the items planted."""
+    """(student id, notebook, through make autograde?) for every cheat and alternative
+    notebook of `assignment`: the solved release with the items planted."""
     from tests.grading_course import solved
 
     base = solved(release, solution)
     for student, items in students(assignment).items():
-        yield student, planted(base, items)
+        yield student, planted(base, items), any(getattr(i, "alone", False) for i in items)
