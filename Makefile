@@ -63,6 +63,7 @@ bench: install
 	$(BIN)/python bench/launch.py
 	$(BIN)/python bench/ring.py
 	$(BIN)/python bench/network.py
+	$(BIN)/python bench/shaped_network.py
 	$(BIN)/python bench/autograde.py
 
 # --- instructors: nbgrader (configured in nbgrader_config.py) ---

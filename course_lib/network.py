@@ -10,19 +10,30 @@ fewer ranks never pays off. Inside a `SlowNetwork` block every torch.distributed
 rank makes still moves the real data, and then waits until the time the modelled network
 would have needed:
 
-- a message of n bytes sent at t0 is delivered at t0 + latency + n / bandwidth (messages to
-  the same rank queue behind each other on that link); `send` returns then, and `recv`
-  returns no earlier. The sender passes the delivery time to the receiver in a small side
-  message, so a receiver that was waiting early still waits for a late sender.
+- every rank has one port out and one port in, each carrying one message at a time at
+  `bandwidth` (a full-duplex link to a switch that never blocks). A message of n bytes
+  leaves when this rank's port out is free (t0 at the earliest), its first byte reaches the
+  receiver `latency` later, and it is delivered n / bandwidth after the receiver's port in
+  has started taking it (messages a rank receives queue there, in the order it receives
+  them). So a root that sends to or receives from P - 1 ranks is the bottleneck it is on a
+  real network. `send` returns when its message would be delivered on an idle receiver,
+  `recv` no earlier than its delivery. The sender passes the first byte's arrival to the
+  receiver in a small side message, so a receiver that was waiting early still waits for a
+  late sender.
 - a collective ends `collective_time` after the last rank of the group entered it: its
   textbook algorithm's steps (one latency each) plus the busiest rank's bytes (as counted by
   `course_lib.costs.COLLECTIVE_MODEL`) over the bandwidth. The ranks exchange their start
-  times in a small side all-reduce.
+  times in a small side all-reduce. A built-in collective runs in C++, out of Python's
+  sight, so its time is the model's: a measurement of one under `SlowNetwork` shows the
+  model, not an emergent time (a collective built from send and recv shows its own).
 - async calls (isend, irecv, `async_op=True`) return at once; `wait()` (and the future of
   `get_future()`) completes no earlier than the emulated finish.
 
 The real transfer happens within the emulated time, not on top of it, so the emulation holds
 while the modelled time exceeds the real one (true on loopback for tens of milliseconds).
+`bench/shaped_network.py` checks the model against real links: ranks in network namespaces
+joined by a bridge, every port shaped by the kernel's token bucket, gloo over TCP.
+
 Every rank of a group must be inside a `SlowNetwork` when it communicates (the side messages
 must match). Like `CommCounter`, calls from C++ (DistributedDataParallel's own all-reduce)
 are not seen; DDP communication hooks written in Python (`powerSGD_hook`) are.
@@ -88,7 +99,7 @@ class SlowNetwork:
                 _stack.remove(self)
             if not _stack:
                 comm.remove_around_hook(_emulate)
-                _link_free.clear()
+                _ports.clear()
 
     def __repr__(self) -> str:
         return f"SlowNetwork(bandwidth={self.bandwidth:g}, latency={self.latency:g})"
@@ -139,7 +150,7 @@ class Straggler:
 
 
 _stack: list[SlowNetwork] = []  # nested blocks: the innermost one sets the network
-_link_free: dict[int, float] = {}  # destination rank -> time its link finishes what is queued
+_ports: dict[str, float] = {}  # "out" / "in" -> when this rank's port finishes its queue
 _lock = threading.Lock()
 
 
@@ -167,13 +178,14 @@ def _send(net: SlowNetwork, op: str, args: dict, call: Callable[[], Any]) -> Any
     if dst is None:
         dst = c10d.get_global_rank(c10d._group_or_default_group(group), args["group_dst"])
     nbytes = tensor.numel() * tensor.element_size()
-    now = time.time()
-    # The link to dst carries one message at a time: this one starts when it is free.
-    start = max(now, _link_free.get(dst, 0.0))
-    _link_free[dst] = start + nbytes / net.bandwidth
-    deliver = start + net.message_time(nbytes)
+    with _lock:
+        # This rank's port out carries one message at a time: this one leaves when it is free.
+        start = max(time.time(), _ports.get("out", 0.0))
+        _ports["out"] = start + nbytes / net.bandwidth
+    first_byte = start + net.latency
+    deliver = first_byte + nbytes / net.bandwidth  # if the receiver's port in is idle
     result = call()
-    stamp = torch.tensor([deliver], dtype=torch.float64, device=tensor.device)
+    stamp = torch.tensor([first_byte], dtype=torch.float64, device=tensor.device)
     if op == "send":
         comm.unwrapped("send")(**_stamp_kwargs(args, stamp))
         net._sleep_until(deliver)
@@ -184,10 +196,11 @@ def _send(net: SlowNetwork, op: str, args: dict, call: Callable[[], Any]) -> Any
 
 def _recv(net: SlowNetwork, op: str, args: dict, call: Callable[[], Any]) -> Any:
     stamp = torch.empty(1, dtype=torch.float64, device=args["tensor"].device)
+    nbytes = args["tensor"].numel() * args["tensor"].element_size()
     if op == "recv":
         source = call()  # the sender's global rank
         comm.unwrapped("recv")(**{**_stamp_kwargs(args, stamp), "src": source, "group_src": None})
-        net._sleep_until(stamp.item())
+        net._sleep_until(_delivered(net, stamp.item(), nbytes))
         return source
     work = call()
     if args.get("src") is None and args.get("group_src") is None:
@@ -196,11 +209,25 @@ def _recv(net: SlowNetwork, op: str, args: dict, call: Callable[[], Any]) -> Any
             work.wait()
             side = {**_stamp_kwargs(args, stamp), "src": None, "group_src": work._source_rank()}
             comm.unwrapped("recv")(**side)
-            return stamp.item()
+            return _delivered(net, stamp.item(), nbytes)
 
         return EmulatedWork(net, work, deliver, keep=(stamp,))
     stamp_work = comm.unwrapped("irecv")(**_stamp_kwargs(args, stamp))
-    return EmulatedWork(net, work, lambda: _wait(stamp_work, stamp), keep=(stamp,))
+
+    def delivered() -> float:
+        stamp_work.wait()
+        return _delivered(net, stamp.item(), nbytes)
+
+    return EmulatedWork(net, work, delivered, keep=(stamp,))
+
+
+def _delivered(net: SlowNetwork, first_byte: float, nbytes: int) -> float:
+    """When a message whose first byte reaches this rank at `first_byte` is delivered: its
+    bytes pass this rank's port in after those of the messages received before it."""
+    with _lock:
+        start = max(first_byte, _ports.get("in", 0.0))
+        _ports["in"] = start + nbytes / net.bandwidth
+        return _ports["in"]
 
 
 def _collective(net: SlowNetwork, op: str, args: dict, nbytes: int, call: Callable[[], Any]) -> Any:
@@ -226,9 +253,9 @@ def _collective(net: SlowNetwork, op: str, args: dict, nbytes: int, call: Callab
     return EmulatedWork(net, result, finish, keep=(stamp,))
 
 
-def _wait(work: Any, value: float | torch.Tensor) -> float:
+def _wait(work: Any, value: float) -> float:
     work.wait()
-    return value.item() if isinstance(value, torch.Tensor) else value
+    return value
 
 
 class EmulatedWork:
@@ -284,7 +311,7 @@ def _reset() -> None:
     """After a launched call: no emulation left on for the next call on a warm worker."""
     with _lock:
         _stack.clear()
-        _link_free.clear()
+        _ports.clear()
         comm.remove_around_hook(_emulate)
 
 

@@ -174,7 +174,7 @@ def two_messages_on_one_link(numel):
     return records
 
 
-def test_messages_to_the_same_rank_queue_on_the_link(pool4):
+def test_messages_to_the_same_rank_queue_on_the_port(pool4):
     numel = 625_000  # 2.5 MB: 25 ms on the wire each
     wire = 4 * numel / BANDWIDTH
     results = pool4.launch(two_messages_on_one_link, numel)
@@ -185,6 +185,51 @@ def test_messages_to_the_same_rank_queue_on_the_link(pool4):
     first, second = (statistics.median(column) for column in zip(*arrivals, strict=True))
     assert within_band(first, LATENCY + wire), f"first message after {first:.4f} s"
     assert within_band(second, LATENCY + 2 * wire), f"second message after {second:.4f} s"
+
+
+def star(numel, into_root):
+    """Ranks 1..3 each send a tensor to rank 0 at once (`into_root`), or rank 0 isends one to
+    each of them; (start, end of every recv or send on this rank) per repetition."""
+    records = []
+    for _ in range(REPS):
+        dist.barrier()
+        with SlowNetwork(bandwidth=BANDWIDTH, latency=LATENCY):
+            start, ends = time.time(), []
+            if rank() == 0 and into_root:
+                for peer in range(1, world_size()):
+                    dist.recv(torch.zeros(numel), peer)
+                    ends.append(time.time())
+            elif rank() == 0:  # all three sends under way at once, as isend allows
+                works = [dist.isend(torch.ones(numel), peer) for peer in range(1, world_size())]
+                for work in works:
+                    work.wait()
+                    ends.append(time.time())
+            else:
+                t = torch.ones(numel) if into_root else torch.zeros(numel)
+                (dist.send if into_root else dist.recv)(t, 0)
+                ends.append(time.time())
+        records.append((start, ends))
+    return records
+
+
+@pytest.mark.parametrize("into_root", [True, False], ids=["gather", "scatter"])
+def test_a_root_is_the_bottleneck_its_one_port_makes_it(pool4, into_root):
+    """Three messages into (or out of) one rank cross its single port one after another: the
+    last is done after latency + 3 wire times, not latency + 1 as on three separate links."""
+    numel = 625_000  # 2.5 MB: 25 ms on the wire each
+    wire = 4 * numel / BANDWIDTH
+    results = pool4.launch(star, numel, into_root, timeout=60)
+    done = statistics.median(
+        ends[-1] - min(rep[r][0] for r in range(4))
+        for rep in zip(*results, strict=True)
+        for ends in [rep[0][1]]
+    )
+    # Sending, the root's last isend completes as its message is delivered (latency + 3
+    # wires); receiving, its last recv ends once the third message has passed its port in.
+    assert within_band(done, LATENCY + 3 * wire), f"root done after {done:.4f} s"
+    if into_root:
+        first = statistics.median(rep[0][1][0] - rep[0][0] for rep in zip(*results, strict=True))
+        assert within_band(first, LATENCY + wire), f"first message after {first:.4f} s"
 
 
 def timed_collective(name, numel, bandwidth, latency, async_op=False, late=0.0):
