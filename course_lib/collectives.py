@@ -27,7 +27,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from course_lib.costs import all_reduce_seconds
+from course_lib.network import SlowNetwork
 from course_lib.runtime import rank as _rank
 from course_lib.runtime import world_size as _world_size
 
@@ -435,9 +436,13 @@ def record_peers() -> Iterator[Counter]:
             setattr(dist, op, original)
 
 
-def time_all_reduce(algorithm: str, numel: int, repeats: int = 5) -> float:
+def time_all_reduce(
+    algorithm: str, numel: int, repeats: int = 5, network: dict | None = None
+) -> float:
     """On each rank: median seconds of `repeats` all-reduces of `numel` float32s with
-    `algorithm` (a name in ALGORITHMS, or "torch" for dist.all_reduce), after one warm-up."""
+    `algorithm` (a name in ALGORITHMS, or "torch" for dist.all_reduce), after one warm-up.
+    With `network` (`SlowNetwork`'s keyword arguments), each runs on that emulated network:
+    message by message for the algorithms built here, by the model for torch's own."""
     run = dist.all_reduce if algorithm == "torch" else ALGORITHMS[algorithm]
     tensor = torch.ones(numel)
     run(tensor)  # warm-up: first-touch memory and connection set-up are not the algorithm
@@ -445,7 +450,8 @@ def time_all_reduce(algorithm: str, numel: int, repeats: int = 5) -> float:
     for _ in range(repeats):
         dist.barrier()  # start together, so no rank's time includes waiting for a late one
         start = time.perf_counter()
-        run(tensor)
+        with SlowNetwork(**network) if network is not None else nullcontext():
+            run(tensor)
         dist.barrier()  # the all-reduce is done when the slowest rank is done
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]

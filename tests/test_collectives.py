@@ -32,10 +32,14 @@ from course_lib.collectives import (
 )
 from course_lib.measure.collectives import (
     PHASE_COLOURS,
+    AllReduceModelWidget,
     RingWidget,
+    crossovers,
     draw_ring_frame,
+    plot_all_reduce_sweep,
     ring_frame,
     ring_steps_figure,
+    sweep_all_reduce,
 )
 
 # Tolerances against dist.all_reduce. The algorithms add the same numbers in another order, so
@@ -409,3 +413,53 @@ def test_halving_doubling_rounds_sum_everything_in_2_log2_p_rounds(p):
     rounds = halving_doubling_rounds(p, 0)
     assert len(rounds) == 2 * int(math.log2(p))
     assert {r.partner for r in rounds} == {2**k for k in range(int(math.log2(p)))}
+
+
+# --- all-reduce on an emulated network, against the model -----------------------------------
+
+
+def test_the_models_fastest_algorithm_changes_where_the_formulas_cross():
+    """For P a power of two, the butterfly's log2(P)(a + Nb) and halving-doubling's
+    2 log2(P) a + 2(P-1)/P Nb cross at N = log2(P) a / (b (log2 P - 2(P-1)/P)): the only change
+    of the fastest algorithm (the grid has 200 points per decade: 1.2% apart)."""
+    for p, alpha, beta in [(4, 1e-3, 8e-9), (8, 10e-6, 0.8e-9), (64, 2e-6, 0.1e-9)]:
+        k = math.log2(p)
+        expected = k * alpha / (beta * (k - 2 * (p - 1) / p))
+        ((at, before, after),) = crossovers(p, alpha, beta)
+        assert (before, after) == ("butterfly", "halving_doubling")
+        assert at == pytest.approx(expected, rel=0.012)
+
+
+def test_the_model_widget_moves_the_crossover_with_the_latency():
+    widget = AllReduceModelWidget(latency_us=10.0, gbits=10.0, world_size=8)
+    ((first, *_),) = widget.best
+    widget.latency.value = 100.0  # ten times the latency: the crossover moves 10x up in N
+    ((moved, *_),) = widget.best
+    assert moved / first == pytest.approx(10, rel=0.03)
+    assert isinstance(widget.figure, Figure)
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    with WorkerPool(4) as pool:
+        yield pool
+
+
+def test_on_an_emulated_network_the_naive_root_is_the_bottleneck_the_model_says(pool4):
+    """4 MB of float32 at 100 MB/s and no latency: the naive algorithm's root takes in and
+    sends out 3N one message at a time, 6 Nb = 240 ms (the model's 2(P-1)(a + Nb)), measured
+    within 25% (the band leaves room for a busy machine's scheduling). The ring's 2(P-1) steps
+    of N/4 take the model's 60 ms or more (each step also pays the machine's wake-ups, which
+    a busy machine makes long), and less than the naive root's time."""
+    network = {"bandwidth": 100e6, "latency": 0.0}
+    sizes = [1_000_000]
+    measured = pool4.launch(sweep_all_reduce, sizes, network, 3, timeout=120)[0]
+    model = {
+        name: model_seconds(name, sizes[0], 4, 0.0, 1 / network["bandwidth"])
+        for name in ("naive", "ring")
+    }
+    naive, ring = measured["naive"][0], measured["ring"][0]
+    assert naive == pytest.approx(model["naive"], rel=0.25), (naive, model)
+    assert 0.95 * model["ring"] <= ring < naive, (ring, naive, model)
+    fig = plot_all_reduce_sweep(sizes, measured, 4, {**network, "latency": 1e-3})
+    assert isinstance(fig, Figure)

@@ -1,12 +1,17 @@
-"""What lecture 2 draws: the ring all-reduce, step by step.
+"""What lecture 2 measures and draws: the ring step by step, and all-reduce against its model.
 
     from course_lib.measure.collectives import RingWidget, ring_steps_figure
+    from course_lib.measure.collectives import AllReduceModelWidget, plot_all_reduce_sweep
 
 - `RingWidget(4)`: a slider over the steps of the ring all-reduce, drawing a rank x chunk grid
   (what each rank holds, how much of it is summed) and arrows for what each rank sends next.
   It draws `course_lib.collectives.ring_state` / `ring_schedule`, the schedule the ring
   implementation runs, so the picture and the code cannot disagree.
 - `ring_steps_figure(4)`: every step as a strip of small panels, for reading without widgets.
+- `sweep_all_reduce(sizes, network)` (on every rank, under `launch`) times each algorithm of
+  `course_lib.collectives` on an emulated network; `plot_all_reduce_sweep` draws the times
+  over the alpha-beta model's lines and marks where the model's fastest algorithm changes.
+- `AllReduceModelWidget()`: sliders for latency, bandwidth and ranks over the model's lines.
 """
 
 from __future__ import annotations
@@ -20,7 +25,15 @@ from IPython.display import display
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from course_lib.collectives import ALL_GATHER, REDUCE_SCATTER, ring_schedule, ring_state
+from course_lib.collectives import (
+    ALGORITHMS,
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    model_seconds,
+    ring_schedule,
+    ring_state,
+    time_all_reduce,
+)
 from course_lib.plots import NotebookFigure
 
 PHASE_COLOURS = {REDUCE_SCATTER: "tab:orange", ALL_GATHER: "tab:green"}
@@ -165,6 +178,119 @@ class RingWidget(widgets.VBox):
     def _redraw(self, _change: Any = None) -> None:
         self.frame = ring_frame(self.ranks.value, self.step.value)
         self.figure = ring_figure(self.ranks.value, self.step.value)
+        with self.output:
+            self.output.clear_output(wait=True)
+            display(self.figure)
+
+
+# --- all-reduce against its model, on an emulated network ---------------------------------
+
+
+def sweep_all_reduce(sizes: list[int], network: dict, repeats: int = 3) -> dict[str, list[float]]:
+    """On every rank: {algorithm: median seconds per size} for one all-reduce of each number
+    of float32s in `sizes`, inside `SlowNetwork(**network)`, message by message."""
+    return {
+        name: [time_all_reduce(name, n, repeats, network) for n in sizes] for name in ALGORITHMS
+    }
+
+
+def model_lines(
+    nbytes: list[float], world_size: int, alpha: float, beta: float
+) -> dict[str, list[float]]:
+    """{algorithm: the model's seconds for each size in bytes} (`collectives.model_seconds`)."""
+    return {
+        name: [model_seconds(name, round(n / 4), world_size, alpha, beta) for n in nbytes]
+        for name in ALGORITHMS
+    }
+
+
+def fastest(nbytes: list[float], world_size: int, alpha: float, beta: float) -> list[str]:
+    """The model's fastest algorithm at each size (the first listed wins a tie)."""
+    lines = model_lines(nbytes, world_size, alpha, beta)
+    return [min(lines, key=lambda name: lines[name][i]) for i in range(len(nbytes))]
+
+
+def crossovers(
+    world_size: int, alpha: float, beta: float, lo: float = 1e2, hi: float = 1e10
+) -> list[tuple[float, str, str]]:
+    """(bytes, from, to) where the model's fastest algorithm changes, on a grid of 200
+    sizes per decade between `lo` and `hi` bytes."""
+    grid = list(np.logspace(np.log10(lo), np.log10(hi), int(200 * np.log10(hi / lo)) + 1))
+    best = fastest(grid, world_size, alpha, beta)
+    return [
+        (float(grid[i]), best[i - 1], best[i])
+        for i in range(1, len(grid))
+        if best[i] != best[i - 1]
+    ]
+
+
+def _draw_model(ax: Axes, nbytes: list[float], world_size: int, alpha: float, beta: float) -> None:
+    for i, (name, seconds) in enumerate(model_lines(nbytes, world_size, alpha, beta).items()):
+        ax.plot(nbytes, seconds, "-", color=f"C{i}", alpha=0.5, lw=3, label=f"{name}: model")
+    for at, _, to in crossovers(world_size, alpha, beta, min(nbytes), max(nbytes)):
+        ax.axvline(at, color="grey", ls=":", lw=1)
+        ax.annotate(f"{to} from {at / 1e3:,.0f} kB", (at, 0.02), xycoords=("data", "axes fraction"),
+                    rotation=90, fontsize=7, color="grey", ha="right")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("N: bytes all-reduced")
+    ax.set_ylabel("seconds")
+    ax.grid(alpha=0.3, which="both")
+
+
+def plot_all_reduce_sweep(
+    sizes: list[int], measured: dict[str, list[float]], world_size: int, network: dict
+) -> Figure:
+    """Measured times (dots) over the model's lines, for `sizes` float32s on `network`."""
+    alpha, beta = network["latency"], 1 / network["bandwidth"]
+    nbytes = [4 * n for n in sizes]
+    fig = NotebookFigure(figsize=(7, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    grid = list(np.logspace(np.log10(nbytes[0]), np.log10(nbytes[-1]), 60))
+    _draw_model(ax, grid, world_size, alpha, beta)
+    for i, (name, seconds) in enumerate(measured.items()):
+        ax.plot(nbytes, seconds, "o", color=f"C{i}", label=f"{name}: measured")
+    ax.set_title(
+        f"all-reduce on {world_size} ranks, {network['bandwidth'] * 8 / 1e9:g} Gbit/s, "
+        f"{network['latency'] * 1e3:g} ms per message (emulated)",
+        fontsize=10,
+    )
+    ax.legend(fontsize=7, ncol=2)
+    return fig
+
+
+class AllReduceModelWidget(widgets.VBox):
+    """The model's time against N for each algorithm, with sliders for alpha, bandwidth and P.
+    `best` holds the crossovers shown, so a test can check them without looking at pixels."""
+
+    def __init__(self, latency_us: float = 10.0, gbits: float = 10.0, world_size: int = 8) -> None:
+        style = {"description_width": "initial"}
+        self.latency = widgets.FloatLogSlider(
+            latency_us, base=10, min=0, max=4, description="latency α (µs)", style=style
+        )
+        self.bandwidth = widgets.FloatLogSlider(
+            gbits, base=10, min=-1, max=3, description="bandwidth (Gbit/s)", style=style
+        )
+        powers = [2**k for k in range(1, 11)]
+        self.ranks = widgets.SelectionSlider(
+            options=powers, value=world_size, description="ranks P", style=style
+        )
+        self.output = widgets.Output()
+        super().__init__([widgets.HBox([self.latency, self.bandwidth, self.ranks]), self.output])
+        self.best: list[tuple[float, str, str]] = []
+        self.figure: Figure | None = None
+        for slider in (self.latency, self.bandwidth, self.ranks):
+            slider.observe(self._redraw, names="value")
+        self._redraw()
+
+    def _redraw(self, _change: Any = None) -> None:
+        alpha, beta = self.latency.value * 1e-6, 8 / (self.bandwidth.value * 1e9)
+        p = self.ranks.value
+        self.best = crossovers(p, alpha, beta, 1e3, 1e10)
+        self.figure = NotebookFigure(figsize=(7, 4), layout="constrained")
+        ax = self.figure.add_subplot()
+        _draw_model(ax, list(np.logspace(3, 10, 80)), p, alpha, beta)
+        ax.legend(fontsize=7)
         with self.output:
             self.output.clear_output(wait=True)
             display(self.figure)
