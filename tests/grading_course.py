@@ -9,6 +9,7 @@ others (`python -m tests.grading_course FOLDER`, started by conftest.py).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -261,7 +262,10 @@ def scores(course: Path, assignment: str, student: str) -> dict[str, tuple[float
 def build(course: Path) -> float:
     """A course folder with a fresh release, graded submissions (the solution, the blank
     release, planted bugs, a deadlock, a tampered test, and the cheats and alternatives of
-    `tests/cheats/`) and feedback; returns how long `make autograde` took."""
+    `tests/cheats/`) and feedback; returns how long `make autograde` took. Submissions whose
+    verdicts are the judge's alone (planted bugs, cheats that change no shared state,
+    alternatives) are graded by `judge`, without the kernel that renders feedback; the others
+    go through `make autograde`, as a class's would."""
     judge_only = []
     for name in ("Makefile", "pyproject.toml", "nbgrader_config.py"):
         shutil.copy2(ROOT / name, course / name)  # copy2 keeps mtimes: no reinstall
@@ -275,7 +279,7 @@ def build(course: Path) -> float:
             if assignment in BUG:
                 nb = solved(release, solution)
                 edit(nb, *BUG[assignment][:3])
-                submit(course, "buggy", assignment, nb, release.name)
+                judge_only.append(("buggy", assignment, release.stem, copy.deepcopy(nb)))
                 if assignment in TAMPERED:
                     # The same bug, plus the student "fixing" the failing test by emptying it.
                     failing = sorted(BUG[assignment][3])[0]
