@@ -23,19 +23,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
-import time
-from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from course_lib.costs import all_reduce_seconds
-from course_lib.network import SlowNetwork
 from course_lib.runtime import rank as _rank
 from course_lib.runtime import world_size as _world_size
 
@@ -236,15 +230,22 @@ def ring_all_reduce(tensor: torch.Tensor, steps: int | None = None) -> torch.Ten
     Each rank only talks to its neighbours and sends 2(P-1)/P * N bytes, whatever P.
     `steps`: stop after this many steps (to look at the half-done state); None runs all.
     """
-    p, me = _world_size(), _rank()
     flat = _flat(tensor, "ring_all_reduce")
+    _ring(flat, list(range(_world_size())), steps)
+    return tensor
+
+
+def _ring(flat: torch.Tensor, members: list[int], steps: int | None = None) -> None:
+    """The ring all-reduce of `flat` among the global ranks `members` (this rank among them),
+    in the order listed: each talks to the members before and after it."""
+    p, me = len(members), members.index(_rank())
     schedule = ring_schedule(p)
     if steps is not None:
         if not 0 <= steps <= len(schedule):
             raise ValueError(f"steps must be in 0..{len(schedule)} for {p} ranks, got {steps}")
         schedule = schedule[:steps]
     chunks = flat.tensor_split(p)  # views into `tensor`: updating a chunk updates the tensor
-    right, left = (me + 1) % p, (me - 1) % p
+    right, left = members[(me + 1) % p], members[(me - 1) % p]
     for step in schedule:
         outgoing, target = chunks[step.send[me]], chunks[step.recv[me]]
         incoming = torch.empty_like(target)
@@ -253,6 +254,38 @@ def ring_all_reduce(tensor: torch.Tensor, steps: int | None = None) -> torch.Ten
             target.add_(incoming)  # one more rank's contribution to this chunk
         else:
             target.copy_(incoming)  # a finished chunk: keep it as it is
+
+
+# --- two levels: inside each node, then across nodes -----------------------------------------
+
+
+def two_level_all_reduce(tensor: torch.Tensor, node_size: int = 2) -> torch.Tensor:
+    """Sum `tensor` over all ranks in place, for ranks in nodes of `node_size` consecutive
+    ranks: each node's ranks send to its leader (its first rank), which sums them; the leaders
+    all-reduce around a ring of their own; each leader sends the total back into its node.
+    Only the leaders' ring crosses between nodes: 2(L-1)/L * N bytes per leader, L = P/node_size
+    nodes, where a flat ring sends that much on every rank, over the slow links too."""
+    p, me = _world_size(), _rank()
+    if not (isinstance(node_size, int) and node_size >= 1 and p % node_size == 0):
+        raise ValueError(
+            f"two_level_all_reduce needs nodes of equal size: node_size must divide the "
+            f"{p} ranks, got {node_size!r}"
+        )
+    flat = _flat(tensor, "two_level_all_reduce")
+    if p == 1 or flat.numel() == 0:
+        return tensor
+    leader = me - me % node_size
+    if me != leader:
+        dist.send(flat, dst=leader)
+        dist.recv(flat, src=leader)
+        return tensor
+    incoming = torch.empty_like(flat)
+    for peer in range(leader + 1, leader + node_size):  # in rank order: the same sum every run
+        dist.recv(incoming, src=peer)
+        flat.add_(incoming)
+    _ring(flat, list(range(0, p, node_size)))
+    for peer in range(leader + 1, leader + node_size):
+        dist.send(flat, dst=peer)
     return tensor
 
 
@@ -393,65 +426,3 @@ def model_seconds(
     seconds per byte)."""
     _check(algorithm, numel, world_size, 0)
     return all_reduce_seconds(algorithm, numel * element_size, world_size, alpha, beta)
-
-
-# --- measuring: who talks to whom, and how long it takes ---------------------------------
-
-
-_peer_depth = threading.local()  # dist.send calls dist.isend: count the outer call only
-
-
-@contextmanager
-def record_peers() -> Iterator[Counter]:
-    """Count, by peer rank, the messages this rank sends or receives while the block runs
-    (calls through `dist.send/recv/isend/irecv`): `{peer: messages}`."""
-    peers: Counter = Counter()
-    # Wrap both namespaces, as CommCounter does, so that the two nest in either order.
-    originals = {op: getattr(c10d, op) for op in ("send", "recv", "isend", "irecv")}
-
-    def recorder(op: str, original: Callable) -> Callable:
-        peer_arg = "dst" if "send" in op else "src"
-
-        def recorded(tensor, *args, **kwargs):
-            depth = getattr(_peer_depth, "value", 0)
-            if depth == 0:
-                peers[kwargs.get(peer_arg, args[0] if args else None)] += 1
-            _peer_depth.value = depth + 1
-            try:
-                return original(tensor, *args, **kwargs)
-            finally:
-                _peer_depth.value = depth
-
-        return recorded
-
-    for op, original in originals.items():
-        wrapped = recorder(op, original)
-        setattr(c10d, op, wrapped)
-        setattr(dist, op, wrapped)
-    try:
-        yield peers
-    finally:
-        for op, original in originals.items():
-            setattr(c10d, op, original)
-            setattr(dist, op, original)
-
-
-def time_all_reduce(
-    algorithm: str, numel: int, repeats: int = 5, network: dict | None = None
-) -> float:
-    """On each rank: median seconds of `repeats` all-reduces of `numel` float32s with
-    `algorithm` (a name in ALGORITHMS, or "torch" for dist.all_reduce), after one warm-up.
-    With `network` (`SlowNetwork`'s keyword arguments), each runs on that emulated network:
-    message by message for the algorithms built here, by the model for torch's own."""
-    run = dist.all_reduce if algorithm == "torch" else ALGORITHMS[algorithm]
-    tensor = torch.ones(numel)
-    run(tensor)  # warm-up: first-touch memory and connection set-up are not the algorithm
-    times = []
-    for _ in range(repeats):
-        dist.barrier()  # start together, so no rank's time includes waiting for a late one
-        start = time.perf_counter()
-        with SlowNetwork(**network) if network is not None else nullcontext():
-            run(tensor)
-        dist.barrier()  # the all-reduce is done when the slowest rank is done
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]

@@ -120,6 +120,25 @@ def all_reduce_seconds(
     raise ValueError(f"unknown all-reduce algorithm {algorithm!r}")
 
 
+def two_level_all_reduce_seconds(
+    nbytes: int,
+    world_size: int,
+    node_size: int,
+    alpha: float,
+    beta: float,
+    node_alpha: float,
+    node_beta: float,
+) -> float:
+    """Seconds the alpha-beta model predicts for `collectives.two_level_all_reduce` of N
+    bytes: inside each node, the leader takes in and then sends out the other k - 1 ranks'
+    N bytes, 2(k-1)(a_node + N b_node) as the naive algorithm's root does; across nodes, a
+    ring of the P/k leaders, `all_reduce_seconds("ring", N, P/k, a, b)`."""
+    if world_size % node_size:
+        raise ValueError(f"node_size {node_size} does not divide world_size {world_size}")
+    inside = 2 * (node_size - 1) * (node_alpha + nbytes * node_beta)
+    return inside + all_reduce_seconds("ring", nbytes, world_size // node_size, alpha, beta)
+
+
 # How `CommCounter` counts each built-in collective (it cannot see inside the backend), for a
 # group of P ranks, N = bytes of the tensor argument. `busiest_bytes` is the same in numbers.
 COLLECTIVE_MODEL = {

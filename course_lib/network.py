@@ -16,10 +16,13 @@ would have needed:
   receiver `latency` later, and it is delivered n / bandwidth after the receiver's port in
   has started taking it (messages a rank receives queue there, in the order it receives
   them). So a root that sends to or receives from P - 1 ranks is the bottleneck it is on a
-  real network. `send` returns when its message would be delivered on an idle receiver,
-  `recv` no earlier than its delivery. The sender passes the first byte's arrival to the
-  receiver in a small side message, so a receiver that was waiting early still waits for a
-  late sender.
+  real network. With `node_size=k`, ranks 0..k-1, k..2k-1, ... form nodes: a message between
+  two ranks of one node crosses the node's own links instead (`node_bandwidth`,
+  `node_latency`: NVLink, say), through a second pair of ports, so a rank can talk inside its
+  node and across the network at once (built-in collectives use the network's links).
+  `send` returns when its message would be delivered on an idle receiver, `recv` no earlier
+  than its delivery. The sender passes the first byte's arrival to the receiver in a small
+  side message, so a receiver that was waiting early still waits for a late sender.
 - a collective ends `collective_time` after the last rank of the group entered it: its
   textbook algorithm's steps (one latency each) plus the busiest rank's bytes (as counted by
   `course_lib.costs.COLLECTIVE_MODEL`) over the bandwidth. The ranks exchange their start
@@ -62,17 +65,39 @@ STAMP_TAG = 1 << 30
 class SlowNetwork:
     """Every torch.distributed call in the block takes its time on the modelled network."""
 
-    def __init__(self, bandwidth: float = 125e6, latency: float = 5e-3) -> None:
-        if not (isinstance(bandwidth, (int, float)) and bandwidth > 0):
-            raise ValueError(
-                f"bandwidth is in bytes per second and must be > 0 (math.inf for no limit), "
-                f"got {bandwidth!r}; 1 Gbit/s is 125e6"
-            )
-        if not (isinstance(latency, (int, float)) and 0 <= latency < math.inf):
-            raise ValueError(f"latency is in seconds and must be >= 0, got {latency!r}")
+    def __init__(
+        self,
+        bandwidth: float = 125e6,
+        latency: float = 5e-3,
+        *,
+        node_size: int | None = None,
+        node_bandwidth: float = math.inf,
+        node_latency: float = 0.0,
+    ) -> None:
+        for name, value in (("bandwidth", bandwidth), ("node_bandwidth", node_bandwidth)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(
+                    f"{name} is in bytes per second and must be > 0 (math.inf for no limit), "
+                    f"got {value!r}; 1 Gbit/s is 125e6"
+                )
+        for name, value in (("latency", latency), ("node_latency", node_latency)):
+            if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ValueError(f"{name} is in seconds and must be >= 0, got {value!r}")
+        if node_size is not None and not (isinstance(node_size, int) and node_size >= 1):
+            raise ValueError(f"node_size is a number of ranks >= 1 (or None), got {node_size!r}")
         self.bandwidth = float(bandwidth)
         self.latency = float(latency)
+        self.node_size = node_size
+        self.node_bandwidth = float(node_bandwidth)
+        self.node_latency = float(node_latency)
         self.waited = 0.0  # seconds calls spent waiting for the emulated network
+
+    def link(self, me: int, peer: int) -> tuple[str, float, float]:
+        """(ports, bandwidth, latency) of a message between global ranks `me` and `peer`:
+        the node's own links when both are in one node of `node_size` consecutive ranks."""
+        if self.node_size is not None and me // self.node_size == peer // self.node_size:
+            return "node ", self.node_bandwidth, self.node_latency
+        return "", self.bandwidth, self.latency
 
     def message_time(self, nbytes: int) -> float:
         """Seconds for one message of `nbytes` bytes: latency + bytes / bandwidth."""
@@ -102,7 +127,13 @@ class SlowNetwork:
                 _ports.clear()
 
     def __repr__(self) -> str:
-        return f"SlowNetwork(bandwidth={self.bandwidth:g}, latency={self.latency:g})"
+        nodes = (
+            f", node_size={self.node_size}, node_bandwidth={self.node_bandwidth:g}, "
+            f"node_latency={self.node_latency:g}"
+            if self.node_size
+            else ""
+        )
+        return f"SlowNetwork(bandwidth={self.bandwidth:g}, latency={self.latency:g}{nodes})"
 
     def _sleep_until(self, deadline: float) -> None:
         pause = deadline - time.time()
@@ -178,12 +209,13 @@ def _send(net: SlowNetwork, op: str, args: dict, call: Callable[[], Any]) -> Any
     if dst is None:
         dst = c10d.get_global_rank(c10d._group_or_default_group(group), args["group_dst"])
     nbytes = tensor.numel() * tensor.element_size()
+    ports, bandwidth, latency = net.link(dist.get_rank(), dst)
     with _lock:
         # This rank's port out carries one message at a time: this one leaves when it is free.
-        start = max(time.time(), _ports.get("out", 0.0))
-        _ports["out"] = start + nbytes / net.bandwidth
-    first_byte = start + net.latency
-    deliver = first_byte + nbytes / net.bandwidth  # if the receiver's port in is idle
+        start = max(time.time(), _ports.get(ports + "out", 0.0))
+        _ports[ports + "out"] = start + nbytes / bandwidth
+    first_byte = start + latency
+    deliver = first_byte + nbytes / bandwidth  # if the receiver's port in is idle
     result = call()
     stamp = torch.tensor([first_byte], dtype=torch.float64, device=tensor.device)
     if op == "send":
@@ -197,37 +229,44 @@ def _send(net: SlowNetwork, op: str, args: dict, call: Callable[[], Any]) -> Any
 def _recv(net: SlowNetwork, op: str, args: dict, call: Callable[[], Any]) -> Any:
     stamp = torch.empty(1, dtype=torch.float64, device=args["tensor"].device)
     nbytes = args["tensor"].numel() * args["tensor"].element_size()
+    group = c10d._group_or_default_group(args.get("group"))
     if op == "recv":
         source = call()  # the sender's global rank
         comm.unwrapped("recv")(**{**_stamp_kwargs(args, stamp), "src": source, "group_src": None})
-        net._sleep_until(_delivered(net, stamp.item(), nbytes))
+        net._sleep_until(_delivered(net, stamp.item(), nbytes, source))
         return source
     work = call()
     if args.get("src") is None and args.get("group_src") is None:
         # From any source: the stamp can only be asked for once the data says who sent it.
         def deliver() -> float:
             work.wait()
-            side = {**_stamp_kwargs(args, stamp), "src": None, "group_src": work._source_rank()}
+            source = work._source_rank()
+            side = {**_stamp_kwargs(args, stamp), "src": None, "group_src": source}
             comm.unwrapped("recv")(**side)
-            return _delivered(net, stamp.item(), nbytes)
+            return _delivered(net, stamp.item(), nbytes, c10d.get_global_rank(group, source))
 
         return EmulatedWork(net, work, deliver, keep=(stamp,))
+    source = args.get("src")
+    if source is None:
+        source = c10d.get_global_rank(group, args["group_src"])
     stamp_work = comm.unwrapped("irecv")(**_stamp_kwargs(args, stamp))
 
     def delivered() -> float:
         stamp_work.wait()
-        return _delivered(net, stamp.item(), nbytes)
+        return _delivered(net, stamp.item(), nbytes, source)
 
     return EmulatedWork(net, work, delivered, keep=(stamp,))
 
 
-def _delivered(net: SlowNetwork, first_byte: float, nbytes: int) -> float:
-    """When a message whose first byte reaches this rank at `first_byte` is delivered: its
-    bytes pass this rank's port in after those of the messages received before it."""
+def _delivered(net: SlowNetwork, first_byte: float, nbytes: int, source: int) -> float:
+    """When a message from global rank `source` whose first byte reaches this rank at
+    `first_byte` is delivered: its bytes pass this rank's port in (the node's, from a rank of
+    this node) after those of the messages received before it."""
+    ports, bandwidth, _ = net.link(dist.get_rank(), source)
     with _lock:
-        start = max(first_byte, _ports.get("in", 0.0))
-        _ports["in"] = start + nbytes / net.bandwidth
-        return _ports["in"]
+        start = max(first_byte, _ports.get(ports + "in", 0.0))
+        _ports[ports + "in"] = start + nbytes / bandwidth
+        return _ports[ports + "in"]
 
 
 def _collective(net: SlowNetwork, op: str, args: dict, nbytes: int, call: Callable[[], Any]) -> Any:

@@ -36,6 +36,7 @@ from course_lib.costs import (
     ring_attention_bytes,
     ring_bytes,
     tp_layer_bytes,
+    two_level_all_reduce_seconds,
     zero_bytes,
     zero_comm_bytes,
 )
@@ -75,6 +76,22 @@ def test_all_reduce_seconds_by_hand():
     assert all_reduce_seconds("halving_doubling", n, 4, alpha, beta) == pytest.approx(5.5e-3)
     with pytest.raises(ValueError, match="unknown all-reduce algorithm"):
         all_reduce_seconds("hypercube", n, 4, alpha, beta)
+
+
+def test_two_level_all_reduce_seconds_by_hand():
+    n, alpha, beta = 1000, 1e-3, 1e-6  # across nodes: 1 ms + 1 ms per whole-tensor message
+    node_alpha, node_beta = 1e-5, 1e-8  # inside a node: 10 us + 10 us
+    # 8 ranks in 2 nodes of 4: inside, 2 * 3 messages of 20 us; across, a ring of 2 leaders:
+    # 2 messages of N/2 bytes, 1 ms + 0.5 ms each
+    expected = 6 * 2e-5 + 2 * 1.5e-3
+    got = two_level_all_reduce_seconds(n, 8, 4, alpha, beta, node_alpha, node_beta)
+    assert got == pytest.approx(expected, rel=1e-12)
+    # one node: no ring; nodes of one rank: the flat ring
+    assert two_level_all_reduce_seconds(n, 4, 4, alpha, beta, 0, 0) == 0
+    flat = two_level_all_reduce_seconds(n, 4, 1, alpha, beta, node_alpha, node_beta)
+    assert flat == pytest.approx(all_reduce_seconds("ring", n, 4, alpha, beta), rel=1e-12)
+    with pytest.raises(ValueError, match="does not divide"):
+        two_level_all_reduce_seconds(n, 6, 4, alpha, beta, node_alpha, node_beta)
 
 
 # --- volume ----------------------------------------------------------------------------------

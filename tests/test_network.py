@@ -232,6 +232,53 @@ def test_a_root_is_the_bottleneck_its_one_port_makes_it(pool4, into_root):
         assert within_band(first, LATENCY + wire), f"first message after {first:.4f} s"
 
 
+# Slow links and small messages here, so that two real transfers at once on a busy machine stay
+# well inside the emulated times. The node's own links have 2.5x the network's bandwidth.
+ACROSS_BANDWIDTH, NODE_BANDWIDTH, NODE_LATENCY = 10e6, 25e6, LATENCY
+
+
+def inside_and_across(numel):
+    """Nodes of 2 ranks: rank 0 isends one tensor to rank 1 (its node) and one to rank 2 (the
+    other node) at once; (start, end of each delivery on its receiver) per repetition."""
+    records = []
+    for _ in range(REPS):
+        into = torch.zeros(numel)
+        dist.barrier()
+        net = SlowNetwork(
+            ACROSS_BANDWIDTH,
+            LATENCY,
+            node_size=2,
+            node_bandwidth=NODE_BANDWIDTH,
+            node_latency=NODE_LATENCY,
+        )
+        with net:
+            start, end = time.time(), None
+            if rank() == 0:
+                for work in [dist.isend(torch.ones(numel), peer) for peer in (1, 2)]:
+                    work.wait()
+            elif rank() in (1, 2):
+                dist.recv(into, 0)
+                end = time.time()
+        records.append((start, end))
+    return records
+
+
+def test_messages_inside_a_node_take_its_own_links_and_ports(pool4):
+    """Rank 0's message to rank 1 (same node) takes the node's latency + bytes / node
+    bandwidth, and does not queue behind, or hold up, its message to rank 2 over the network."""
+    # 0.5 MB: 20 ms on the node's links, 50 ms on the network's, which would start 20 ms late
+    # if both messages queued at one port (90 ms, not 70)
+    numel = 125_000
+    results = pool4.launch(inside_and_across, numel, timeout=60)
+    links = ((1, NODE_BANDWIDTH, NODE_LATENCY), (2, ACROSS_BANDWIDTH, LATENCY))
+    for peer, bandwidth, latency in links:
+        took = statistics.median(
+            end - start for (start, _), (_, end) in zip(results[0], results[peer], strict=True)
+        )
+        expected = latency + 4 * numel / bandwidth
+        assert within_band(took, expected), f"to rank {peer}: {took:.4f} s, not {expected:.4f}"
+
+
 def timed_collective(name, numel, bandwidth, latency, async_op=False, late=0.0):
     """Every rank runs collective `name` (rank 3 `late` s later); (start, return, end, first
     and last value) per repetition."""
@@ -490,3 +537,7 @@ def test_bad_settings_get_clear_errors():
         Straggler(delays={1: -0.5})
     with pytest.raises(ValueError, match="unknown collective"):
         SlowNetwork().collective_time("allreduce", 10, 4)
+    with pytest.raises(ValueError, match="node_size"):
+        SlowNetwork(node_size=0)
+    with pytest.raises(ValueError, match="node_bandwidth"):
+        SlowNetwork(node_size=2, node_bandwidth=-1)

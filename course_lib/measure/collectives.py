@@ -8,6 +8,8 @@
   It draws `course_lib.collectives.ring_state` / `ring_schedule`, the schedule the ring
   implementation runs, so the picture and the code cannot disagree.
 - `ring_steps_figure(4)`: every step as a strip of small panels, for reading without widgets.
+- `record_peers()` counts whom a rank talks to; `time_all_reduce(algorithm, N)` times one
+  all-reduce (on an emulated network with `network=`).
 - `sweep_all_reduce(sizes, network)` (on every rank, under `launch`) times each algorithm of
   `course_lib.collectives` on an emulated network; `plot_all_reduce_sweep` draws the times
   over the alpha-beta model's lines and marks where the model's fastest algorithm changes.
@@ -16,11 +18,19 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import ipywidgets as widgets
 import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from IPython.display import display
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
@@ -32,8 +42,8 @@ from course_lib.collectives import (
     model_seconds,
     ring_schedule,
     ring_state,
-    time_all_reduce,
 )
+from course_lib.network import SlowNetwork
 from course_lib.plots import NotebookFigure
 
 PHASE_COLOURS = {REDUCE_SCATTER: "tab:orange", ALL_GATHER: "tab:green"}
@@ -181,6 +191,75 @@ class RingWidget(widgets.VBox):
         with self.output:
             self.output.clear_output(wait=True)
             display(self.figure)
+
+
+# --- measuring: who talks to whom, and how long it takes ---------------------------------
+
+
+_peer_depth = threading.local()  # dist.send calls dist.isend: count the outer call only
+
+
+@contextmanager
+def record_peers() -> Iterator[Counter]:
+    """Count, by peer rank, the messages this rank sends or receives while the block runs
+    (calls through `dist.send/recv/isend/irecv`): `{peer: messages}`."""
+    peers: Counter = Counter()
+    # Wrap both namespaces, as CommCounter does, so that the two nest in either order.
+    originals = {op: getattr(c10d, op) for op in ("send", "recv", "isend", "irecv")}
+
+    def recorder(op: str, original: Callable) -> Callable:
+        peer_arg = "dst" if "send" in op else "src"
+
+        def recorded(tensor, *args, **kwargs):
+            depth = getattr(_peer_depth, "value", 0)
+            if depth == 0:
+                peers[kwargs.get(peer_arg, args[0] if args else None)] += 1
+            _peer_depth.value = depth + 1
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                _peer_depth.value = depth
+
+        return recorded
+
+    for op, original in originals.items():
+        wrapped = recorder(op, original)
+        setattr(c10d, op, wrapped)
+        setattr(dist, op, wrapped)
+    try:
+        yield peers
+    finally:
+        for op, original in originals.items():
+            setattr(c10d, op, original)
+            setattr(dist, op, original)
+
+
+def time_all_reduce(
+    algorithm: str | Callable[[torch.Tensor], torch.Tensor],
+    numel: int,
+    repeats: int = 5,
+    network: dict | None = None,
+) -> float:
+    """On each rank: median seconds of `repeats` all-reduces of `numel` float32s with
+    `algorithm` (a name in ALGORITHMS, "torch" for dist.all_reduce, or a function such as
+    `two_level_all_reduce`), after one warm-up.
+    With `network` (`SlowNetwork`'s keyword arguments), each runs on that emulated network:
+    message by message for the algorithms built here, by the model for torch's own."""
+    if callable(algorithm):
+        run = algorithm
+    else:
+        run = dist.all_reduce if algorithm == "torch" else ALGORITHMS[algorithm]
+    tensor = torch.ones(numel)
+    run(tensor)  # warm-up: first-touch memory and connection set-up are not the algorithm
+    times = []
+    for _ in range(repeats):
+        dist.barrier()  # start together, so no rank's time includes waiting for a late one
+        start = time.perf_counter()
+        with SlowNetwork(**network) if network is not None else nullcontext():
+            run(tensor)
+        dist.barrier()  # the all-reduce is done when the slowest rank is done
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
 
 
 # --- all-reduce against its model, on an emulated network ---------------------------------
