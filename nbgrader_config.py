@@ -4,6 +4,9 @@ All paths are relative to the course folder; run nbgrader (or `make release`,
 `make autograde`, `make feedback`) from here.
 """
 
+import os
+from pathlib import Path
+
 c = get_config()  # noqa: F821 (nbgrader provides get_config)
 
 c.CourseDirectory.course_id = "distributed-training"
@@ -12,6 +15,14 @@ c.CourseDirectory.release_directory = "assignments"
 c.CourseDirectory.submitted_directory = "submitted"
 c.CourseDirectory.autograded_directory = "autograded"
 c.CourseDirectory.feedback_directory = "feedback"
+
+# nbgrader's exchange: the directory that release_assignment, fetch_assignment, submit, collect,
+# release_feedback and fetch_feedback pass notebooks through. On one machine it is exchange/ in
+# the course folder; on JupyterHub, point COURSE_EXCHANGE at a directory every user can reach
+# (nbgrader's usual /srv/nbgrader/exchange).
+c.Exchange.root = os.environ.get(
+    "COURSE_EXCHANGE", str(Path(__file__).resolve().parent / "exchange")
+)
 
 # Grade with the course's kernel (`make install` registers it), whatever a submitted notebook
 # names in its metadata.
