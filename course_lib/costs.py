@@ -336,6 +336,14 @@ def ring_attention_bytes(kv_bytes, world_size: int):
     return ring_bytes(kv_bytes, world_size)
 
 
+def ulysses_bytes(local_bytes, world_size: int):
+    """Bytes one rank sends per attention pass under DeepSpeed-Ulysses over P ranks (Jacobs et
+    al., 2023): four all-to-alls (q, k and v to head shards, the output back), each of one
+    `local_bytes` tensor, this rank's N/P tokens: 4 (P-1)/P * N h / P bytes for N tokens of
+    width h, falling as P grows where ring attention's K/V volume does not."""
+    return 4 * all_to_all_bytes(local_bytes, world_size)
+
+
 # --- a transformer's shape, and what it computes and sends per micro-batch ------------------
 
 

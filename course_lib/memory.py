@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.costs import BYTES_PER_PARAMETER
@@ -281,6 +283,49 @@ def attention_square_bytes(config: GPTConfig, batch: int, seq: int, element_size
     (batch x heads x seq x seq) and masked_fill keeps its boolean mask (seq x seq)."""
     per_block = batch * config.n_heads * seq * seq * element_size + seq * seq
     return config.n_layers * per_block
+
+
+# --- everything a block allocates: the high-water mark -------------------------------------
+
+
+class PeakMemory(TorchDispatchMode):
+    """Context manager counting the bytes of every tensor storage created inside the block,
+    live (`live_bytes`) and at their most (`peak_bytes`): on the CPU, where torch keeps no
+    `max_memory_allocated`, the high-water mark of what the block's own operations allocated.
+    Each storage counts once however many views of it exist, and leaves the count when the
+    last tensor seen using it is freed. Tensors made before the block are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._holders: dict[tuple[int, str], int] = {}
+        self._known: set[int] = set()  # ids of the live tensors counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            # An in-place op returns its input: counted already, or made before the block.
+            if isinstance(t, torch.Tensor) and id(t) not in self._known and id(t) not in inputs:
+                self._hold(t)
+        return out
+
+    def _hold(self, t: torch.Tensor) -> None:
+        self._known.add(id(t))
+        key, nbytes = _storage_key(t), t.untyped_storage().nbytes()
+        if self._holders.get(key, 0) == 0:
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._holders[key] = self._holders.get(key, 0) + 1
+        weakref.finalize(t, self._release, key, nbytes, id(t))
+
+    def _release(self, key: tuple[int, str], nbytes: int, tensor_id: int) -> None:
+        self._known.discard(tensor_id)
+        self._holders[key] -= 1
+        if self._holders[key] == 0:
+            del self._holders[key]
+            self.live_bytes -= nbytes
 
 
 # --- activation checkpointing ---------------------------------------------------------------

@@ -128,6 +128,7 @@ TOPICS = (
         "Putting it together: 3D parallelism",
         assignment="2-D parallel training, the capstone (bonus points)",
     ),
+    Topic(11, "sequence_parallel", "Sequence parallelism: splitting the tokens"),
 )
 
 # course_lib's machinery, used by every topic: not topics themselves.

@@ -37,6 +37,7 @@ from course_lib.costs import (
     ring_bytes,
     tp_layer_bytes,
     two_level_all_reduce_seconds,
+    ulysses_bytes,
     zero_bytes,
     zero_comm_bytes,
 )
@@ -218,6 +219,7 @@ def test_parallelism_traffic_by_hand():
     assert tp_layer_bytes(1000, 1) == 0
     assert ep_bytes(400, 4) == 600  # dispatch and combine, 3/4 of 400 each
     assert ring_attention_bytes(800, 4) == 600  # three of the four 200-byte K/V blocks
+    assert ulysses_bytes(200, 4) == 600  # q, k, v and output: 3/4 of this rank's 200 each
 
 
 # --- every formula once -------------------------------------------------------------------

@@ -17,6 +17,7 @@ from course_lib import data, models
 from course_lib.memory import (
     BYTES_PER_PARAMETER,
     MixedPrecisionAdamW,
+    PeakMemory,
     SavedTensors,
     budget,
     budget_table,
@@ -217,3 +218,17 @@ def test_segments_rejects_impossible_cuts():
     assert [len(s) for s in segments(layers, 3)] == [1, 2, 1]
     with pytest.raises(ValueError, match="cannot cut 4 layers into 5 segments"):
         segments(layers, 5)
+
+
+def test_peak_memory_counts_what_the_block_allocates_once_per_storage():
+    x = torch.ones(1000)  # made before the block: not counted
+    with PeakMemory() as m:
+        a = x * 2  # 4000 bytes
+        b = a.view(10, 100)  # a view: no new storage
+        c = a + 1  # 8000 live
+        del a, b  # a's storage goes: 4000
+        d = torch.empty(3000)  # 16000 live, the peak
+        del d
+        x.add_(1)  # in place, on a tensor made before: nothing new
+    assert (m.live_bytes, m.peak_bytes) == (4000, 16000)
+    assert c.shape == (1000,)

@@ -1,0 +1,146 @@
+"""What lecture 11 measures: attention's peak memory per rank against the sequence length, the
+bytes ring attention and Ulysses send, and the causal work each rank does.
+
+Every function with a rank in its docstring runs inside `launch`; the plots run in the
+notebook. Numbers are measured (`PeakMemory`, `CommCounter`, the scores ring attention
+computed); the formulas they are held against are in `course_lib.costs`.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+from matplotlib.ticker import NullFormatter
+
+from course_lib.comm import CommCounter
+from course_lib.memory import PeakMemory
+from course_lib.runtime import rank, world_size
+from course_lib.sequence_parallel import (
+    attention,
+    ring_attention,
+    sequence_positions,
+    ulysses_attention,
+)
+
+METHODS = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def qkv(seq_len: int, heads: int = 4, head_dim: int = 16, batch: int = 1, seed: int = 0):
+    """The same q, k, v ([batch, heads, seq_len, head_dim], float64) on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, heads, seq_len, head_dim)
+    return [torch.randn(shape, dtype=torch.float64, generator=g) for _ in range(3)]
+
+
+def run_on_my_shard(method: str, seq_len: int, causal: bool = False, layout="contiguous", **kw):
+    """On each rank: `method` ("ring" or "ulysses") on this rank's tokens of `qkv(seq_len)`;
+    returns (this rank's output, the whole-sequence attention's rows for the same tokens)."""
+    q, k, v = qkv(seq_len)
+    mine = sequence_positions(seq_len, rank(), world_size(), layout)
+    shard = [t[..., mine, :] for t in (q, k, v)]
+    if method == "ring":
+        out = ring_attention(*shard, mine, causal, **kw)
+    else:
+        out = ulysses_attention(*shard, causal)
+    return out, attention(q, k, v, causal)[..., mine, :]
+
+
+def largest_error(method: str, seq_len: int, causal: bool, layout: str = "contiguous") -> float:
+    """On each rank: the largest |difference| from attention on the whole sequence."""
+    out, expected = run_on_my_shard(method, seq_len, causal, layout)
+    return (out - expected).abs().max().item() if out.numel() else 0.0
+
+
+def peak_bytes(method: str, seq_len: int) -> int:
+    """On each rank (or alone, for method "one process"): the most bytes attention's forward
+    pass held at once, counted by `PeakMemory` (the inputs, made before, not included)."""
+    q, k, v = qkv(seq_len)
+    if method == "one process":
+        with torch.no_grad(), PeakMemory() as memory:
+            attention(q, k, v)
+        return memory.peak_bytes
+    mine = sequence_positions(seq_len, rank(), world_size())
+    shard = [t[..., mine, :].contiguous() for t in (q, k, v)]
+    with torch.no_grad(), PeakMemory() as memory:
+        if method == "ring":
+            ring_attention(*shard, mine)
+        else:
+            ulysses_attention(*shard)
+    return memory.peak_bytes
+
+
+def sweep_peak_bytes(seq_lens: list[int]) -> dict[str, list[int]]:
+    """On each rank: `peak_bytes` of ring attention and Ulysses for every length."""
+    return {m: [peak_bytes(m, n) for n in seq_lens] for m in METHODS}
+
+
+def bytes_sent(method: str, seq_len: int) -> int:
+    """On each rank: bytes this rank sent for one attention pass (`CommCounter`)."""
+    with CommCounter() as counter:
+        run_on_my_shard(method, seq_len)
+    return counter.bytes_sent
+
+
+def causal_work(seq_len: int, layout: str) -> int:
+    """On each rank: the scores (per batch and head) ring attention computed, causal."""
+    work: list[int] = []
+    run_on_my_shard("ring", seq_len, True, layout, work=work)
+    return sum(work)
+
+
+def plot_peak_bytes(seq_lens, one_process, per_rank: dict[str, list[int]], p: int):
+    """Peak bytes against sequence length: one process, and the busiest rank of each method."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.loglog(seq_lens, one_process, "o-", color="black", label="one process, whole sequence")
+    for name, peaks in per_rank.items():
+        ax.loglog(seq_lens, peaks, "o-", label=f"{name}, busiest of {p} ranks")
+    ax.set_xticks(seq_lens, [str(n) for n in seq_lens])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("sequence length N (tokens)")
+    ax.set_ylabel("peak bytes during attention")
+    ax.set_title("Attention's memory: N x N scores, or pieces of them")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    return fig
+
+
+def plot_causal_work(per_layout: dict[str, list[int]]):
+    """Scores computed by each rank, one group of bars per layout."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    layouts = list(per_layout)
+    p = len(per_layout[layouts[0]])
+    width = 0.8 / len(layouts)
+    for i, layout in enumerate(layouts):
+        xs = [r + (i - (len(layouts) - 1) / 2) * width for r in range(p)]
+        ax.bar(xs, per_layout[layout], width, label=layout)
+    ax.set_xticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.set_ylabel("scores computed (per head)")
+    ax.set_title("Causal ring attention: who does the work")
+    ax.legend()
+    return fig
+
+
+def torch_context_parallel(seq_len: int = 64, causal: bool = True) -> str:
+    """On each rank: torch's own context parallelism (`context_parallel`, experimental: it
+    shards q, k, v along the sequence and reroutes `scaled_dot_product_attention` to its ring
+    attention) on `qkv(seq_len)`; the largest difference from one process, or the error torch
+    raised, as a line of text."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    q, k, v = (t.float() for t in qkv(seq_len))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (world_size(),))
+    shards = [t.clone().to(device) for t in (q, k, v)]
+    try:
+        with context_parallel(mesh, buffers=shards, buffer_seq_dims=[2, 2, 2]):
+            out = torch.nn.functional.scaled_dot_product_attention(*shards, is_causal=causal)
+    except Exception as error:  # report what torch says, on CPU it is not supported
+        return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    # Causal, torch balances the work with the zigzag ("head-tail") layout; this comparison
+    # has only run where torch refuses (CPU), so check it on the first GPU run.
+    layout = "zigzag" if causal else "contiguous"
+    mine = expected[..., sequence_positions(seq_len, rank(), world_size(), layout), :]
+    return f"largest |torch CP - one process| = {(out.cpu() - mine).abs().max().item():.1e}"

@@ -1,0 +1,235 @@
+"""Sequence parallelism: every rank holds 1/P of the tokens (lecture 11).
+
+    positions = sequence_positions(seq_len, rank(), world_size(), "zigzag")
+    out = ring_attention(q, k, v, positions, causal=True)   # q, k, v: this rank's tokens only
+    out = ulysses_attention(q, k, v, causal=True)           # tokens in rank order, heads % P == 0
+
+Attention is the one layer whose tokens talk to each other: every query needs every key. Two
+ways to give it that while no rank holds the whole sequence:
+
+- `ring_attention` (Liu et al., 2023): the K/V blocks travel around a ring of ranks, one
+  neighbour to the next, P - 1 times; each rank meets every block once and merges the partial
+  results with the online softmax (`_merge`), so the N x N score matrix is never whole on a
+  rank, only (N/P) x (N/P) pieces of it.
+- `ulysses_attention` (DeepSpeed-Ulysses, Jacobs et al., 2023): an all-to-all swaps sequence
+  shards for head shards, so that each rank holds the whole sequence for H/P heads; ordinary
+  attention runs; a second all-to-all swaps back. It cannot use more ranks than heads. Its
+  all-to-alls are built from sends and receives, so `CommCounter` counts their real bytes.
+
+Causal attention on contiguous shards leaves rank 0 with one block of work and rank P-1 with P:
+the "zigzag" layout of `sequence_positions` gives each rank one early and one late chunk, so
+all do the same work. Ranks pass their tokens' positions with their K/V, and the causal mask is
+built from positions, so it is the global mask whatever the layout.
+
+All tensors are [..., tokens, head_dim] (e.g. [batch, heads, tokens, head_dim]). The formulas
+for the bytes are in `course_lib.costs` (`ring_attention_bytes`, `all_to_all_bytes`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def sequence_positions(seq_len: int, rank: int, world_size: int, layout: str = "contiguous"):
+    """The positions (a LongTensor) of the tokens `rank` holds: chunk `rank` of P equal chunks
+    ("contiguous", as `torch.tensor_split`), or chunks `rank` and 2P-1-`rank` of 2P
+    ("zigzag": one early, one late, so causal attention gives every rank the same work)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not one of {world_size} ranks")
+    every = torch.arange(seq_len)
+    if layout == "contiguous":
+        return every.tensor_split(world_size)[rank]
+    chunks = every.tensor_split(2 * world_size)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]])
+
+
+def attention(q, k, v, causal: bool = False, q_positions=None, k_positions=None):
+    """Softmax attention on one process: softmax(q k^T / sqrt(d)) v, a query at position i
+    seeing keys at positions <= i when causal (positions default to 0, 1, 2, ...)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        qp = torch.arange(q.shape[-2]) if q_positions is None else q_positions
+        kp = torch.arange(k.shape[-2]) if k_positions is None else k_positions
+        scores = scores.masked_fill(kp[None, :] > qp[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+# --- ring attention -------------------------------------------------------------------------
+
+
+def _runs(positions: torch.Tensor) -> list[slice]:
+    """Maximal stretches of consecutive positions, as slices: [0..3] and [12..15] for a
+    zigzag shard. Causal masks are decided stretch by stretch."""
+    if positions.numel() == 0:
+        return []
+    breaks = (torch.nonzero(positions.diff() != 1).flatten() + 1).tolist()
+    edges = [0, *breaks, positions.numel()]
+    return [slice(a, b) for a, b in itertools.pairwise(edges)]
+
+
+def _block_scores(q, k, q_pos, k_pos, causal: bool, work: list | None):
+    """Scores of this rank's queries against one K block, -inf where the mask hides a key.
+    Under the causal mask, a (query stretch, key stretch) pair whose keys all come after its
+    queries is never computed; `work` gets the number of scores that were, per (batch, head)."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    if not causal:
+        if work is not None:
+            work.append(q.shape[-2] * k.shape[-2])
+        return q @ k.transpose(-2, -1) * scale
+    shape = (*q.shape[:-1], k.shape[-2])
+    scores = torch.full(shape, float("-inf"), dtype=q.dtype)
+    computed = 0
+    for qs in _runs(q_pos):
+        for ks in _runs(k_pos):
+            if k_pos[ks][0] > q_pos[qs][-1]:
+                continue  # every key after every query: all masked, nothing to compute
+            part = q[..., qs, :] @ k[..., ks, :].transpose(-2, -1) * scale
+            hidden = k_pos[ks][None, :] > q_pos[qs][:, None]
+            scores[..., qs, ks] = part.masked_fill(hidden, float("-inf"))
+            computed += part.shape[-2] * part.shape[-1]
+    if work is not None:
+        work.append(computed)
+    return scores
+
+
+def _merge(state, scores, v):
+    """The online softmax: fold one block's scores and values into the running (max, sum,
+    unnormalised output) of every query, rescaling what was there by exp(old max - new max)."""
+    row_max, row_sum, acc = state
+    new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
+    # A query that has seen only masked keys so far has max -inf; shift by 0 there instead,
+    # so exp(-inf - shift) is 0, not exp(-inf + inf) = nan.
+    shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+    weights = torch.exp(scores - shift)
+    rescale = torch.exp(row_max - shift)
+    return new_max, row_sum * rescale + weights.sum(-1, keepdim=True), acc * rescale + weights @ v
+
+
+def _post(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group) -> list:
+    """Post a send to `dst` and a receive from `src`; the caller waits on the returned works."""
+    return [dist.isend(send, dst, group=group), dist.irecv(recv, src, group=group)]
+
+
+def _start_pass(payload: list[torch.Tensor], group) -> tuple[list, torch.Tensor, list[int]]:
+    """Start sending `payload` to the next rank and receiving the previous rank's. The sizes
+    go first (shards may differ in length), then one flat message that travels while this
+    rank computes; `_finish_pass` waits for it. Only neighbours talk."""
+    p, me = dist.get_world_size(group), dist.get_rank(group)
+    right, left = (me + 1) % p, (me - 1) % p
+    if group is not None:
+        right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
+    sizes_out = torch.tensor([t.numel() for t in payload])
+    sizes_in = torch.empty_like(sizes_out)
+    for work in _post(sizes_out, right, sizes_in, left, group):
+        work.wait()
+    flat_out = torch.cat([t.flatten().to(payload[0].dtype) for t in payload])
+    flat_in = torch.empty(int(sizes_in.sum()), dtype=payload[0].dtype)
+    return _post(flat_out, right, flat_in, left, group), flat_in, sizes_in.tolist()
+
+
+def _finish_pass(started) -> list[torch.Tensor]:
+    works, flat_in, sizes = started
+    for work in works:
+        work.wait()
+    return list(flat_in.split(sizes))
+
+
+def ring_attention(q, k, v, positions, causal: bool = False, group=None, work=None):
+    """Attention of this rank's queries over the whole sequence, each rank holding only its
+    own tokens' q, k, v ([..., s_local, d]) at `positions` (see `sequence_positions`): equal to
+    `attention` on the gathered sequence. K and V go around the ring of ranks, P - 1 hops;
+    `work` (a list) gets the number of scores computed for each block. Forward only: the
+    backward pass would send dK and dV around the ring the other way."""
+    if positions.shape != (q.shape[-2],) or k.shape[-2] != q.shape[-2]:
+        raise ValueError(
+            f"positions must hold one position per local token: q has {q.shape[-2]} tokens, "
+            f"k {k.shape[-2]}, positions shape {tuple(positions.shape)}"
+        )
+    p = dist.get_world_size(group)
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    state = (
+        torch.full((*q.shape[:-1], 1), float("-inf"), dtype=q.dtype),
+        torch.zeros((*q.shape[:-1], 1), dtype=q.dtype),
+        torch.zeros(out_shape, dtype=q.dtype),
+    )
+    block = (k, v, positions)
+    for hop in range(p):
+        bk, bv, bpos = block
+        if hop < p - 1:  # send this block on before computing with it: the two overlap
+            started = _start_pass([bk, bv, bpos.to(bk.dtype)], group)
+        if bk.shape[-2] and q.shape[-2]:  # a shard may be empty: fewer tokens than ranks
+            state = _merge(state, _block_scores(q, bk, positions, bpos, causal, work), bv)
+        if hop < p - 1:
+            lead = bk.shape[:-2]
+            nk, nv, npos = _finish_pass(started)
+            tokens = npos.numel()
+            block = (
+                nk.view(*lead, tokens, k.shape[-1]),
+                nv.view(*lead, tokens, v.shape[-1]),
+                npos.round().long(),
+            )
+    _, row_sum, acc = state
+    return acc / row_sum
+
+
+# --- DeepSpeed-Ulysses ------------------------------------------------------------------------
+
+
+def _all_to_all(pieces: list[torch.Tensor], receive_shapes: list[tuple], group) -> list:
+    """Send pieces[j] to rank j and return what each rank j sent here, shaped receive_shapes[j].
+    Built from sends and receives (as gloo's own all-to-all is), so `CommCounter` counts the
+    bytes that really leave this rank: every piece but its own."""
+    me = dist.get_rank(group)
+    received = [torch.empty(shape, dtype=pieces[0].dtype) for shape in receive_shapes]
+    works = []
+    for j, (piece, into) in enumerate(zip(pieces, received, strict=True)):
+        if j == me:
+            into.copy_(piece)
+            continue
+        peer = dist.get_global_rank(group, j) if group is not None else j
+        if piece.numel():
+            works.append(dist.isend(piece.contiguous(), peer, group=group))
+        if into.numel():
+            works.append(dist.irecv(into, peer, group=group))
+    for work in works:
+        work.wait()
+    return received
+
+
+def ulysses_attention(q, k, v, causal: bool = False, group=None):
+    """Attention over the whole sequence, each rank holding its tokens' q, k, v
+    ([batch, heads, s_local, d], the sequence cut into contiguous shards in rank order, which
+    may differ in length): equal to `attention` on the gathered sequence. One all-to-all turns
+    sequence shards into head shards (every rank: all tokens, heads/P heads), attention runs,
+    and a second all-to-all turns the result back. Needs heads divisible by P."""
+    p = dist.get_world_size(group)
+    heads = q.shape[-3]
+    if heads % p:
+        raise ValueError(
+            f"ulysses_attention splits the {heads} heads across {p} ranks: the number of "
+            f"heads must be divisible by the world size"
+        )
+    lengths = [torch.zeros((), dtype=torch.long) for _ in range(p)]
+    dist.all_gather(lengths, torch.tensor(q.shape[-2]), group=group)  # shards may differ
+    lengths = [int(n) for n in lengths]
+    lead, h = q.shape[:-3], heads // p
+
+    def to_heads(x):  # [.., H, s_local, d] -> [.., H/P, S, d]: my heads, every token
+        pieces = list(x.split(h, dim=-3))  # piece j: the heads rank j will own
+        shapes = [(*lead, h, n, x.shape[-1]) for n in lengths]
+        return torch.cat(_all_to_all(pieces, shapes, group), dim=-2)
+
+    out = attention(to_heads(q), to_heads(k), to_heads(v), causal)
+    # And back: rank j gets its own tokens for my heads; I get mine for every rank's heads.
+    me = dist.get_rank(group)
+    pieces = list(out.split(lengths, dim=-2))
+    shapes = [(*lead, h, lengths[me], out.shape[-1])] * p
+    return torch.cat(_all_to_all(pieces, shapes, group), dim=-3)

@@ -1,0 +1,175 @@
+"""course_lib.sequence_parallel: ring attention and Ulysses against torch's own attention on
+the whole sequence (float64), the bytes they send, who they talk to, and the causal work
+each rank does with contiguous and zigzag shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import CommCounter, RankError, WorkerPool, rank, world_size
+from course_lib.costs import all_gather_bytes, ring_attention_bytes, ulysses_bytes
+from course_lib.measure.collectives import record_peers
+from course_lib.measure.sequence_parallel import (
+    peak_bytes,
+    sweep_peak_bytes,
+    torch_context_parallel,
+)
+from course_lib.sequence_parallel import (
+    attention,
+    ring_attention,
+    sequence_positions,
+    ulysses_attention,
+)
+
+# float64 throughout: the ring adds the same terms as one softmax in another order, so only
+# rounding differs (~1e-16 relative); 1e-12 leaves room and still catches any wrong term.
+TOL = dict(rtol=0.0, atol=1e-12)
+BATCH, HEADS, DIM = 2, 4, 8
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"P={p}")
+def pool(request):
+    with WorkerPool(request.param) as pool:
+        yield pool
+
+
+def whole_sequence(seq_len: int):
+    """The same q, k, v on every rank: [batch, heads, seq_len, dim]."""
+    g = torch.Generator().manual_seed(seq_len)
+    return [
+        torch.randn(BATCH, HEADS, seq_len, DIM, dtype=torch.float64, generator=g) for _ in "qkv"
+    ]
+
+
+def ring_on_my_shard(seq_len, layout, causal):
+    q, k, v = whole_sequence(seq_len)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    mine = sequence_positions(seq_len, rank(), world_size(), layout)
+    out = ring_attention(q[..., mine, :], k[..., mine, :], v[..., mine, :], mine, causal)
+    return torch.allclose(out, expected[..., mine, :], **TOL)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ring_attention_equals_attention_on_the_whole_sequence(pool, layout, causal):
+    for seq_len in (1, 3, 8, 13):  # fewer tokens than ranks, even, uneven
+        assert all(pool.launch(ring_on_my_shard, seq_len, layout, causal, timeout=60)), seq_len
+
+
+def ulysses_on_my_shard(seq_len, causal):
+    q, k, v = whole_sequence(seq_len)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    mine = sequence_positions(seq_len, rank(), world_size())
+    out = ulysses_attention(q[..., mine, :], k[..., mine, :], v[..., mine, :], causal)
+    return torch.allclose(out, expected[..., mine, :], **TOL)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ulysses_attention_equals_attention_on_the_whole_sequence(pool, causal):
+    if HEADS % pool.world_size:
+        pytest.skip("Ulysses needs heads divisible by P")
+    for seq_len in (1, 3, 8, 13):
+        assert all(pool.launch(ulysses_on_my_shard, seq_len, causal, timeout=60)), seq_len
+
+
+def test_ulysses_refuses_heads_that_do_not_split():
+    with WorkerPool(3) as pool, pytest.raises(RankError, match="4 heads across 3 ranks"):
+        pool.launch(ulysses_on_my_shard, 6, False, timeout=60)
+
+
+def test_the_reference_attention_is_torchs():
+    q, k, v = whole_sequence(5)
+    for causal in (False, True):
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.testing.assert_close(attention(q, k, v, causal), expected, **TOL)
+
+
+def ring_traffic(seq_len):
+    q, k, v = whole_sequence(seq_len)
+    mine = sequence_positions(seq_len, rank(), world_size())
+    with CommCounter() as counter, record_peers() as peers:
+        ring_attention(q[..., mine, :], k[..., mine, :], v[..., mine, :], mine)
+    return counter.bytes_sent, sorted(peers), mine.numel()
+
+
+def test_ring_attention_sends_the_ring_volume_to_its_neighbours_only():
+    """Per hop a rank sends one K/V block, its positions (float64 here) and three sizes; over
+    P-1 hops the K/V part is (P-1)/P of the whole sequence's K and V (costs.py)."""
+    p, seq_len = 4, 16
+    kv_bytes = 2 * BATCH * HEADS * seq_len * DIM * 8
+    with WorkerPool(p) as pool:
+        results = pool.launch(ring_traffic, seq_len, timeout=60)
+    for r, (sent, peers, local) in enumerate(results):
+        assert peers == sorted({(r - 1) % p, (r + 1) % p}), r
+        extra = (p - 1) * (3 * 8 + local * 8)
+        assert sent == ring_attention_bytes(kv_bytes, p) + extra, r
+
+
+def causal_work(seq_len, layout):
+    q, k, v = whole_sequence(seq_len)
+    mine = sequence_positions(seq_len, rank(), world_size(), layout)
+    work = []
+    ring_attention(q[..., mine, :], k[..., mine, :], v[..., mine, :], mine, True, work=work)
+    return sum(work)  # scores per (batch, head)
+
+
+def test_zigzag_gives_every_rank_the_same_causal_work_contiguous_does_not():
+    """P = 4, 32 tokens: contiguous shards of 8 leave rank r r+1 blocks of 64 scores (64 to
+    256); zigzag chunks of 4 give every rank 2P+1 = 9 pairs of 16 scores, 144, but rank 3,
+    whose chunks 3 and 4 are neighbours and so one stretch, computes its own block as one
+    square of 64 where the others skip its masked corner of 16: 160."""
+    with WorkerPool(4) as pool:
+        contiguous = pool.launch(causal_work, 32, "contiguous", timeout=60)
+        zigzag = pool.launch(causal_work, 32, "zigzag", timeout=60)
+    assert contiguous == [64, 128, 192, 256]
+    assert zigzag == [144, 144, 144, 160]
+
+
+def test_sequence_positions_cover_the_sequence_once():
+    for layout in ("contiguous", "zigzag"):
+        for p, n in [(1, 5), (3, 7), (4, 16), (4, 3)]:
+            held = torch.cat([sequence_positions(n, r, p, layout) for r in range(p)])
+            assert sorted(held.tolist()) == list(range(n)), (layout, p, n)
+    assert sequence_positions(16, 1, 4, "zigzag").tolist() == [2, 3, 12, 13]
+    with pytest.raises(ValueError, match="layout must be one of"):
+        sequence_positions(8, 0, 2, "striped")
+
+
+def ulysses_traffic(seq_len):
+    q, k, v = whole_sequence(seq_len)
+    mine = sequence_positions(seq_len, rank(), world_size())
+    with CommCounter() as counter:
+        ulysses_attention(q[..., mine, :], k[..., mine, :], v[..., mine, :])
+    return counter.bytes_sent
+
+
+def test_ulysses_sends_four_all_to_alls_of_its_tokens():
+    """Each of q, k, v and the output leaves a rank but for its own head group: (P-1)/P of
+    its N/P tokens, four times (costs.py), plus the all-gather of the shard lengths."""
+    p, seq_len = 4, 16
+    local_bytes = BATCH * HEADS * (seq_len // p) * DIM * 8
+    with WorkerPool(p) as pool:
+        sent = pool.launch(ulysses_traffic, seq_len, timeout=60)
+    assert sent == [ulysses_bytes(local_bytes, p) + all_gather_bytes(8, p)] * p
+
+
+def test_a_ring_rank_holds_pieces_of_the_scores_a_ulysses_rank_whole_squares():
+    """Lecture 11's memory claim, at N = 1024 on 4 ranks (4 heads): one process holds the
+    4 x N x N scores; a ring rank (N/P)^2 per head at a time, over 8x less once they dominate;
+    a Ulysses rank N x N for one head, P = 4 times less (within 10%: outputs and buffers)."""
+    one = peak_bytes("one process", 1024)
+    with WorkerPool(4) as pool:
+        per_rank = pool.launch(sweep_peak_bytes, [1024], timeout=120)
+    ring = max(r["ring"][0] for r in per_rank)
+    ulysses = max(r["ulysses"][0] for r in per_rank)
+    assert one / ring > 8, (one, ring)
+    assert one / ulysses == pytest.approx(4, rel=0.1), (one, ulysses)
+
+
+def test_torchs_context_parallel_does_not_run_on_the_cpu_as_lecture_11_says():
+    with WorkerPool(2) as pool:
+        said = pool.launch(torch_context_parallel, timeout=120)
+    assert all(line.startswith("NotImplementedError") for line in said), said
+    assert "_scaled_dot_product_flash_attention_for_cpu" in said[0]
