@@ -3,6 +3,7 @@
     positions = sequence_positions(seq_len, rank(), world_size(), "zigzag")
     out = ring_attention(q, k, v, positions, causal=True)   # q, k, v: this rank's tokens only
     out = ulysses_attention(q, k, v, causal=True)           # tokens in rank order, heads % P == 0
+    block = SequenceParallelBlock(dense_block)              # Megatron's SP on lecture 9's TP
 
 Attention is the one layer whose tokens talk to each other: every query needs every key. Two
 ways to give it that while no rank holds the whole sequence:
@@ -32,6 +33,11 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib.models import causal_attention
+from course_lib.tensor_parallel import ParallelBlock
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -233,3 +239,95 @@ def ulysses_attention(q, k, v, causal: bool = False, group=None):
     pieces = list(out.split(lengths, dim=-2))
     shapes = [(*lead, h, lengths[me], out.shape[-1])] * p
     return torch.cat(_all_to_all(pieces, shapes, group), dim=-3)
+
+
+# --- Megatron's sequence parallelism: tensor parallelism's companion --------------------------
+# Under tensor parallelism (lecture 9) every rank holds the whole [batch, tokens, width]
+# activation between the parallel layers, and computes LayerNorm, dropout and the residual
+# adds on all of it, the same work and memory on every rank. Megatron's sequence parallelism
+# (Korthikanti et al., 2022) gives each rank 1/t of the tokens there instead: f becomes an
+# all-gather of the tokens, g a reduce-scatter of them, for the same bytes as g's all-reduce.
+
+
+def _collect_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather the ranks' token shards ([batch, tokens/t, width]) into the whole sequence."""
+    shard = x.movedim(1, 0).contiguous()  # tokens first: the collectives cut along dim 0
+    whole = torch.empty(
+        (shard.shape[0] * dist.get_world_size(group), *shard.shape[1:]), dtype=x.dtype
+    )
+    dist.all_gather_single(whole, shard, group=group)
+    return whole.movedim(0, 1)
+
+
+def _sum_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum the ranks' partial [batch, tokens, width] and keep this rank's shard of the tokens."""
+    whole = x.movedim(1, 0).contiguous()
+    t = dist.get_world_size(group)
+    if whole.shape[0] % t:
+        raise ValueError(f"{whole.shape[0]} tokens cannot be split evenly over {t} ranks")
+    shard = torch.empty((whole.shape[0] // t, *whole.shape[1:]), dtype=x.dtype)
+    dist.reduce_scatter_single(shard, whole, group=group)
+    return shard.movedim(0, 1)
+
+
+class GatherTokens(torch.autograd.Function):
+    """Megatron's f under sequence parallelism: forward all-gathers the token shards; backward
+    reduce-scatters the gradient, since every rank used all tokens for its part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _collect_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sum_tokens(grad, ctx.group), None
+
+
+class ScatterTokens(torch.autograd.Function):
+    """Megatron's g under sequence parallelism: forward sums the ranks' partial results and
+    keeps this rank's tokens (reduce-scatter); backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _sum_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _collect_tokens(grad, ctx.group), None
+
+
+class SequenceParallelBlock(nn.Module):
+    """A transformer block (`models.Block`) under tensor and sequence parallelism: it takes
+    and returns this rank's 1/t of the tokens. LayerNorms and residual adds run on the shard;
+    the attention and MLP run on the whole sequence with this rank's heads and columns (the
+    weights of lecture 9's `ParallelBlock`), entered through `GatherTokens` and left through
+    `ScatterTokens`. The LayerNorms and the row layers' biases (replicated) see only this
+    rank's tokens, so their gradients must be summed over the group after backward:
+    `sync_replicated_grads`."""
+
+    def __init__(self, block, group=None) -> None:
+        super().__init__()
+        self.group = group
+        self.tp = ParallelBlock(block, group)  # this rank's share of the weights
+
+    def _through(self, x, column, row, inner):
+        whole = GatherTokens.apply(x, self.group)
+        partial = F.linear(inner(F.linear(whole, column.weight, column.bias)), row.weight)
+        return ScatterTokens.apply(partial, self.group) + row.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        heads, width = tp.attn.n_heads, tp.attn.qkv.weight.shape[0] // 3
+
+        def attend(qkv):
+            return causal_attention(*qkv.split(width, dim=-1), heads)
+
+        x = x + self._through(tp.ln1(x), tp.attn.qkv, tp.attn.proj, attend)
+        return x + self._through(tp.ln2(x), tp.mlp.fc, tp.mlp.proj, F.gelu)
+
+    def sync_replicated_grads(self) -> None:
+        tp = self.tp
+        for p in [*tp.ln1.parameters(), *tp.ln2.parameters(), tp.attn.proj.bias, tp.mlp.proj.bias]:
+            dist.all_reduce(p.grad, group=self.group)

@@ -8,20 +8,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib import CommCounter, RankError, WorkerPool, rank, world_size
-from course_lib.costs import all_gather_bytes, ring_attention_bytes, ulysses_bytes
+from course_lib import CommCounter, RankError, WorkerPool, models, rank, world_size
+from course_lib.costs import (
+    all_gather_bytes,
+    ring_attention_bytes,
+    tp_layer_bytes,
+    ulysses_bytes,
+)
 from course_lib.measure.collectives import record_peers
 from course_lib.measure.sequence_parallel import (
     peak_bytes,
     sweep_peak_bytes,
     torch_context_parallel,
+    tp_against_sp,
 )
 from course_lib.sequence_parallel import (
+    ScatterTokens,
+    SequenceParallelBlock,
     attention,
     ring_attention,
     sequence_positions,
     ulysses_attention,
 )
+from course_lib.tensor_parallel import local_view
 
 # float64 throughout: the ring adds the same terms as one softmax in another order, so only
 # rounding differs (~1e-16 relative); 1e-12 leaves room and still catches any wrong term.
@@ -173,3 +182,59 @@ def test_torchs_context_parallel_does_not_run_on_the_cpu_as_lecture_11_says():
         said = pool.launch(torch_context_parallel, timeout=120)
     assert all(line.startswith("NotImplementedError") for line in said), said
     assert "_scaled_dot_product_flash_attention_for_cpu" in said[0]
+
+
+def sp_block_against_dense(seq_len):
+    """On each rank: SequenceParallelBlock on this rank's tokens against the dense block on
+    all of them, forward and backward; the largest difference of each."""
+    cfg = models.GPTConfig(d_model=32, n_heads=4, d_ff=64)
+    torch.manual_seed(0)
+    dense = models.Block(cfg, torch.float64)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, seq_len, 32, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(2, seq_len, 32, dtype=torch.float64, generator=g)
+    sp = SequenceParallelBlock(dense)
+    (dense(x) * weight).sum().backward()
+    mine = torch.tensor_split(torch.arange(seq_len), world_size())[rank()]
+    x_mine = x.detach()[:, mine].clone().requires_grad_()
+    out = sp(x_mine)
+    (out * weight[:, mine]).sum().backward()
+    sp.sync_replicated_grads()
+    dense_grads = {n: p.grad for n, p in dense.named_parameters()}
+    expected = local_view(sp.tp, dense_grads)
+    got = {n: p.grad for n, p in sp.tp.named_parameters()}
+    assert expected.keys() == got.keys()
+    return (
+        (out - dense(x)[:, mine]).abs().max().item(),
+        (x_mine.grad - x.grad[:, mine]).abs().max().item(),
+        max((got[n] - expected[n]).abs().max().item() for n in got),
+    )
+
+
+def test_megatron_sequence_parallel_block_equals_the_dense_block(pool):
+    if HEADS % pool.world_size:
+        pytest.skip("tensor parallelism splits the 4 heads evenly")
+    for seq_len in (4, 8):
+        for errors in pool.launch(sp_block_against_dense, seq_len, timeout=60):
+            assert max(errors) < 1e-12, (seq_len, errors)
+
+
+def sp_gather_uneven():
+    return ScatterTokens.apply(torch.zeros(1, 5, 4), None)
+
+
+def test_sequence_parallel_refuses_tokens_that_do_not_split():
+    with WorkerPool(2) as pool, pytest.raises(RankError, match="5 tokens cannot be split"):
+        pool.launch(sp_gather_uneven, timeout=60)
+
+
+def test_sequence_parallel_sends_what_tp_sends_and_saves_less():
+    """Lecture 11's claim: TP + SP sends TP's bytes (all-gather + reduce-scatter = all-reduce,
+    costs.tp_layer_bytes) and saves less for backward (LayerNorm inputs on shards)."""
+    with WorkerPool(2) as pool:
+        runs = pool.launch(tp_against_sp, 16, 32, timeout=60)
+    for r in runs:
+        tp, sp = r["TP"], r["TP + SP"]
+        assert tp["bytes sent"] == sp["bytes sent"] == tp_layer_bytes(2 * 16 * 32 * 8, 2)
+        assert sp["activations saved"] < tp["activations saved"]
+        assert max(tp["largest error"], sp["largest error"]) < 1e-12

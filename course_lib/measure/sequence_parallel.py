@@ -13,15 +13,18 @@ import torch
 import torch.distributed as dist
 from matplotlib.ticker import NullFormatter
 
+from course_lib import models
 from course_lib.comm import CommCounter
-from course_lib.memory import PeakMemory
+from course_lib.memory import PeakMemory, SavedTensors
 from course_lib.runtime import rank, world_size
 from course_lib.sequence_parallel import (
+    SequenceParallelBlock,
     attention,
     ring_attention,
     sequence_positions,
     ulysses_attention,
 )
+from course_lib.tensor_parallel import ParallelBlock
 
 METHODS = {"ring": ring_attention, "ulysses": ulysses_attention}
 
@@ -144,3 +147,36 @@ def torch_context_parallel(seq_len: int = 64, causal: bool = True) -> str:
     layout = "zigzag" if causal else "contiguous"
     mine = expected[..., sequence_positions(seq_len, rank(), world_size(), layout), :]
     return f"largest |torch CP - one process| = {(out.cpu() - mine).abs().max().item():.1e}"
+
+
+def tp_against_sp(seq_len: int = 64, d_model: int = 64) -> dict[str, dict]:
+    """On each rank: one forward and backward of a transformer block under tensor parallelism
+    (`ParallelBlock`, every token on every rank) and under tensor + sequence parallelism
+    (`SequenceParallelBlock`, this rank's tokens), float64: the bytes each sent (`CommCounter`;
+    for the built-in all-reduce, all-gather and reduce-scatter it counts by their ring model),
+    the activation bytes saved for backward (`SavedTensors`), and the largest difference of
+    the output from the dense block's."""
+    cfg = models.GPTConfig(d_model=d_model, n_heads=4, d_ff=4 * d_model)
+    torch.manual_seed(0)
+    dense = models.Block(cfg, torch.float64)
+    x = torch.randn(
+        2, seq_len, d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )
+    expected = dense(x)
+    mine = torch.tensor_split(torch.arange(seq_len), world_size())[rank()]
+    runs = {
+        "TP": (ParallelBlock(dense), x, slice(None)),
+        "TP + SP": (SequenceParallelBlock(dense), x[:, mine], mine),
+    }
+    out = {}
+    for name, (block, inputs, rows) in runs.items():
+        with CommCounter() as counter:
+            with SavedTensors(exclude=block.parameters()) as saved:
+                y = block(inputs)
+            y.sum().backward()
+        out[name] = {
+            "bytes sent": counter.bytes_sent,
+            "activations saved": saved.peak_bytes,
+            "largest error": (y - expected[:, rows]).abs().max().item(),
+        }
+    return out
