@@ -4,6 +4,7 @@
     launch(p2p_message_times, SIZES, world_size=2)    # the same over torch.distributed send/recv
     fit = fit_latency_bandwidth(SIZES, times)         # t(n) = alpha + n * beta
     plot_message_times(ax, SIZES, times, "pipe")      # points and fitted line, log-log
+    launch(hogwild, workers=2, world_size=1)          # lock-free SGD on shared memory
 
 Every timing is one way: the sender reads `time.perf_counter()` just before it sends, the
 receiver just after the message has arrived. Both clocks are the machine's monotonic clock,
@@ -152,6 +153,59 @@ def threads_vs_processes(n: int = 3_000_000, workers: int = 2) -> dict[str, floa
             runner.join()
         times[name] = time.perf_counter() - start
     return times
+
+
+# --- HOGWILD!: processes that update one shared model without locks ----------------------
+
+
+def _sgd_steps(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, seed: int):
+    """Least-squares SGD on `w` in place, batches of 16 drawn with `seed`. Each step reads w
+    and writes it back with no lock: on shared memory, other processes write in between."""
+    torch.set_num_threads(1)
+    draw = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        rows = torch.randint(len(x), (16,), generator=draw)
+        xb, yb = x[rows], y[rows]
+        w.sub_(lr * 2 * xb.T @ (xb @ w - yb) / len(rows))
+
+
+def hogwild(workers: int = 2, steps: int = 1000, lr: float = 0.02) -> dict[str, dict]:
+    """HOGWILD! (Niu et al., 2011) on a least-squares problem: `workers` forked processes each
+    take `steps` SGD steps on one weight vector in shared memory (`share_memory_()`), with no
+    lock; against one process taking all workers * steps steps, and against the same forked
+    processes on an ordinary tensor, which each changes in its own copy. Returns
+    {run: {"seconds", "loss"}} and the loss at the start, {"start": {"loss"}}."""
+    _refuse_in_kernel("hogwild")
+    fork = _fork()
+    draw = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 64, generator=draw)
+    y = x @ torch.randn(64, generator=draw) + 0.1 * torch.randn(4096, generator=draw)
+
+    def loss(w: torch.Tensor) -> float:
+        return torch.mean((x @ w - y) ** 2).item()
+
+    results = {"start": {"loss": loss(torch.zeros(64))}}
+    w = torch.zeros(64)
+    start = time.perf_counter()
+    _sgd_steps(w, x, y, workers * steps, lr, seed=0)
+    results["one process"] = {"seconds": time.perf_counter() - start, "loss": loss(w)}
+    for name, w in (("HOGWILD", torch.zeros(64).share_memory_()), ("copies", torch.zeros(64))):
+        children = [
+            fork.Process(target=_sgd_steps, args=(w, x, y, steps, lr, k + 1))
+            for k in range(workers)
+        ]
+        start = time.perf_counter()
+        for child in children:
+            child.start()
+        for child in children:
+            child.join()
+        if any(child.exitcode for child in children):
+            raise RuntimeError(
+                f"{name}: a child process failed, exit codes "
+                f"{[child.exitcode for child in children]}"
+            )
+        results[name] = {"seconds": time.perf_counter() - start, "loss": loss(w)}
+    return results
 
 
 # --- torch.distributed point-to-point -----------------------------------------------------

@@ -17,10 +17,12 @@ import torch.distributed as dist
 from course_lib import CommCounter, WorkerPool, data, models
 from course_lib.compression import (
     LEVELS,
+    CompressionLog,
     Sign,
     TopK,
     build_ddp,
     bytes_per_step,
+    comm_seconds,
     compress_with_feedback,
     dequantize,
     error_bound,
@@ -32,6 +34,11 @@ from course_lib.compression import (
     quantized_bytes,
     quantized_sum_bound,
     train_compressed,
+)
+from course_lib.measure.compression import (
+    plot_quantization_error,
+    slow_network_table,
+    sweep_bandwidth,
 )
 
 P = 4
@@ -252,3 +259,64 @@ def test_train_records_the_network_wait_of_each_step(pool4, method):
         assert sum(wait_s) >= 0.5 * 3 * expected
     for _, wait_s in pool4.launch(_step_and_wait, method, None, timeout=60):
         assert wait_s == [0.0] * 3
+
+
+# --- lecture 5's measuring helpers: the error histogram, the table, the bandwidth sweep -------
+
+
+def test_quantization_error_histogram_counts_every_element_with_an_error():
+    g = 1e-3 * torch.randn(5_000, generator=torch.Generator().manual_seed(0))
+    g[7] = 1.0
+    fig = plot_quantization_error(g, [None, 256])
+    ax = fig.axes[0]
+    for chunk, bars in zip([None, 256], ax.containers, strict=True):
+        nonzero = int(((dequantize(quantize(g, chunk_size=chunk)) - g) != 0).sum())
+        assert sum(bar.get_height() for bar in bars) == nonzero
+    assert len(ax.lines) == 2  # one typical-bound line per chunk size
+
+
+def _log(method, steps, waits, losses):
+    return CompressionLog(method, losses=losses, step_s=steps, wait_s=waits)
+
+
+def test_slow_network_table_reads_the_runs_it_is_given():
+    rank0 = {
+        "fp32": _log("fp32", [1.0, 1.0, 1.0], [0.0, 0.9, 0.9], [1.0, 0.5, 0.25]),
+        "int8": _log("int8", [1.0, 0.5, 0.5], [0.0, 0.3, 0.3], [1.0, 0.5, 0.5]),
+    }
+    rank1 = {m: _log(m, run.step_s, run.wait_s, run.losses) for m, run in rank0.items()}
+    network_s = {("fp32", "slow"): 0.9, ("int8", "slow"): 0.3}
+    network_s |= {("fp32", "fast"): 0.09, ("int8", "fast"): 0.03}
+    table = slow_network_table([rank0, rank1], network_s, "slow", n_params=1000, start=1)
+    lines = table.splitlines()
+    # per step from step 1 on: fp32 100 ms compute, 900 ms wait; int8 200 + 300 ms, 2x faster
+    assert lines[1].split() == ["fp32", "100.0", "900.0", "1000.0", "900.0", "1.00x"]
+    assert lines[2].split() == ["int8", "200.0", "300.0", "500.0", "300.0", "2.00x"]
+    assert "int8" in lines[6] and "1.50x" in lines[6] and "2.5e-01" in lines[6]
+    # 100 ms more compute over 1000 parameters: 1e5 ns each; 0.6 s saved: 6e5 ns at "slow"
+    assert lines[-1] == (
+        "int8: extra compute 100000 ns per parameter; network saved 600000 ns at slow "
+        "(60000 ns at fast)"
+    )
+    with pytest.raises(ValueError, match="compares with fp32"):
+        slow_network_table([{"int8": rank0["int8"]}], network_s, "slow", 1000, 1)
+
+
+def _sweep(bandwidths):
+    return sweep_bandwidth(("fp32", "int8"), bandwidths, batches(3), 0.01, sizes=SIZES)
+
+
+def test_sweep_bandwidth_times_steps_on_the_emulated_network(pool4):
+    """Each median step takes at least the network time the model gives it (the emulation
+    waits exactly that), and a slower link makes fp32's step longer by about the bytes'
+    time."""
+    bandwidths = [math.inf, 2e5]
+    shapes = [p.shape for p in models.MLP(SIZES).parameters()]
+    times = pool4.launch(_sweep, bandwidths, timeout=120)[0]
+    for m, seconds in times.items():
+        for bandwidth, s in zip(bandwidths, seconds, strict=True):
+            assert s >= 0.95 * comm_seconds(m, shapes, P, bandwidth, 0.01)
+    extra = times["fp32"][1] - times["fp32"][0]
+    assert extra >= 0.8 * bytes_per_step("fp32", shapes, P) / 2e5
+    with pytest.raises(ValueError, match="more than skip=2 batches"):
+        sweep_bandwidth(("fp32",), [1e6], batches(2), 0.01, sizes=SIZES)

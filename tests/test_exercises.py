@@ -3,7 +3,15 @@ and never print the expected value of a number the student has to find."""
 
 from __future__ import annotations
 
-from course_lib.exercises import check_choice, check_number
+import torch
+
+from course_lib.exercises import (
+    check_choice,
+    check_function,
+    check_matrix,
+    check_number,
+    nearest_option,
+)
 
 
 def test_a_number_within_the_tolerance_is_right(capsys):
@@ -40,3 +48,47 @@ def test_a_prediction_is_checked_against_what_was_measured(capsys):
     assert "Right: ring. Fewest bytes." in capsys.readouterr().out
     assert check_choice("tree", "ring", ["ring", "tree"], why="Fewest bytes.") is False
     assert "ring was" in capsys.readouterr().out
+
+
+def test_a_function_is_tried_on_every_input_and_told_where_it_differs(capsys):
+    def reference(n, p):
+        return 2 * (p - 1) / p * n
+
+    assert check_function(lambda n, p: 2 * (p - 1) * n / p, reference, [(8, 2), (8, 4)]) is True
+    assert "Right on all 2 inputs" in capsys.readouterr().out
+    # right for P = 2 only: the check names the input where it differs, not the answer
+    assert check_function(lambda n, p: n, reference, [(8, 2), (8, 4)]) is False
+    out = capsys.readouterr().out
+    assert "for (8, 4)" in out and "1.5x too small" in out and "12" not in out
+
+
+def test_a_function_that_raises_or_is_a_stub_is_told_so(capsys):
+    assert check_function(..., abs, [(1,)]) is None
+    assert check_function(lambda n: ..., abs, [(1,)]) is None
+    assert capsys.readouterr().out.count("Not answered yet") == 2
+    assert check_function(lambda n: 1 / 0, abs, [(1,)]) is False
+    assert "raised ZeroDivisionError for (1)" in capsys.readouterr().out
+    assert check_function(3, abs, [(1,)]) is False
+    assert "Expected a function" in capsys.readouterr().out
+
+
+def test_a_matrix_is_checked_entry_by_entry_without_showing_the_answer(capsys):
+    expected = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
+    assert check_matrix([[0.5, 0.5], [0.5, 0.5]], expected) is True
+    assert "Right: all 4 entries" in capsys.readouterr().out
+    assert check_matrix([[0.5, 0.5], [0.25, 0.5]], expected) is False
+    out = capsys.readouterr().out
+    assert "1 entries wrong, in rows [1]" in out and "row sums off at [1]" in out
+    assert "column sums off at [0]" in out
+    assert check_matrix([[1.0]], expected) is False
+    assert "your matrix is (1, 1), it should be (2, 2)" in capsys.readouterr().out
+    assert check_matrix(..., expected) is None
+    assert check_matrix("ring", expected) is False
+    assert "Expected a matrix" in capsys.readouterr().out
+
+
+def test_a_measured_ratio_picks_the_nearest_option_on_a_log_scale():
+    options = {"10x": 10, "100x": 100, "1000x": 1000}
+    assert nearest_option(40, options) == "100x"  # 40 is nearer 100 than 10 on a log scale
+    assert nearest_option(30, options) == "10x"
+    assert nearest_option(0.6, {"same": 1, "half": 0.5}) == "half"

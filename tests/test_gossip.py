@@ -10,6 +10,7 @@ SGD (`compare.train`). Sums and means are checked in fp64 to 1e-12; training in 
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -32,7 +33,10 @@ from course_lib.gossip import (
     simulate_consensus,
 )
 from course_lib.measure.gossip import (
+    contraction_by_size,
     parameter_server,
+    plot_contraction,
+    plot_mixing_matrices,
     stale_sgd,
     synchronous_server,
     train_decentralized,
@@ -337,3 +341,25 @@ def test_synchronous_server_averages_one_gradient_per_worker():
     log = synchronous_server(model, halves, F.mse_loss, 0.1, [1.0, 2.5], (x, y))
     assert log.time == [2.5 * k for k in range(1, 7)]
     compare.assert_same_parameters(model, sgd_reference(), rtol=0, atol=1e-6)
+
+
+# --- lecture 4's figures: mixing matrices and lambda against P -----------------------------
+
+
+def test_contraction_by_size_is_the_ring_formula_and_zero_for_exact_averaging():
+    sizes = [4, 5, 8, 16]
+    rates = contraction_by_size({"ring": Ring, "expo": ExponentialGraph}, sizes)
+    for p, rate in zip(sizes, rates["ring"], strict=True):
+        assert rate == pytest.approx(1 / 3 + 2 / 3 * math.cos(2 * math.pi / p), abs=1e-6)
+    assert rates["expo"][0] == rates["expo"][2] == rates["expo"][3] == 0.0  # exact in log2 P
+    assert 0 < rates["expo"][1] < 1  # P = 5: not exact, but it mixes
+
+
+def test_mixing_matrix_heatmaps_draw_the_matrices_given():
+    matrices = {"ring": Ring(8).mixing_matrix(), "expo": ExponentialGraph(8).mixing_matrix(1)}
+    fig = plot_mixing_matrices(matrices)
+    for ax, w in zip(fig.axes, matrices.values(), strict=False):
+        assert torch.equal(torch.as_tensor(ax.images[0].get_array()), w)
+        assert len(ax.texts) == int((w > 0).sum())  # each nonzero entry written in
+    lines = plot_contraction([4, 8], {"ring": [0.3, 0.8]}).axes[0].lines
+    assert list(lines[0].get_ydata()) == [0.3, 0.8]

@@ -12,6 +12,7 @@ from course_lib import CommCounter, RankError, WorkerPool
 from course_lib.processes import (
     LinkFit,
     fit_latency_bandwidth,
+    hogwild,
     overlap_times,
     p2p_message_times,
     pipe_message_times,
@@ -153,6 +154,7 @@ def test_forking_helpers_refuse_to_run_in_a_notebook_kernel(monkeypatch):
         (pipe_message_times, (SIZES,)),
         (pipe_send_send_finishes, (10,)),
         (threads_vs_processes, (10,)),
+        (hogwild, (2, 10)),
     ]:
         with pytest.raises(RuntimeError, match=r"world_size=1"):
             fn(*args)
@@ -222,3 +224,14 @@ def test_p2p_helpers_reject_bad_arguments(pool2):
         pool2.launch(p2p_message_times, SIZES, 1, 0, 0, timeout=30)
     with pytest.raises(RankError, match="'cpu' or 'offloaded'"):
         pool2.launch(overlap_times, 10, "gpu", timeout=30)
+
+
+def test_hogwild_trains_one_shared_model_and_copies_train_nothing(pool1):
+    """Lock-free updates from 2 processes to shared memory train as well as one process
+    taking all their steps; on an ordinary tensor each child trains its own copy, and the
+    parent's weights never move."""
+    (runs,) = pool1.launch(hogwild, 2, 300, timeout=60)
+    start = runs["start"]["loss"]
+    assert runs["one process"]["loss"] < 0.01 * start
+    assert runs["HOGWILD"]["loss"] < 0.01 * start
+    assert runs["copies"]["loss"] == start

@@ -1,18 +1,31 @@
 """How lecture 5 shows training with compressed gradients: loss curves against steps or
-seconds, from the runs of `course_lib.compression.train_compressed`.
+seconds, from the runs of `course_lib.compression.train_compressed`; the quantization error
+as a histogram; a slow-network run as a table, and step time swept over bandwidths.
 
     plot_loss_curves(loss_curves(runs, against="time"), "seconds")
+    plot_quantization_error(gradient, [None, 256])
+    times = sweep_bandwidth(("fp32", "int8"), [12.5e6, 125e6], batches, 5e-3, sizes=(8, 4))
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from matplotlib.figure import Figure
 
 from course_lib import plots
-from course_lib.compression import CompressionLog, mean_losses
+from course_lib.compression import (
+    CompressionLog,
+    dequantize,
+    error_bound,
+    mean_losses,
+    quantize,
+    train_compressed,
+)
+from course_lib.plots import NotebookFigure
 
 
 def plot_loss_curves(
@@ -45,3 +58,144 @@ def loss_curves(runs: dict[str, Sequence[CompressionLog]], against: str = "step"
             x = list(range(len(losses)))
         curves[label] = (x, losses)
     return curves
+
+
+# --- the quantization error, seen whole ------------------------------------------------------
+
+
+def plot_quantization_error(tensor: torch.Tensor, chunk_sizes: Sequence[int | None]) -> Figure:
+    """Histograms of |dequantize(quantize(x)) - x| over all elements, one per chunk size
+    (None: one scale for the whole tensor), on log axes, each with a dashed line at the bound
+    s/2 of a typical element's chunk (the median over elements): each element's error is
+    below its own chunk's s/2, so most of a histogram sits left of its line."""
+    fig = NotebookFigure(figsize=(6.5, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    errors = {c: (dequantize(quantize(tensor, chunk_size=c)) - tensor).abs() for c in chunk_sizes}
+    smallest = min(e[e > 0].min().item() for e in errors.values())
+    largest = max(e.max().item() for e in errors.values())
+    bins = np.geomspace(smallest / 1.01, largest * 1.01, 60)  # a margin: no error falls outside
+    for i, (chunk, error) in enumerate(errors.items()):
+        label = "one scale" if chunk is None else f"a scale per {chunk} elements"
+        ax.hist(error[error > 0].numpy(), bins=bins, alpha=0.6, color=f"C{i}", label=label)
+        bound = error_bound(quantize(tensor, chunk_size=chunk)).median().item()
+        ax.axvline(bound, color=f"C{i}", ls="--", lw=1, label=f"{label}: typical s/2")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("|quantized - exact| per element")
+    ax.set_ylabel("elements")
+    ax.set_title(f"8-bit quantization error of {tensor.numel():,} elements", fontsize=10)
+    ax.legend(fontsize=8)
+    return fig
+
+
+# --- the slow network: a table of one run, and a sweep over bandwidths -----------------------
+
+
+def slow_network_table(
+    rank_runs: Sequence[dict[str, CompressionLog]],
+    network_s: dict[tuple[str, str], float],
+    link: str,
+    n_params: int,
+    start: int,
+) -> str:
+    """Lecture 5's table of a run on the emulated `link`, from every rank's {method: log}
+    (rank 0's times): per step (after `start`) compute, network wait, total, the predicted
+    network time `network_s[method, link]` and the speed-up over fp32; for the whole run its
+    time, speed-up and largest loss gap to fp32; then each method's extra compute per
+    parameter next to the network time it saves at every link of `network_s`."""
+    runs = rank_runs[0]
+    if "fp32" not in runs:
+        raise ValueError(f"the table compares with fp32: run it too (got {', '.join(runs)})")
+    links = list(dict.fromkeys(name for _, name in network_s))
+    links.sort(key=lambda name: name != link)  # the run's link first
+    losses = {m: mean_losses([per_rank[m] for per_rank in rank_runs]) for m in runs}
+    split = {}
+    for m, run in runs.items():  # mean compute, network wait and total per step, in ms
+        total, wait = run.step_s[start:], run.wait_s[start:]
+        split[m] = (1e3 * (sum(total) - sum(wait)) / len(total), 1e3 * sum(wait) / len(total))
+        split[m] += (1e3 * sum(total) / len(total),)
+    lines = [
+        f"{'per step (ms)':<14}{'compute':>8}{'net wait':>10}{'total':>8}{'predicted net':>15}"
+        f"{'speed-up':>10}"
+    ]
+    for m, (compute, wait, total) in split.items():
+        speed_up = split["fp32"][2] / total
+        lines.append(
+            f"{m:<14}{compute:8.1f}{wait:10.1f}{total:8.1f}{1e3 * network_s[m, link]:15.1f}"
+            f"{speed_up:9.2f}x"
+        )
+    lines.append(
+        f"\n{'whole run':<14}{'time':>8}{'speed-up':>10}{'max |loss - fp32|':>19}{'final loss':>12}"
+    )
+    for m, run in runs.items():
+        gap = max(abs(a - b) for a, b in zip(losses[m], losses["fp32"], strict=True))
+        speed_up = sum(runs["fp32"].step_s) / sum(run.step_s)
+        lines.append(
+            f"{m:<14}{sum(run.step_s):7.2f}s{speed_up:9.2f}x{gap:19.1e}{losses[m][-1]:12.4f}"
+        )
+    lines.append("")
+    for m in [m for m in runs if m != "fp32"]:
+        extra = 1e6 * (split[m][0] - split["fp32"][0]) / n_params  # ms -> ns
+        saved = [1e9 * (network_s["fp32", n] - network_s[m, n]) / n_params for n in links]
+        lines.append(
+            f"{m}: extra compute {extra:.0f} ns per parameter; network saved {saved[0]:.0f} ns "
+            f"at {links[0]}"
+            + "".join(f" ({v:.0f} ns at {n})" for v, n in zip(saved[1:], links[1:], strict=True))
+        )
+    return "\n".join(lines)
+
+
+def sweep_bandwidth(
+    methods: Sequence[str],
+    bandwidths: Sequence[float],
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    latency: float,
+    *,
+    skip: int = 2,
+    **options,
+) -> dict[str, list[float]]:
+    """Median step seconds of each method (after the first `skip` steps) on `SlowNetwork` at
+    each bandwidth in bytes/s, run on every rank in `launch`; `options` go to
+    `train_compressed` (sizes, lr, powersgd_rank, start_powersgd_iter)."""
+    if len(batches) <= skip:
+        raise ValueError(f"need more than skip={skip} batches to time a step, got {len(batches)}")
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for bandwidth in bandwidths:
+        network = {"bandwidth": bandwidth, "latency": latency}
+        for m in methods:
+            run = train_compressed(m, batches, network=network, **options)
+            times[m].append(statistics.median(run.step_s[skip:]))
+    return times
+
+
+def plot_step_time_vs_bandwidth(
+    bandwidths: Sequence[float],
+    measured: dict[str, Sequence[float]],
+    predicted: dict[str, Sequence[float]],
+) -> Figure:
+    """Measured step time (dots) and the alpha-beta network time alone (lines) of each method
+    against the bandwidth, log-log: the gap between a dot and its line is the compute."""
+    fig = NotebookFigure(figsize=(6.5, 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    gbits = [8 * b / 1e9 for b in bandwidths]
+    for i, m in enumerate(measured):
+        ax.plot(
+            gbits,
+            [1e3 * s for s in predicted[m]],
+            "-",
+            color=f"C{i}",
+            alpha=0.5,
+            lw=2,
+            label=f"{m}: network time (model)",
+        )
+        ax.plot(
+            gbits, [1e3 * s for s in measured[m]], "o", color=f"C{i}", label=f"{m}: measured step"
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("bandwidth (Gbit/s)")
+    ax.set_ylabel("time per step (ms)")
+    ax.set_title("step time against bandwidth, emulated network", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig

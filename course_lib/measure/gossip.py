@@ -4,6 +4,8 @@ stale gradients simulated in one process.
     log = train_decentralized("sgp", model, batches, F.mse_loss, lr=0.1, topology=expo)
     losses = stale_sgd(model, batches, F.mse_loss, lr=0.1, staleness=4)
     async_log = parameter_server(model, batches, F.mse_loss, 0.05, worker_times, eval_data)
+    plot_mixing_matrices({"ring": Ring(8).mixing_matrix()})
+    plot_contraction(SIZES, contraction_by_size({"ring": Ring}, SIZES))
 
 The gossip itself (topologies, rounds, push-sum, AsyncPushSum) is course_lib/gossip.py.
 """
@@ -11,12 +13,14 @@ The gossip itself (topologies, rounds, push-sum, AsyncPushSum) is course_lib/gos
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from matplotlib.figure import Figure
 from torch import nn
 
 from course_lib.comm import CommCounter, written_bytes
@@ -29,9 +33,11 @@ from course_lib.gossip import (
     RandomGroups,
     Ring,
     Topology,
+    contraction_rate,
     gossip_round,
     push_sum_step,
 )
+from course_lib.plots import NotebookFigure
 from course_lib.runtime import rank, world_size
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -285,3 +291,55 @@ def _default_topology(method: str, p: int) -> Topology:
     if method == "gossip":
         return Ring(p)
     return ExponentialGraph(p)
+
+
+# --- the mixing matrices and their contraction, drawn ------------------------------------------
+
+
+def plot_mixing_matrices(matrices: dict[str, torch.Tensor]) -> Figure:
+    """Heatmaps of mixing matrices side by side, {title: W}: row i is what rank i ends up
+    with, column j where rank j's values go. Entries are written in when P <= 8."""
+    fig = NotebookFigure(figsize=(3.1 * len(matrices), 3.2), layout="constrained")
+    axes = fig.subplots(1, len(matrices), squeeze=False)[0]
+    for ax, (title, w) in zip(axes, matrices.items(), strict=True):
+        p = w.shape[0]
+        image = ax.imshow(w.numpy(), cmap="Blues", vmin=0, vmax=1)
+        if p <= 8:
+            for i, j in itertools.product(range(p), range(p)):
+                if w[i, j] > 0:
+                    text = f"{w[i, j].item():.2g}"
+                    ax.text(j, i, text, ha="center", va="center", fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("from rank j")
+        ax.set_ylabel("to rank i")
+        ax.set_xticks(range(p))
+        ax.set_yticks(range(p))
+    fig.colorbar(image, ax=fig.axes, shrink=0.8, label="$W_{ij}$")
+    return fig
+
+
+def contraction_by_size(
+    topologies: dict[str, Callable[[int], Topology]], sizes: Sequence[int]
+) -> dict[str, list[float]]:
+    """lambda for each topology (a maker, P -> Topology) at each P in `sizes`:
+    `contraction_rate`, ||W - J||_2 for a fixed graph, the per-round rate over one period
+    for a graph that changes with the step."""
+    return {name: [contraction_rate(make(p)) for p in sizes] for name, make in topologies.items()}
+
+
+def plot_contraction(sizes: Sequence[int], rates: dict[str, Sequence[float]]) -> Figure:
+    """lambda against P, one line per topology: near 1 the copies agree slowly, at 0 in one
+    period exactly."""
+    fig = NotebookFigure(figsize=(6, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    for name, values in rates.items():
+        ax.plot(sizes, values, "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(sizes), [str(p) for p in sizes])
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel("ranks P")
+    ax.set_ylabel(r"$\lambda = \|W - J\|_2$ per round")
+    ax.set_title("how much of the disagreement one round leaves", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
