@@ -3,7 +3,9 @@ and never print the expected value of a number the student has to find."""
 
 from __future__ import annotations
 
-from course_lib.exercises import check_choice, check_number
+import torch
+
+from course_lib.exercises import check_choice, check_function, check_number, check_numbers
 
 
 def test_a_number_within_the_tolerance_is_right(capsys):
@@ -40,3 +42,74 @@ def test_a_prediction_is_checked_against_what_was_measured(capsys):
     assert "Right: ring. Fewest bytes." in capsys.readouterr().out
     assert check_choice("tree", "ring", ["ring", "tree"], why="Fewest bytes.") is False
     assert "ring was" in capsys.readouterr().out
+
+
+def test_named_numbers_are_checked_one_by_one(capsys):
+    expected = {"ddp": 112.0, "zero3": 1.75}
+    assert check_numbers({"ddp": 112, "zero3": 1.75}, expected, unit="GB") is True
+    assert capsys.readouterr().out.count("✓") == 2
+    assert check_numbers({"ddp": 112, "zero3": 3.5}, expected, hint="Divide by P.") is False
+    out = capsys.readouterr().out
+    assert "zero3: ✗ Not yet: 3.5 is 2x too large. Divide by P." in out
+    assert "1.75" not in out
+    assert check_numbers({"ddp": 112}, expected) is False  # one right, one still unanswered
+    assert "zero3: Not answered yet" in capsys.readouterr().out
+
+
+def test_named_numbers_unanswered_or_misnamed(capsys):
+    assert check_numbers(..., {"a": 1.0}) is None
+    assert check_numbers({"a": ...}, {"a": 1.0}) is None
+    assert capsys.readouterr().out.count("Not answered yet") == 2
+    assert check_numbers({"b": 1.0}, {"a": 1.0}) is False
+    assert "Unknown names ['b']: use 'a'" in capsys.readouterr().out
+    assert check_numbers(3.0, {"a": 1.0}) is False
+    assert "Expected a dict" in capsys.readouterr().out
+
+
+def first_rows(t, rank, size):
+    return t.chunk(size, dim=0)[rank]
+
+
+CASES = {
+    f"rank {r} of {p}": (torch.arange(24.0).reshape(6, 4), r, p) for p in (1, 2) for r in range(p)
+}
+
+
+def test_a_function_that_agrees_on_every_case_is_right(capsys):
+    assert check_function(lambda t, r, p: t[r * 6 // p : (r + 1) * 6 // p], first_rows, CASES)
+    assert "Right on all 3 cases" in capsys.readouterr().out
+
+
+def test_a_function_that_differs_is_told_where_and_how_not_what(capsys):
+    columns = lambda t, r, p: t.chunk(p, dim=1)[r]  # noqa: E731
+    assert check_function(columns, first_rows, CASES, hint="Rows of weight.") is False
+    out = capsys.readouterr().out
+    assert "on rank 0 of 2" in out and "shape (6, 2), which is not the right shape" in out
+    assert "(3, 4)" not in out and "Rows of weight." in out
+    shifted = lambda t, r, p: first_rows(t, r, p) + 0.5  # noqa: E731
+    assert check_function(shifted, first_rows, CASES) is False
+    assert (
+        "on rank 0 of 1, your function returned the right shape, but values off by up to 0.5"
+        in (capsys.readouterr().out)
+    )
+    assert check_function(lambda t, r, p: 3, first_rows, CASES) is False
+    assert "a int, not a tensor" in capsys.readouterr().out
+
+
+def test_a_stub_or_a_crash_never_raises(capsys):
+    def stub(t, r, p): ...  # the cell as shipped
+
+    def todo(t, r, p):
+        raise NotImplementedError
+
+    assert check_function(..., first_rows, CASES) is None
+    assert check_function(stub, first_rows, CASES) is None
+    assert check_function(todo, first_rows, CASES) is None
+    assert capsys.readouterr().out.count("Not answered yet") == 3
+    assert check_function(lambda t, r, p: t[10], first_rows, CASES) is False
+    assert "on rank 0 of 1, your function raised IndexError" in capsys.readouterr().out
+    assert check_function("rows", first_rows, CASES) is False
+    assert "Expected a function" in capsys.readouterr().out
+    assert check_function(lambda x: x + 1, lambda x: x + 1.0, {"x = 1": (1,)}) is True
+    assert check_function(lambda x: [x], lambda x: [x, x], {"x = 1": (1,)}) is False
+    assert "returned [1], not it" in capsys.readouterr().out
