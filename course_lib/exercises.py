@@ -47,7 +47,8 @@ def check_number(
         return False
     unit = f" {unit}" if unit else ""
     if math.isclose(value, expected, rel_tol=rtol, abs_tol=atol):
-        print(f"✓ Right: {value:.4g}{unit} (checked to within {rtol:.0%}).")
+        within = f"{rtol:.0%}" if rtol else f"±{atol:g}"
+        print(f"✓ Right: {value:.4g}{unit} (checked to within {within}).")
         return True
     if expected != 0 and value != 0 and (value > 0) == (expected > 0):
         ratio = value / expected

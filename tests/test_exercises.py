@@ -11,6 +11,8 @@ from course_lib.exercises import check_choice, check_function, check_number, che
 def test_a_number_within_the_tolerance_is_right(capsys):
     assert check_number(1.01e6, 1e6, rtol=0.02, unit="bytes") is True
     assert "Right" in capsys.readouterr().out
+    assert check_number(15.6, 16, rtol=0, atol=0.5) is True  # a whole number, told how close
+    assert "checked to within ±0.5" in capsys.readouterr().out
 
 
 def test_a_wrong_number_is_told_how_far_off_without_the_answer(capsys):
