@@ -1,10 +1,12 @@
 """In-lecture exercises: an instant, friendly check that never grades and never fails.
 
-    from course_lib.exercises import check_choice, check_number
+    from course_lib.exercises import check_choice, check_function, check_number, check_numbers
 
     crossover = ...  # your answer, in bytes
     check_number(crossover, expected, rtol=0.02, unit="bytes", hint="set the two times equal")
+    check_numbers({"ddp": ..., "zero3": ...}, {"ddp": 112e9, "zero3": 1.75e9}, unit="bytes")
     check_function(my_formula, costs.all_reduce_bytes, [(4_000, 2), (4_000, 8)])
+    check_function(my_shard, library_shard, {"rank 1 of 2": (weight, 1, 2)})
     check_matrix(my_mixing_matrix, Ring(4).mixing_matrix())
 
 An exercise cell leaves the answer as `...` until the student writes one: the check then says
@@ -16,7 +18,8 @@ to find it. Graded work is in the assignments, with their own checks (`course_li
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -48,7 +51,8 @@ def check_number(
         return False
     unit = f" {unit}" if unit else ""
     if math.isclose(value, expected, rel_tol=rtol, abs_tol=atol):
-        print(f"✓ Right: {value:.4g}{unit} (checked to within {rtol:.0%}).")
+        within = f"{rtol:.0%}" if rtol else f"±{atol:g}"
+        print(f"✓ Right: {value:.4g}{unit} (checked to within {within}).")
         return True
     print(f"✗ Not yet: {value:.4g}{unit} is {_how_far(value, expected)}. {hint}".rstrip())
     return False
@@ -87,42 +91,93 @@ def nearest_option(value: float, options: dict[str, float]) -> str:
     return min(options, key=lambda label: abs(math.log(value / options[label])))
 
 
-def check_function(
-    function: object,
-    reference: Callable,
-    cases: Sequence[tuple],
+def check_numbers(
+    answers: object,
+    expected: Mapping[str, float],
     *,
-    rtol: float = 1e-6,
+    rtol: float = 0.02,
+    atol: float = 0.0,
+    unit: str = "",
     hint: str = "",
 ) -> bool | None:
-    """Call the student's `function` and `reference` on each tuple of arguments in `cases`;
-    print right, or the first case where they differ and how far off the student's value is.
-    A function left as `...`, or one that still returns `...`, is unanswered."""
-    if _unanswered(function):
+    """`check_number` for each named answer of a dict, one line per name: True when all are
+    right, None while all are still `...` (a name left out counts as `...`)."""
+    if _unanswered(answers):
         return None
-    if not callable(function):
-        print(f"✗ Expected a function (def ...), got {function!r}.")
+    if not isinstance(answers, Mapping):
+        print(f"✗ Expected a dict with the names {', '.join(map(repr, expected))}.")
         return False
-    for args in cases:
-        shown = ", ".join(map(repr, args))
-        try:
-            value = function(*args)
-        except Exception as error:  # noqa: BLE001 - told to the student, never raised
-            print(f"✗ Your function raised {type(error).__name__} for ({shown}): {error}")
-            return False
-        if _unanswered(value):
+    unknown = [name for name in answers if name not in expected]
+    if unknown:
+        print(f"✗ Unknown names {unknown}: use {', '.join(map(repr, expected))}.")
+        return False
+    verdicts = []
+    for name, value in expected.items():
+        print(f"{name}: ", end="")
+        answer = answers.get(name, ...)
+        verdicts.append(check_number(answer, value, rtol=rtol, atol=atol, unit=unit, hint=hint))
+    if all(v is None for v in verdicts):
+        return None
+    return all(verdicts)
+
+
+def _differs(yours: Any, expected: Any, rtol: float, atol: float) -> str | None:
+    """How `yours` differs from `expected` (a tensor, a number or anything comparable with
+    ==), without saying what `expected` is; None when they agree."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(yours, torch.Tensor):
+            return f"a {type(yours).__name__}, not a tensor"
+        if yours.shape != expected.shape:
+            return f"shape {tuple(yours.shape)}, which is not the right shape"
+        if torch.allclose(yours.double(), expected.double(), rtol=rtol, atol=atol):
             return None
+        worst = (yours.double() - expected.double()).abs().max().item()
+        return f"the right shape, but values off by up to {worst:.3g}"
+    if isinstance(expected, (int, float)) and isinstance(yours, (int, float)):
+        if math.isclose(yours, expected, rel_tol=rtol, abs_tol=atol):
+            return None
+        return f"{yours:.6g}, {_how_far(float(yours), float(expected))}"
+    return None if yours == expected else f"{yours!r}, not it"
+
+
+def check_function(
+    candidate: object,
+    reference: Callable[..., Any],
+    cases: Mapping[str, tuple] | Sequence[tuple],
+    *,
+    rtol: float = 1e-9,
+    atol: float = 0.0,
+    hint: str = "",
+) -> bool | None:
+    """Call `candidate` and `reference` with the arguments of each case (named, or a list of
+    argument tuples) and say on which case they first differ, and how (shape, values, how many
+    times too large), never what the reference returned. A function still `...`, raising
+    NotImplementedError or returning None or `...` is unanswered."""
+    if _unanswered(candidate):
+        return None
+    if not callable(candidate):
+        print(f"✗ Expected a function, got {candidate!r}.")
+        return False
+    if not isinstance(cases, Mapping):
+        cases = {f"({', '.join(map(repr, args))})": args for args in cases}
+    for name, args in cases.items():
         try:
-            value = float(value)
-        except (TypeError, ValueError):
-            print(f"✗ For ({shown}) your function returned {value!r}, not a number.")
+            yours = candidate(*args)
+        except NotImplementedError:
+            yours = None
+        except Exception as error:  # the student's bug, reported, never raised
+            print(f"✗ Not yet: on {name}, your function raised {type(error).__name__}: {error}")
             return False
-        expected = float(reference(*args))
-        if not math.isclose(value, expected, rel_tol=rtol, abs_tol=1e-12):
-            off = _how_far(value, expected)
-            print(f"✗ Not yet: for ({shown}) your function gives {value:.6g}, {off}. {hint}")
+        if yours is None or yours is ...:
+            print(
+                "Not answered yet: your function returned nothing; write it and return the result."
+            )
+            return None
+        how = _differs(yours, reference(*args), rtol, atol)
+        if how is not None:
+            print(f"✗ Not yet: on {name}, your function returned {how}. {hint}".rstrip())
             return False
-    print(f"✓ Right on all {len(cases)} inputs tried.")
+    print(f"✓ Right on all {len(cases)} cases: {', '.join(cases)}.")
     return True
 
 

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from course_lib.costs import BYTES_PER_PARAMETER
+from course_lib.costs import BYTES_PER_PARAMETER, activation_memory
 from course_lib.models import GPTConfig
 
 GB = 1e9  # memory budgets are quoted in decimal gigabytes, as GPU data sheets do (80 GB)
@@ -283,6 +283,15 @@ def attention_square_bytes(config: GPTConfig, batch: int, seq: int, element_size
     (batch x heads x seq x seq) and masked_fill keeps its boolean mask (seq x seq)."""
     per_block = batch * config.n_heads * seq * seq * element_size + seq * seq
     return config.n_layers * per_block
+
+
+def attention_share(config: GPTConfig, batch: int, seq: int) -> float:
+    """Share of the attention scores' as^2b terms in Korthikanti's bytes per layer,
+    sbh(34 + 5as/h) (`costs.activation_memory`), for a TinyGPT configuration's h and a: what
+    the formula predicts for the seq x seq part that `square_bytes` measures."""
+    h, a = config.d_model, config.n_heads
+    linear = activation_memory(seq, batch, h, a, recompute_attention=True)
+    return 1 - linear / activation_memory(seq, batch, h, a)
 
 
 # --- everything a block allocates: the high-water mark -------------------------------------

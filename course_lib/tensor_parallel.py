@@ -153,6 +153,22 @@ def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> to
 # --- linear layers ----------------------------------------------------------------------------
 
 
+def column_shard(weight: torch.Tensor, rank: int, size: int, parts: int = 1) -> torch.Tensor:
+    """Rank `rank` of `size`'s share of a dense nn.Linear weight (out, in), or of its bias, in
+    a column-parallel layer: its rows, i.e. its slice of the output features (a column of A
+    is a row of `weight`); with `parts` stacked blocks (q, k, v), its slice of each block."""
+    blocks = weight.chunk(parts, dim=0)
+    start, end = shard_range(blocks[0].shape[0], rank, size, "block")
+    return torch.cat([block[start:end] for block in blocks], dim=0)
+
+
+def row_shard(weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank` of `size`'s share of a dense nn.Linear weight (out, in) in a row-parallel
+    layer: its columns, the slice of the input features it multiplies."""
+    start, end = shard_range(weight.shape[1], rank, size)
+    return weight[:, start:end]
+
+
 def _take_share(layer: nn.Module, dense: nn.Module) -> None:
     """Give `layer` parameters holding its share of `dense`'s weights (`layer.shard_dense`
     says which), as copies on `dense`'s device: the dense layer is left as it was."""
@@ -202,13 +218,11 @@ class ColumnParallelLinear(nn.Module):
     def shard_dense(self, dense: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's rows of the dense weight (and bias): a slice of each of `parts` blocks."""
         size, rank = tp_size(self.group), tp_rank(self.group)
-
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            blocks = t.chunk(self.parts, dim=0)
-            start, end = shard_range(blocks[0].shape[0], rank, size, "block")
-            return torch.cat([block[start:end] for block in blocks], dim=0)
-
-        return {name: rows(t) for name, t in dense.items() if name in ("weight", "bias")}
+        return {
+            name: column_shard(t, rank, size, self.parts)
+            for name, t in dense.items()
+            if name in ("weight", "bias")
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
@@ -237,9 +251,7 @@ class RowParallelLinear(nn.Module):
 
     def shard_dense(self, dense: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's columns of the dense (out, in) weight; the bias whole (replicated)."""
-        w = dense["weight"]
-        start, end = shard_range(w.shape[1], tp_rank(self.group), tp_size(self.group))
-        out = {"weight": w[:, start:end]}
+        out = {"weight": row_shard(dense["weight"], tp_rank(self.group), tp_size(self.group))}
         if "bias" in dense:
             out["bias"] = dense["bias"]
         return out

@@ -10,6 +10,7 @@ from course_lib.exercises import (
     check_function,
     check_matrix,
     check_number,
+    check_numbers,
     nearest_option,
 )
 
@@ -17,6 +18,8 @@ from course_lib.exercises import (
 def test_a_number_within_the_tolerance_is_right(capsys):
     assert check_number(1.01e6, 1e6, rtol=0.02, unit="bytes") is True
     assert "Right" in capsys.readouterr().out
+    assert check_number(15.6, 16, rtol=0, atol=0.5) is True  # a whole number, told how close
+    assert "checked to within ±0.5" in capsys.readouterr().out
 
 
 def test_a_wrong_number_is_told_how_far_off_without_the_answer(capsys):
@@ -50,16 +53,87 @@ def test_a_prediction_is_checked_against_what_was_measured(capsys):
     assert "ring was" in capsys.readouterr().out
 
 
+def test_named_numbers_are_checked_one_by_one(capsys):
+    expected = {"ddp": 112.0, "zero3": 1.75}
+    assert check_numbers({"ddp": 112, "zero3": 1.75}, expected, unit="GB") is True
+    assert capsys.readouterr().out.count("✓") == 2
+    assert check_numbers({"ddp": 112, "zero3": 3.5}, expected, hint="Divide by P.") is False
+    out = capsys.readouterr().out
+    assert "zero3: ✗ Not yet: 3.5 is 2x too large. Divide by P." in out
+    assert "1.75" not in out
+    assert check_numbers({"ddp": 112}, expected) is False  # one right, one still unanswered
+    assert "zero3: Not answered yet" in capsys.readouterr().out
+
+
+def test_named_numbers_unanswered_or_misnamed(capsys):
+    assert check_numbers(..., {"a": 1.0}) is None
+    assert check_numbers({"a": ...}, {"a": 1.0}) is None
+    assert capsys.readouterr().out.count("Not answered yet") == 2
+    assert check_numbers({"b": 1.0}, {"a": 1.0}) is False
+    assert "Unknown names ['b']: use 'a'" in capsys.readouterr().out
+    assert check_numbers(3.0, {"a": 1.0}) is False
+    assert "Expected a dict" in capsys.readouterr().out
+
+
+def first_rows(t, rank, size):
+    return t.chunk(size, dim=0)[rank]
+
+
+CASES = {
+    f"rank {r} of {p}": (torch.arange(24.0).reshape(6, 4), r, p) for p in (1, 2) for r in range(p)
+}
+
+
+def test_a_function_that_agrees_on_every_case_is_right(capsys):
+    assert check_function(lambda t, r, p: t[r * 6 // p : (r + 1) * 6 // p], first_rows, CASES)
+    assert "Right on all 3 cases" in capsys.readouterr().out
+
+
+def test_a_function_that_differs_is_told_where_and_how_not_what(capsys):
+    columns = lambda t, r, p: t.chunk(p, dim=1)[r]  # noqa: E731
+    assert check_function(columns, first_rows, CASES, hint="Rows of weight.") is False
+    out = capsys.readouterr().out
+    assert "on rank 0 of 2" in out and "shape (6, 2), which is not the right shape" in out
+    assert "(3, 4)" not in out and "Rows of weight." in out
+    shifted = lambda t, r, p: first_rows(t, r, p) + 0.5  # noqa: E731
+    assert check_function(shifted, first_rows, CASES) is False
+    assert (
+        "on rank 0 of 1, your function returned the right shape, but values off by up to 0.5"
+        in (capsys.readouterr().out)
+    )
+    assert check_function(lambda t, r, p: 3, first_rows, CASES) is False
+    assert "a int, not a tensor" in capsys.readouterr().out
+
+
+def test_a_stub_or_a_crash_never_raises(capsys):
+    def stub(t, r, p): ...  # the cell as shipped
+
+    def todo(t, r, p):
+        raise NotImplementedError
+
+    assert check_function(..., first_rows, CASES) is None
+    assert check_function(stub, first_rows, CASES) is None
+    assert check_function(todo, first_rows, CASES) is None
+    assert capsys.readouterr().out.count("Not answered yet") == 3
+    assert check_function(lambda t, r, p: t[10], first_rows, CASES) is False
+    assert "on rank 0 of 1, your function raised IndexError" in capsys.readouterr().out
+    assert check_function("rows", first_rows, CASES) is False
+    assert "Expected a function" in capsys.readouterr().out
+    assert check_function(lambda x: x + 1, lambda x: x + 1.0, {"x = 1": (1,)}) is True
+    assert check_function(lambda x: [x], lambda x: [x, x], {"x = 1": (1,)}) is False
+    assert "returned [1], not it" in capsys.readouterr().out
+
+
 def test_a_function_is_tried_on_every_input_and_told_where_it_differs(capsys):
     def reference(n, p):
         return 2 * (p - 1) / p * n
 
     assert check_function(lambda n, p: 2 * (p - 1) * n / p, reference, [(8, 2), (8, 4)]) is True
-    assert "Right on all 2 inputs" in capsys.readouterr().out
+    assert "Right on all 2 cases" in capsys.readouterr().out
     # right for P = 2 only: the check names the input where it differs, not the answer
     assert check_function(lambda n, p: n, reference, [(8, 2), (8, 4)]) is False
     out = capsys.readouterr().out
-    assert "for (8, 4)" in out and "1.5x too small" in out and "12" not in out
+    assert "on (8, 4)" in out and "1.5x too small" in out and "12" not in out
 
 
 def test_a_function_that_raises_or_is_a_stub_is_told_so(capsys):
@@ -67,7 +141,7 @@ def test_a_function_that_raises_or_is_a_stub_is_told_so(capsys):
     assert check_function(lambda n: ..., abs, [(1,)]) is None
     assert capsys.readouterr().out.count("Not answered yet") == 2
     assert check_function(lambda n: 1 / 0, abs, [(1,)]) is False
-    assert "raised ZeroDivisionError for (1)" in capsys.readouterr().out
+    assert "on (1), your function raised ZeroDivisionError" in capsys.readouterr().out
     assert check_function(3, abs, [(1,)]) is False
     assert "Expected a function" in capsys.readouterr().out
 

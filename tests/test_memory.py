@@ -19,6 +19,7 @@ from course_lib.memory import (
     MixedPrecisionAdamW,
     PeakMemory,
     SavedTensors,
+    attention_share,
     budget,
     budget_table,
     chain,
@@ -218,6 +219,14 @@ def test_segments_rejects_impossible_cuts():
     assert [len(s) for s in segments(layers, 3)] == [1, 2, 1]
     with pytest.raises(ValueError, match="cannot cut 4 layers into 5 segments"):
         segments(layers, 5)
+
+
+def test_attention_share_is_korthikanti_5as_over_h_against_34():
+    # CONFIG: h = 40, a = 4, so 5as/h = s/2: the two terms are equal at s = 68, and at s = 136
+    # the attention terms are 68 of every 102 bytes.
+    assert attention_share(CONFIG, batch=4, seq=68) == pytest.approx(0.5)
+    assert attention_share(CONFIG, batch=1, seq=136) == pytest.approx(68 / 102)
+    assert attention_share(CONFIG, batch=4, seq=16) < attention_share(CONFIG, batch=4, seq=256)
 
 
 def test_peak_memory_counts_what_the_block_allocates_once_per_storage():

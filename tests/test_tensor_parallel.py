@@ -37,7 +37,9 @@ from course_lib.tensor_parallel import (
     ParallelSelfAttention,
     RowParallelLinear,
     VocabParallelEmbedding,
+    column_shard,
     gelu_split_errors,
+    row_shard,
     shard_range,
     vocab_parallel_cross_entropy,
 )
@@ -406,3 +408,21 @@ def test_activation_plot_draws_the_formula():
     assert list(lines["TP + SP"].get_ydata()) == pytest.approx(
         [96 * sbh * (34 + 80) / t / 1e9 for t in tps]
     )
+
+
+def test_column_and_row_shards_are_the_slices_that_rebuild_xa():
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(12, 8, generator=g, dtype=torch.float64)  # nn.Linear: (out, in)
+    x = torch.randn(5, 8, generator=g, dtype=torch.float64)
+    for size in (1, 2, 4):
+        cols = [column_shard(weight, r, size) for r in range(size)]
+        assert all(c.shape == (12 // size, 8) for c in cols)
+        assert torch.allclose(torch.cat([x @ c.T for c in cols], dim=1), x @ weight.T, atol=1e-12)
+        rows = [row_shard(weight, r, size) for r in range(size)]
+        assert all(w.shape == (12, 8 // size) for w in rows)
+        partial = [xi @ w.T for xi, w in zip(x.chunk(size, dim=1), rows, strict=True)]
+        assert torch.allclose(sum(partial), x @ weight.T, atol=1e-12)
+    qkv = torch.arange(12.0).reshape(12, 1)  # three blocks of 4 rows: q 0-3, k 4-7, v 8-11
+    assert column_shard(qkv, 1, 2, parts=3).flatten().tolist() == [2, 3, 6, 7, 10, 11]
+    with pytest.raises(ValueError, match="cannot be split evenly over 3 ranks"):
+        row_shard(weight, 0, 3)
