@@ -76,9 +76,15 @@ def test_a_failing_cell_names_its_lecture_and_cell_and_leaves_no_page(tmp_path):
     assert not (tmp_path / "site" / "01_processes.html").exists()
 
 
-def test_a_cell_marked_as_raising_may_raise(tmp_path):
+def test_nbval_markers_keep_their_meaning(tmp_path):
+    """A cell marked as raising may raise; a cell marked to skip is not run."""
     path = tmp_path / "02_collectives.ipynb"
-    notebook(path, "# NBVAL_RAISES_EXCEPTION\nraise KeyError('shown')", "print('after')")
+    notebook(
+        path,
+        "# NBVAL_RAISES_EXCEPTION\nraise KeyError('shown')",
+        "# NBVAL_SKIP\nraise ValueError('never run')",
+        "print('after')",
+    )
     done = build(tmp_path, path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "after" in (tmp_path / "site" / "02_collectives.html").read_text()

@@ -38,16 +38,13 @@ class LectureFailed(Exception):
 
 def _prepare(nb: nbformat.NotebookNode) -> None:
     """Carry nbval's markers over to what nbclient understands."""
-    skipped = []
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
-        if "# NBVAL_SKIP" in cell.source:
-            skipped.append(cell)
+        if "# NBVAL_SKIP" in cell.source:  # shown, not run; the cells keep their numbers
+            cell.metadata.setdefault("tags", []).append("skip-execution")
         if "# NBVAL_RAISES_EXCEPTION" in cell.source:
             cell.metadata.setdefault("tags", []).append("raises-exception")
-    for cell in skipped:
-        nb.cells.remove(cell)
 
 
 def _failed_cell(nb: nbformat.NotebookNode) -> tuple[int, nbformat.NotebookNode] | None:
