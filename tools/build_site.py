@@ -14,7 +14,6 @@ are embedded in the pages as PNG; widgets keep the state they had when the lectu
 from __future__ import annotations
 
 import argparse
-import html
 import re
 import sys
 import time
@@ -92,27 +91,41 @@ def _html(nb: nbformat.NotebookNode) -> str:
     return re.sub(r'href="(\d\d_\w+)\.ipynb', r'href="\1.html', body)
 
 
+MATHJAX = (
+    "<script>window.MathJax = {tex: {inlineMath: [['$', '$']]}};</script>\n"
+    '<script src="https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js"></script>\n'
+)
+LINK = re.compile(r'<a href="([^"]*)">(.*?)</a>')
+
+
+def course_map() -> str:
+    """The README's course table, as HTML (tests/test_topics.py holds it to the topic table
+    of course_lib/topics.py)."""
+    import mistune
+
+    readme = (ROOT / "README.md").read_text()
+    if "\n## The course\n" not in readme:
+        sys.exit("README.md has no '## The course' section: the site's index is made from it")
+    section = readme.split("\n## The course\n", 1)[1].split("\n## ", 1)[0]
+    return mistune.create_markdown(plugins=["table"])(section)
+
+
 def index_page(pages: dict[str, str]) -> str:
-    """The course map: a row per topic (course_lib/topics.py), linking the lecture's page."""
-    rows = []
-    for topic in TOPICS:
-        stem = Path(topic.lecture).stem
-        title = html.escape(topic.title)
-        lecture = f'<a href="{stem}.html">{title}</a>' if stem in pages else title
-        assignment = (
-            html.escape(f"{topic.assignment_name}: {topic.assignment}")
-            if (topic.assignment)
-            else ""
-        )
-        rows.append(f"<tr><td>{topic.number:02d}</td><td>{lecture}</td><td>{assignment}</td></tr>")
+    """The course map, each lecture linking its page; other links (assignments, files of the
+    repository) become plain text, as the site holds only the lectures."""
+
+    def relink(match: re.Match) -> str:
+        stem = Path(match[1]).stem
+        return f'<a href="{pages[stem]}">{match[2]}</a>' if stem in pages else match[2]
+
     return (
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
-        "<title>Distributed deep-learning training, hands on</title></head><body>\n"
-        "<h1>Distributed deep-learning training, hands on</h1>\n"
+        "<title>Distributed deep-learning training, hands on</title>\n"
+        + MATHJAX
+        + "</head><body>\n<h1>Distributed deep-learning training, hands on</h1>\n"
         "<p>The lectures, run top to bottom with their outputs.</p>\n"
-        "<table><tr><th>#</th><th>lecture</th><th>assignment</th></tr>\n"
-        + "\n".join(rows)
-        + "\n</table>\n</body></html>\n"
+        + LINK.sub(relink, course_map())
+        + "</body></html>\n"
     )
 
 
