@@ -82,6 +82,9 @@ class RemoteBars:
         if not self.shown:
             return
         b = self._bars.get(desc)
+        if b is not None and done < b.n:  # a new loop of the same name (the last one broke off)
+            b.close()
+            b = None
         if b is None:
             b = self._bars[desc] = bar(total, desc)
         b.update(done - b.n)

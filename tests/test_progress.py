@@ -109,3 +109,15 @@ def test_ranks_started_by_the_fallback_method_report_too(shown, capfd):
     with WorkerPool(2, start_method="subprocess") as pool:
         assert pool.launch(slow_loop, 4) == [4, 4]
     assert re.search(r"rank steps: .*\d/4", capfd.readouterr().err)
+
+
+def test_a_loop_that_breaks_off_then_starts_again_gets_a_new_bar(shown, monkeypatch):
+    created = []
+    real_bar = progress.bar
+    monkeypatch.setattr(progress, "bar", lambda *a: created.append(real_bar(*a)) or created[-1])
+    bars = progress.RemoteBars(shown=True)
+    bars.update("epochs", 3, 10, finished=False)  # the loop broke off at 3 of 10
+    bars.update("epochs", 1, 10, finished=False)  # the same loop, started again
+    bars.update("epochs", 10, 10, finished=True)
+    bars.close()
+    assert [b.n for b in created] == [3, 10]
