@@ -27,21 +27,34 @@ LAB_ARGS ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: install lab test lint format bench clean release autograde feedback student
+.PHONY: install lock lab test site lint format bench clean release autograde feedback student
 
 install: $(STAMP)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
+# The lock (requirements.lock, written by `make lock`) holds every package but torch, at one
+# version each, checked by hash; torch comes from its pin, CPU or CUDA build, with its
+# dependencies already in place; then the course itself, which adds no package. `pip check`
+# fails if the lock misses something pyproject.toml asks for: run `make lock`.
+$(STAMP): pyproject.toml requirements.lock | $(BIN)/python
+	$(BIN)/python -m pip install --disable-pip-version-check --require-hashes --no-deps \
+	    -r requirements.lock
 	$(BIN)/python -m pip install --disable-pip-version-check \
 	    $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --retries 1 --timeout 20) \
 	    "$(TORCH_PIN)"
-	$(BIN)/python -m pip install --disable-pip-version-check -e ".[test]"
+	$(BIN)/python -m pip install --disable-pip-version-check --no-deps -e ".[test]"
+	$(BIN)/python -m pip check
 	$(BIN)/python -m ipykernel install --sys-prefix --name $(KERNEL_NAME) \
 	    --display-name "$(KERNEL_DISPLAY)"
 	touch $@
+
+# Rewrite requirements.lock from pyproject.toml's pins (needs the network; commit both).
+UV_PIN := uv==0.13.8
+lock: | $(BIN)/python
+	$(BIN)/python -m pip install --disable-pip-version-check "$(UV_PIN)"
+	$(BIN)/python tools/lock.py
 
 lab: install
 	$(BIN)/jupyter lab --notebook-dir="$(CURDIR)" $(ROOT_ARGS) $(LAB_ARGS)
@@ -50,10 +63,16 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Building the site runs every lecture (once: it is the lectures' test, as nbval was); the
+# tests then check its pages. A failing lecture does not stop the tests: both are reported.
 test: install lint
-	$(BIN)/python -m pytest tests
-	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=300 \
-	    -p no:cacheprovider lectures
+	@site=ok; $(BIN)/python tools/build_site.py --out build/site || site=failed; \
+	COURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest tests && test $$site = ok || \
+	{ echo "make test failed (lectures: $$site; the failures are named above)"; exit 1; }
+
+# The lectures run top to bottom, with their outputs, as HTML pages: build/site/index.html.
+site: install
+	$(BIN)/python tools/build_site.py --out build/site
 
 format: install
 	$(BIN)/ruff check --fix .

@@ -9,6 +9,7 @@ bytes: by the textbook algorithm, and as written to the sockets), `network` (an 
 network and stragglers), `magic` (the `%%distributed` cell magic), `torchrun` (the same
 functions on a cluster), `models` and `data` (seeded toy models and data), `compare`
 (single-process references, parameter-by-parameter comparison), `plots` (figures and widgets),
+`progress` (progress bars for long loops, drawn in the notebook even for rank 0's loops),
 `grading` (the assignments' checks, and how autograding runs them: a judge that never runs
 student code, a sandbox), `counted_group` (the process group of grading ranks, which reports
 every call to `comm`), `_integrity` (has a rank's code changed the libraries the checks

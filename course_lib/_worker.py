@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import _integrity, counted_group, runtime
-from course_lib.protocol import Call, Raised, Ready, Result, decode, encode
+from course_lib.protocol import Call, Progress, Raised, Ready, Result, decode, encode
 
 END_MARK = b"\x00course_lib:end:"
 PARENT_POLL_S = 0.2
@@ -75,26 +75,45 @@ def end_mark(call_id: int) -> bytes:
     return END_MARK + str(call_id).encode() + b"\x00\n"
 
 
+_conn: Connection | None = None  # to the launcher, while a call runs (for report_progress)
+_call_id = -1
+_send_lock = threading.Lock()  # a call's own threads may report progress too
+
+
+def _send(conn: Connection, message: Result | Raised | Ready | Progress) -> None:
+    with _send_lock:
+        conn.send_bytes(encode(message))
+
+
+def report_progress(desc: str, done: int, total: int | None, finished: bool = False) -> None:
+    """Tell the launcher how far a loop of the running call has got (`course_lib.progress`)."""
+    if _conn is not None:
+        _send(_conn, Progress(_call_id, str(desc), int(done), total, finished))
+
+
 def serve(spec: dict, conn: Connection) -> None:
     """Set this process up as rank `spec['rank']` and answer calls until the launcher leaves."""
+    global _conn, _call_id
     _become_worker(spec)
     _join_process_group(spec)
     baseline = _Baseline()
     # Untrusted code (a submission being graded) may run here: take the fingerprint of the
     # libraries before any of it has run, and check it after every call.
     fingerprint = _integrity.Fingerprint() if spec.get("untrusted") else None
-    conn.send_bytes(encode(Ready(os.getpid(), threading.main_thread().ident)))
+    _send(conn, Ready(os.getpid(), threading.main_thread().ident))
     while True:
         try:
             call = decode(conn.recv_bytes())
         except EOFError:
             return  # the launcher closed the pool
+        _conn, _call_id = conn, call.id
         reply = _run_call(call, spec)
+        _conn = None
         _end_call(call.id)
         changed = fingerprint.changes() if fingerprint is not None else []
         if changed:
             reply = _tampering_reply(call.id, changed)
-        conn.send_bytes(encode(reply))
+        _send(conn, reply)
         if changed:
             os._exit(3)  # a process whose libraries were changed is not used again
         baseline.restore()
@@ -365,8 +384,9 @@ def _clear_global_module_hooks() -> None:
 
 def main() -> None:
     """Entry point of the fallback start method: `python -m course_lib._worker SPEC FD`."""
-    spec = json.loads(sys.argv[1])
-    serve(spec, Connection(int(sys.argv[2])))
+    from course_lib import _worker  # not __main__'s copy: progress reports go through it
+
+    _worker.serve(json.loads(sys.argv[1]), Connection(int(sys.argv[2])))
 
 
 if __name__ == "__main__":

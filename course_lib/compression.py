@@ -41,6 +41,7 @@ from course_lib.comm import CommCounter, WireCounter
 from course_lib.costs import all_gather_bytes, all_reduce_bytes, alpha_beta_time, collective_steps
 from course_lib.data import shard
 from course_lib.network import SlowNetwork
+from course_lib.progress import progress
 from course_lib.runtime import device, rank, world_size
 
 LEVELS = 127  # int8 values -127..127: symmetric, so 0 is exact and no value is wasted
@@ -459,7 +460,7 @@ def train_compressed(
     p, r = world_size(), rank()
     net = SlowNetwork(**network) if network is not None else None
     with net if net is not None else nullcontext():
-        for x, y in batches:
+        for x, y in progress(batches, f"{method} steps"):
             x, y = shard(x, r, p).to(device()), shard(y, r, p).to(device())
             waited = net.waited if net is not None else 0.0
             start = time.perf_counter()

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.data import shard
+from course_lib.progress import progress
 from course_lib.runtime import rank, world_size
 
 HOST = 0  # the rank that plays the host (parameter server) in the naive scheme
@@ -221,7 +222,7 @@ def train_data_parallel(
     slow_rank, delay_s = straggler if straggler is not None else (None, 0.0)
     is_ddp = isinstance(model, DistributedDataParallel)
     log = TrainLog()
-    for step, (x, y) in enumerate(batches):
+    for step, (x, y) in enumerate(progress(batches, "training steps")):
         _check_divisible(x, p)
         x_shard, y_shard = shard(x, r, p), shard(y, r, p)
         if timeline is not None:

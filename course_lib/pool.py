@@ -40,7 +40,8 @@ from course_lib.errors import (
     rank_error,
     worker_died,
 )
-from course_lib.protocol import Call, Raised, Ready, Result, encode
+from course_lib.progress import RemoteBars
+from course_lib.protocol import Call, Progress, Raised, Ready, Result, encode
 from course_lib.rank_process import (
     Disconnected,
     EndMark,
@@ -279,6 +280,7 @@ class WorkerPool:
         __tracebackhide__ = True
         call = CallState(next(self._calls), self.world_size, timeout, self.untrusted)
         message = encode(self._call_message(call.id, payload))
+        bars = RemoteBars(shown=not self.untrusted)  # rank 0's long loops, drawn here
         try:
             self._call_open = True
             self._send_to_all(message)
@@ -287,7 +289,7 @@ class WorkerPool:
                     raise self._rank_failure(call)
                 if call.past_deadline():
                     raise self._hang_failure(call)
-                self._handle_next_event(call)
+                self._handle_next_event(call, bars)
             self._call_open = False
         except KeyboardInterrupt:
             self._interrupt(call)
@@ -295,6 +297,8 @@ class WorkerPool:
         except BaseException:
             self._kill()  # never leave ranks running after an unexpected failure
             raise
+        finally:
+            bars.close()
         if call.broken:
             self.close()  # the function destroyed the process group: start afresh next time
         return call.results
@@ -322,7 +326,7 @@ class WorkerPool:
             for worker in self._workers:
                 worker.send(message)
 
-    def _handle_next_event(self, call: CallState) -> None:
+    def _handle_next_event(self, call: CallState, bars: RemoteBars) -> None:
         try:
             event = self._events.get(timeout=call.wait_s())
         except queue.Empty:
@@ -335,6 +339,8 @@ class WorkerPool:
                 call.marked(rank, stream, call_id)
             case Reply(rank, Result() | Raised() as answer):
                 call.answered(rank, answer)
+            case Reply(0, Progress(call_id, desc, done, total, finished)) if call_id == call.id:
+                bars.update(desc, done, total, finished)
             case Disconnected(rank):
                 call.died(rank, self._workers[rank].exit_code())
 

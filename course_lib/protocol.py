@@ -7,7 +7,7 @@ Two conversations, each over a connection of its own:
 
     launcher -> rank          Call, one per launched call
     rank -> launcher          Ready once it has joined the process group, then Result or Raised
-                              for every call
+                              for every call (Progress while rank 0 runs a long loop)
 
 A rank may run code that must not reach the launcher (a submission being graded), so a message
 travels as plain data: a tuple of its type's name and its fields, read back by an unpickler
@@ -80,8 +80,21 @@ class Raised:
     traceback: str
 
 
-Message = Fork | Forked | Exited | Call | Ready | Result | Raised
-_TYPES = {cls.__name__: cls for cls in (Fork, Forked, Exited, Call, Ready, Result, Raised)}
+@dataclass(frozen=True)
+class Progress:
+    """How far a loop of the call has got (`course_lib.progress`), for the launcher's bar."""
+
+    call_id: int
+    desc: str
+    done: int
+    total: int | None
+    finished: bool
+
+
+Message = Fork | Forked | Exited | Call | Ready | Result | Raised | Progress
+_TYPES = {
+    cls.__name__: cls for cls in (Fork, Forked, Exited, Call, Ready, Result, Raised, Progress)
+}
 
 
 def encode(message: Message) -> bytes:

@@ -5,7 +5,8 @@ not an option, as a fresh interpreter (`python -m course_lib._worker`: seconds).
 gets three channels to the launcher: a connection for calls and replies, and pipes for its
 stdout and stderr. A thread per channel turns what arrives into events on the pool's queue:
 
-    Reply(rank, message)          a message from the rank (`protocol`: Ready, Result, Raised)
+    Reply(rank, message)          a message from the rank (`protocol`: Ready, Result, Raised,
+                                  Progress)
     Disconnected(rank)            its connection has ended: the process is gone
     Output(rank, stream, text)    a line it printed (stream 1: stdout, 2: stderr)
     EndMark(rank, stream, call)   that stream has shown everything call `call` printed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import nbformat
 import pytest
 
@@ -50,3 +52,24 @@ def test_every_course_lib_file_reads_in_one_sitting():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def test_the_lock_holds_every_pin_of_pyproject_at_its_version_with_hashes():
+    """`make install` installs requirements.lock: a pin changed in pyproject.toml without
+    `make lock` would be installed at the lock's old version (or not at all)."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = dict(
+        r.lower().replace("_", "-").split("==")
+        for r in project["dependencies"] + project["optional-dependencies"]["test"]
+    )
+    lock = (ROOT / "requirements.lock").read_text()
+    entries = re.findall(r"^([\w.-]+)==(\S+)(.*?)(?=^\S|\Z)", lock, re.MULTILINE | re.DOTALL)
+    locked = {name.lower().replace("_", "-"): version for name, version, _ in entries}
+    assert "torch" not in locked, "torch is installed from its pin, CPU or CUDA build"
+    stale = {n: (v, locked.get(n)) for n, v in pins.items() if n != "torch" and locked.get(n) != v}
+    assert not stale, f"pyproject.toml pin vs requirements.lock: {stale}; run `make lock`"
+    unhashed = [name for name, _, rest in entries if "--hash=sha256:" not in rest]
+    assert not unhashed, f"no hash for {unhashed}"
+    cuda = [n for n in locked if n.startswith(("nvidia-", "cuda-")) or n == "triton"]
+    assert not cuda, f"the CPU build must install without {cuda}"

@@ -45,6 +45,7 @@ from course_lib.collectives import (
 )
 from course_lib.network import SlowNetwork
 from course_lib.plots import NotebookFigure
+from course_lib.progress import progress
 
 PHASE_COLOURS = {REDUCE_SCATTER: "tab:orange", ALL_GATHER: "tab:green"}
 RANK_LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -268,9 +269,11 @@ def time_all_reduce(
 def sweep_all_reduce(sizes: list[int], network: dict, repeats: int = 3) -> dict[str, list[float]]:
     """On every rank: {algorithm: median seconds per size} for one all-reduce of each number
     of float32s in `sizes`, inside `SlowNetwork(**network)`, message by message."""
-    return {
-        name: [time_all_reduce(name, n, repeats, network) for n in sizes] for name in ALGORITHMS
-    }
+    runs = [(name, n) for name in ALGORITHMS for n in sizes]
+    seconds = {name: [] for name in ALGORITHMS}
+    for name, n in progress(runs, "all-reduces"):
+        seconds[name].append(time_all_reduce(name, n, repeats, network))
+    return seconds
 
 
 def model_lines(

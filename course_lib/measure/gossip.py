@@ -38,6 +38,7 @@ from course_lib.gossip import (
     push_sum_step,
 )
 from course_lib.plots import NotebookFigure
+from course_lib.progress import progress
 from course_lib.runtime import rank, world_size
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -223,7 +224,7 @@ def train_decentralized(
     pusher = AsyncPushSum(topology, x) if method == "async_sgp" else None
     began = time.perf_counter()
     with CommCounter() as counter:
-        for step, (xb, yb) in enumerate(batches):
+        for step, (xb, yb) in enumerate(progress(batches, f"{method} steps")):
             if max_seconds is not None and time.perf_counter() - began > max_seconds:
                 break
             start, sent_before = time.perf_counter(), counter.bytes_sent

@@ -40,6 +40,7 @@ from course_lib.pipeline import (
     sync_times,
 )
 from course_lib.plots import NotebookFigure
+from course_lib.progress import progress
 from course_lib.runtime import device, rank, world_size
 
 # --- running the pipeline for the lecture ---------------------------------------------------
@@ -58,12 +59,12 @@ def measure_bubbles(
     """Run on every rank: one `pipeline_step` per (schedule, m), after a warm-up step that
     opens the connections between neighbours (the first message on a link is slow)."""
     pipeline_step(make_stage(), x, y, loss_fn, m=1, schedule="gpipe")
+    runs = [(schedule, m) for schedule in schedules for m in ms]
     return {
         (schedule, m): pipeline_step(
             make_stage(), x, y, loss_fn, m, schedule, forward_s=forward_s, backward_s=backward_s
         )
-        for schedule in schedules
-        for m in ms
+        for schedule, m in progress(runs, "schedules")
     }
 
 

@@ -1,0 +1,113 @@
+"""The course site (`make site`): every lecture run, a page each with its figures, an index.
+
+The builder is tested here on small notebooks written by the tests; the site itself is built by
+`make test` before the tests run (building it is how every lecture is run), and checked page
+by page below. Without a site (a test file run alone) those checks are skipped, visibly; `make
+test` sets COURSE_REQUIRE_SITE=1, and there they must run.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from course_lib.topics import TOPICS
+from tests.conftest import ROOT
+
+SITE = ROOT / "build" / "site"
+BUILDER = ROOT / "tools" / "build_site.py"
+DRAWS = re.compile(r"\bplot\w*\(|\bplt\.|_figure\(")
+IMAGE = re.compile(r'<img[^>]*src="data:image/png;base64,([^"]+)"')
+
+
+def pngs(page: str) -> list[bytes]:
+    return [base64.b64decode(data) for data in IMAGE.findall(page)]
+
+
+def notebook(path, *sources: str) -> None:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
+    nbformat.write(nb, path)
+
+
+def build(tmp_path, *notebooks):
+    return subprocess.run(
+        [sys.executable, BUILDER, *notebooks, "--out", tmp_path / "site"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_page_embeds_its_figures_and_the_index_links_it(tmp_path):
+    path = tmp_path / "06_memory.ipynb"  # named as a lecture, so the index links it
+    notebook(
+        path,
+        "import os, matplotlib.pyplot as plt\nprint(os.getcwd())",
+        "plt.plot([1, 2, 3]); plt.show()",
+        "plt.bar([1, 2], [3, 4]); plt.show()",
+    )
+    done = build(tmp_path, path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    page = (tmp_path / "site" / "06_memory.html").read_text()
+    assert len(pngs(page)) == 2 and all(p.startswith(b"\x89PNG") for p in pngs(page))
+    assert str(tmp_path) in page  # the kernel ran in the notebook's folder, as nbval's does
+    index = (tmp_path / "site" / "index.html").read_text()
+    assert 'href="06_memory.html"' in index
+    assert "00_getting_started.html" not in index  # not built: listed, but not linked
+
+
+def test_a_failing_cell_names_its_lecture_and_cell_and_leaves_no_page(tmp_path):
+    good, bad = tmp_path / "00_getting_started.ipynb", tmp_path / "01_processes.ipynb"
+    notebook(good, "x = 1")
+    notebook(bad, "x = 1", "y = 2", "raise ValueError('planted')")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "01_processes.html").write_text("from an earlier build")
+    done = build(tmp_path, good, bad)
+    assert done.returncode != 0
+    assert "01_processes.ipynb, code cell 3 (\"raise ValueError('planted')\")" in done.stderr
+    assert "ValueError: planted" in done.stderr
+    assert (tmp_path / "site" / "00_getting_started.html").exists()  # the others still run
+    assert not (tmp_path / "site" / "01_processes.html").exists()
+
+
+def test_nbval_markers_keep_their_meaning(tmp_path):
+    """A cell marked as raising may raise; a cell marked to skip is not run."""
+    path = tmp_path / "02_collectives.ipynb"
+    notebook(
+        path,
+        "# NBVAL_RAISES_EXCEPTION\nraise KeyError('shown')",
+        "# NBVAL_SKIP\nraise ValueError('never run')",
+        "print('after')",
+    )
+    done = build(tmp_path, path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "after" in (tmp_path / "site" / "02_collectives.html").read_text()
+
+
+def _site_marker() -> pytest.MarkDecorator:
+    if (SITE / "index.html").exists() or os.environ.get("COURSE_REQUIRE_SITE") == "1":
+        return pytest.mark.skipif(False, reason="the site is built")
+    return pytest.mark.skip(reason="no site: run `make site` (make test builds it)")
+
+
+@_site_marker()
+@pytest.mark.parametrize("topic", TOPICS, ids=lambda t: t.name)
+def test_every_lecture_has_a_page_with_its_figures(topic):
+    page_path = SITE / f"{topic.number:02d}_{topic.name}.html"
+    assert page_path.exists(), f"{topic.lecture} has no page: did it fail in `make site`?"
+    page = page_path.read_text()
+    assert topic.title in page
+    figures = pngs(page)
+    source = nbformat.read(ROOT / topic.lecture, as_version=4)
+    code = "\n".join(c.source for c in source.cells if c.cell_type == "code")
+    if DRAWS.search(code):  # lecture 00 draws nothing; every other lecture plots what it measures
+        assert figures, f"{page_path.name} has no figure, but {topic.lecture} draws"
+    assert all(f.startswith(b"\x89PNG") and len(f) > 1000 for f in figures)
+    index = (SITE / "index.html").read_text()
+    assert f'href="{page_path.name}"' in index
