@@ -13,8 +13,9 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbgrader.api import Gradebook
+from nbgrader.utils import determine_grade
 
-from course_lib.grading.autograde import extra_credit
+from course_lib.grading.autograde import extra_credit, save_extra_credit
 from tests.conftest import ROOT, require_sandbox
 from tests.grading_course import (
     ASSIGNMENTS,
@@ -278,3 +279,23 @@ def test_extra_credit_comes_with_zero_points_only():
         extra_credit(nb)
     cell.metadata.nbgrader["points"] = 0
     assert extra_credit(nb) == {"t": 2.0}
+
+
+def test_partial_extra_credit_does_not_break_nbgrader_scoring():
+    """A part of an extra-credit cell that earns part of its points prints the score as a
+    number, which nbgrader refuses above the cell's 0 points; the number is dropped (the
+    score reaches the gradebook as extra credit) and nbgrader scores the cell 0 of 0."""
+    cell = nbformat.v4.new_code_cell("check()", id="t")
+    cell.metadata = {
+        "nbgrader": {"grade": True, "solution": False, "grade_id": "t", "points": 0},
+        "course_lib": {"score": 1.5},
+    }
+    cell.outputs = [
+        nbformat.v4.new_output("stream", name="stdout", text="1.5 of 2 points"),
+        nbformat.v4.new_output("execute_result", data={"text/plain": "1.5"}, execution_count=1),
+    ]
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    with pytest.raises(ValueError, match="greater than maximum"):
+        determine_grade(cell)
+    save_extra_credit(nb, {}, {"t": 2.0})
+    assert determine_grade(cell) == (0, 0) and cell.outputs[0].text == "1.5 of 2 points"
