@@ -24,7 +24,8 @@ from tests.conftest import ROOT
 
 
 def answer_cells(topic_name: str) -> dict[str, str]:
-    """cell id -> source of the set-up cell and every answer cell of the topic's solution."""
+    """cell id -> source of the set-up cell and every code answer cell of the topic's solution
+    (written answers, markdown, are graded by hand)."""
     t = topic(topic_name)
     if t.solution is None:
         raise ValueError(f"topic {topic_name!r} has no assignment")
@@ -32,7 +33,8 @@ def answer_cells(topic_name: str) -> dict[str, str]:
     return {
         c.id: c.source
         for c in cells
-        if c.id == "setup" or c.metadata.get("nbgrader", {}).get("solution", False)
+        if c.id == "setup"
+        or (c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("solution", False))
     }
 
 

@@ -19,18 +19,45 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import nbformat
 from nbgrader.api import Gradebook
 from nbgrader.utils import determine_grade
 
-from course_lib.grading.autograde import apply_verdicts, judge_cells, role, run_judge
+from course_lib.grading.autograde import (
+    apply_verdicts,
+    extra_credit,
+    judge_cells,
+    role,
+    run_judge,
+    save_extra_credit,
+)
 from tests import cheats
 from tests.conftest import ROOT
 
 ASSIGNMENTS = sorted(p.name for p in (ROOT / "solutions").iterdir() if p.is_dir())
 VENV = Path(sys.executable).parent.parent
 JUDGED = "judged.json"  # scores of the submissions graded by the judge alone (`judge`)
+
+
+def source(assignment: str) -> nbformat.NotebookNode:
+    return nbformat.read(ROOT / "solutions" / assignment / f"{assignment}.ipynb", as_version=4)
+
+
+def bonus(assignment: str) -> dict[str, float]:
+    """grade id -> points of the assignment's extra-credit test cells (max score 0)."""
+    return extra_credit(source(assignment))
+
+
+def written(assignment: str) -> dict[str, float]:
+    """grade id -> points of the assignment's written answers, graded by hand."""
+    return {
+        c.metadata.nbgrader["grade_id"]: c.metadata.nbgrader["points"]
+        for c in source(assignment).cells
+        if c.cell_type == "markdown" and c.metadata.get("nbgrader", {}).get("grade")
+    }
+
 
 # Bugs planted in a correct submission: (cell id, text, replacement, tests expected to fail).
 BUG = {
@@ -236,27 +263,53 @@ def judge(course: Path, assignment: str, notebook: str, nb) -> dict[str, list[fl
     kernel that runs the notebook for the feedback, which has no say in a score."""
     info = {"db_url": f"sqlite:///{course / 'gradebook.db'}"}
     info.update(notebook=notebook, assignment=assignment)
-    verdicts = run_judge(judge_cells(nb, {"nbgrader": info}), sandboxed=True, timeout=1800)
+    extra = bonus(assignment)
+    cells = judge_cells(nb, {"nbgrader": info}, extra)
+    verdicts = run_judge(cells, sandboxed=True, timeout=1800)
     apply_verdicts(nb, verdicts, logging.getLogger(__name__))
-    return {
-        cell.metadata.nbgrader["grade_id"]: list(determine_grade(cell))
-        for cell in nb.cells
-        if role(cell) == "test"
-    }
+    save_extra_credit(nb, {}, extra)
+    out = {}
+    for cell in nb.cells:
+        if role(cell) == "test":
+            grade_id = cell.metadata.nbgrader["grade_id"]
+            if grade_id in extra:  # what `make autograde` writes to the grade's extra credit
+                out[grade_id] = [cell.metadata["course_lib"]["score"], extra[grade_id]]
+            else:
+                out[grade_id] = list(determine_grade(cell))
+    return out
 
 
 def scores(course: Path, assignment: str, student: str) -> dict[str, tuple[float, float]]:
-    """grade id -> (score, max score), from the gradebook (or from `judge`'s record for a
-    submission graded by the judge alone)."""
+    """grade id -> (score, max score) of the autograded cells, from the gradebook (or from
+    `judge`'s record for a submission graded by the judge alone). An extra-credit cell's max
+    score is the extra credit it can earn (its gradebook maximum is 0); written answers,
+    graded by hand, are left out (`manual_grades`)."""
     judged = json.loads((course / JUDGED).read_text()).get(assignment, {})
     if student in judged:
         return {grade: tuple(pair) for grade, pair in judged[student].items()}
-    out = {}
-    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+    extra, hand = bonus(assignment), written(assignment)
+    return {
+        g.name: (g.score, g.max_score or extra.get(g.name, 0.0))
+        for g in grades(course, assignment, student)
+        if g.name not in hand
+    }
+
+
+def grades(course: Path, assignment: str, student: str, db: Path | None = None) -> list:
+    """The gradebook's Grade rows of a submission (detached: read them, do not change them)."""
+    with Gradebook(f"sqlite:///{db or course / 'gradebook.db'}") as gradebook:
+        out = []
         for notebook in gradebook.find_assignment(assignment).notebooks:
             submission = gradebook.find_submission_notebook(notebook.name, assignment, student)
-            out.update({g.name: (g.score, g.max_score) for g in submission.grades})
-    return out
+            out += [SimpleNamespace(**g.to_dict(), score=g.score) for g in submission.grades]
+        return out
+
+
+def manual_grades(course: Path, assignment: str, student: str, db: Path | None = None):
+    """grade id -> the gradebook's record of each written answer (auto_score, manual_score,
+    extra_credit, needs_manual_grade, score, max_score)."""
+    hand = written(assignment)
+    return {g.name: g for g in grades(course, assignment, student, db) if g.name in hand}
 
 
 def build(course: Path) -> float:

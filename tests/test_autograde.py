@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import csv
 import filecmp
+import shutil
 from pathlib import Path
 
 import nbformat
 import pytest
+from nbgrader.api import Gradebook
+from nbgrader.utils import determine_grade
 
+from course_lib.grading.autograde import extra_credit, save_extra_credit
 from tests.conftest import ROOT, require_sandbox
 from tests.grading_course import (
     ASSIGNMENTS,
@@ -22,11 +26,18 @@ from tests.grading_course import (
     MARKERS,
     OVERWRITTEN,
     TAMPERED,
+    bonus,
     cell_regions,
+    grades,
+    manual_grades,
     notebooks,
     scores,
+    source,
     targets,
+    written,
 )
+
+EXTRA = {a for a in ASSIGNMENTS if bonus(a)}  # assignments worth extra credit only
 
 # Grading every submission takes minutes: the session fixture does it once, and its set-up
 # counts against the first test's timeout. `make autograde` grades in a sandbox.
@@ -154,3 +165,137 @@ def test_a_cell_forged_as_locked_does_not_run_where_tests_are_judged(course):
     set-up and test cells from the gradebook, not from the submission)."""
     grades = scores(course, FORGED[0], "forger")
     assert grades[FORGED[2]][0] == 0, grades
+
+
+# --- written answers (graded by hand) and extra credit ---------------------------------------
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_every_assignment_asks_a_written_question_with_its_points(assignment):
+    """The release shows the question, with its points, and an empty answer cell (the model
+    answer and the rubric stay in the solution)."""
+    hand = written(assignment)
+    assert hand, f"{assignment} has no written answer graded by hand"
+    extra = {
+        c.id: c.metadata.get("course_lib", {}).get("extra_credit") for c in source(assignment).cells
+    }
+    cells = nbformat.read(ROOT / "assignments" / assignment / f"{assignment}.ipynb", 4).cells
+    for i, cell in enumerate(cells):
+        if cell.id in hand:
+            assert cell.cell_type == "markdown" and cell.source == "YOUR ANSWER HERE"
+            points = extra[cell.id] or hand[cell.id]  # the capstone's are extra credit
+            assert points > 0 and f"({points:g} points" in cells[i - 1].source
+            assert "graded by hand" in cells[i - 1].source
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_written_answers_wait_for_a_grader_and_blank_ones_score_zero(course, assignment):
+    """The solution's autograded cells have full marks (test_solution_gets_full_marks) while
+    its written answers have no score yet and are flagged for the formgrader; an answer left
+    as released scores 0 at once and needs no grader (nbgrader's "No response")."""
+    for name, grade in manual_grades(course, assignment, "solver").items():
+        assert grade.auto_score is None and grade.needs_manual_grade, (name, grade)
+        assert grade.manual_score is None and grade.score == 0
+    for name, grade in manual_grades(course, assignment, "blank").items():
+        assert grade.auto_score == 0 and not grade.needs_manual_grade, (name, grade)
+
+
+def test_a_manual_grade_adds_to_the_autograde_score(course, tmp_path):
+    """As the formgrader does (its grade API handler): set a written answer's manual score in
+    the gradebook. The formgrader's submission list (`notebook_submission_dicts`) keeps the
+    code (autograded) and written (manual) scores apart, the total combines them, and the
+    answer is listed as needing grading before and not after. On a copy of the gradebook:
+    other tests read the session's."""
+    assignment = ASSIGNMENTS[0]
+    db = tmp_path / "gradebook.db"
+    shutil.copy(course / "gradebook.db", db)
+    auto = sum(score for score, _ in scores(course, assignment, "solver").values())
+    hand = written(assignment)
+    assert auto > 0 and hand
+
+    def listed() -> tuple[dict, list[str]]:
+        """The solver's row in the formgrader's list, and the answers flagged for grading."""
+        with Gradebook(f"sqlite:///{db}") as gradebook:
+            rows = gradebook.notebook_submission_dicts(assignment, assignment)
+        row = next(r for r in rows if r["student"] == "solver")
+        grades = manual_grades(course, assignment, "solver", db)
+        flagged = sorted(name for name, g in grades.items() if g.needs_manual_grade)
+        assert row["needs_manual_grade"] == bool(flagged)
+        return row, flagged
+
+    row, flagged = listed()
+    assert flagged == sorted(hand)
+    assert row["code_score"] == pytest.approx(auto) and row["written_score"] == 0
+    assert row["score"] == pytest.approx(auto)
+    manual = {name: points - 0.5 for name, points in hand.items()}
+    with Gradebook(f"sqlite:///{db}") as gradebook:
+        for name, score in manual.items():
+            grade = gradebook.find_grade(name, assignment, assignment, "solver")
+            grade.manual_score = score  # what the formgrader's PUT /api/grade/<id> does
+            grade.needs_manual_grade = grade.manual_score is None and grade.auto_score is None
+        gradebook.db.commit()
+    row, flagged = listed()
+    assert flagged == []
+    assert row["code_score"] == pytest.approx(auto)
+    assert row["written_score"] == pytest.approx(sum(manual.values()))
+    assert row["max_written_score"] == pytest.approx(sum(hand.values()))
+    assert row["score"] == pytest.approx(auto + sum(manual.values()))
+    with Gradebook(f"sqlite:///{db}") as gradebook:
+        submission = gradebook.find_submission(assignment, "solver")
+        assert submission.score == pytest.approx(auto + sum(manual.values()))
+        assert not submission.needs_manual_grade
+
+
+@pytest.mark.parametrize("assignment", sorted(EXTRA))
+def test_extra_credit_adds_to_the_score_but_not_to_the_maximum(course, assignment):
+    """The capstone's autograded points are extra credit: its maximum is 0, the solution
+    earns every bonus point, the blank release none, and an ordinary assignment's maximum
+    is its points."""
+    extra = bonus(assignment)
+    assert extra, f"{assignment} has no extra-credit test cell"
+    solver = {g.name: g for g in grades(course, assignment, "solver")}
+    for name, points in extra.items():
+        assert solver[name].max_score == 0 and solver[name].auto_score == 0
+        assert solver[name].extra_credit == points and solver[name].score == points
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        assert gradebook.find_assignment(assignment).max_score == 0
+        assert gradebook.find_submission(assignment, "solver").score == sum(extra.values())
+        assert gradebook.find_submission(assignment, "blank").score == 0
+        ordinary = ASSIGNMENTS[0]
+        cells = gradebook.find_notebook(ordinary, ordinary).grade_cells
+        assert gradebook.find_assignment(ordinary).max_score == sum(c.max_score for c in cells) > 0
+
+
+def test_extra_credit_comes_with_zero_points_only():
+    """A test cell may not both count in the maximum and give extra credit."""
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("check()", id="t")
+    cell.metadata = {
+        "nbgrader": {"grade": True, "solution": False, "grade_id": "t", "points": 2},
+        "course_lib": {"extra_credit": 2},
+    }
+    nb.cells.append(cell)
+    with pytest.raises(ValueError, match="points and extra credit"):
+        extra_credit(nb)
+    cell.metadata.nbgrader["points"] = 0
+    assert extra_credit(nb) == {"t": 2.0}
+
+
+def test_partial_extra_credit_does_not_break_nbgrader_scoring():
+    """A part of an extra-credit cell that earns part of its points prints the score as a
+    number, which nbgrader refuses above the cell's 0 points; the number is dropped (the
+    score reaches the gradebook as extra credit) and nbgrader scores the cell 0 of 0."""
+    cell = nbformat.v4.new_code_cell("check()", id="t")
+    cell.metadata = {
+        "nbgrader": {"grade": True, "solution": False, "grade_id": "t", "points": 0},
+        "course_lib": {"score": 1.5},
+    }
+    cell.outputs = [
+        nbformat.v4.new_output("stream", name="stdout", text="1.5 of 2 points"),
+        nbformat.v4.new_output("execute_result", data={"text/plain": "1.5"}, execution_count=1),
+    ]
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    with pytest.raises(ValueError, match="greater than maximum"):
+        determine_grade(cell)
+    save_extra_credit(nb, {}, {"t": 2.0})
+    assert determine_grade(cell) == (0, 0) and cell.outputs[0].text == "1.5 of 2 points"

@@ -16,6 +16,12 @@ Without a working sandbox, grading stops with an error that says why; `make auto
 SANDBOX=off` (`GradeInSandbox.sandbox = False`) grades anyway, unsandboxed, with a warning on
 every notebook. Tampering found by the judge is logged and written to the cell's metadata
 (`course_lib.tampering`), which `python -m course_lib.grading.report` lists.
+
+Extra credit: a test cell whose instructor source has nbgrader `points: 0` and
+`"course_lib": {"extra_credit": N}` in its metadata is judged out of N points, and what it earns
+is written to its grade's `extra_credit` in the gradebook, so it adds to a student's score but
+not to the assignment's maximum (nbgrader's `Grade.score` is the auto or manual score plus the
+extra credit). Written answers (markdown answer cells with points) are left to the formgrader.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import threading
 import nbformat
 from jupyter_client.manager import AsyncKernelManager
 from nbgrader.api import Gradebook
+from nbgrader.coursedir import CourseDirectory
 from nbgrader.preprocessors import Execute
 from nbgrader.utils import is_grade, is_locked, is_solution
 from traitlets import Bool, Float, Unicode
@@ -114,7 +121,8 @@ class GradeInSandbox(Execute):
             self.log.warning("GRADING WITHOUT A SANDBOX: %s", why or "switched off")
         # The judge needs only the cells' sources: it runs while the kernel runs the notebook.
         judged: dict = {}
-        cells = judge_cells(nb, resources)
+        bonus = self._extra_credit(resources)
+        cells = judge_cells(nb, resources, bonus)
         judge = threading.Thread(target=lambda: judged.update(self._run_judge(cells)), daemon=True)
         judge.start()
         scratch = tempfile.mkdtemp(prefix="course_lib-grade-")
@@ -129,7 +137,23 @@ class GradeInSandbox(Execute):
             shutil.rmtree(scratch, ignore_errors=True)
             judge.join()
         apply_verdicts(nb, judged, self.log)
+        save_extra_credit(nb, resources, bonus)
         return nb, resources
+
+    def _extra_credit(self, resources) -> dict[str, float]:
+        """The extra-credit test cells of the instructor's source notebook (never the
+        submission's metadata, which the student could edit)."""
+        info = resources.get("nbgrader", {})
+        if "db_url" not in info:
+            return {}
+        converter = getattr(self.parent, "parent", None)
+        coursedir = getattr(converter, "coursedir", None) or CourseDirectory(config=self.config)
+        folder = coursedir.format_path(coursedir.source_directory, ".", info["assignment"])
+        path = os.path.join(folder, f"{info['notebook']}.ipynb")
+        if not os.path.exists(path):
+            self.log.warning("no source notebook %s: no extra credit is awarded", path)
+            return {}
+        return extra_credit(nbformat.read(path, as_version=4))
 
     def _prepare_scratch(self, scratch: str, resources) -> None:
         """The kernel's working folder: a copy of the submission's other files. (The sandbox's
@@ -194,17 +218,53 @@ def run_judge(cells: list[dict], *, sandboxed: bool, timeout: float) -> dict:
     return verdicts
 
 
-def judge_cells(nb, resources) -> list[dict]:
+def extra_credit(nb) -> dict[str, float]:
+    """grade id -> extra-credit points of the notebook's test cells worth 0 points that say
+    `"course_lib": {"extra_credit": N}`."""
+    out = {}
+    for cell in nb.cells:
+        bonus = cell.metadata.get("course_lib", {}).get("extra_credit")
+        if role(cell) == "test" and bonus is not None:
+            if _points(cell):
+                grade_id = cell.metadata["nbgrader"]["grade_id"]
+                raise ValueError(f"test cell {grade_id} has points and extra credit: keep one")
+            out[cell.metadata["nbgrader"]["grade_id"]] = float(bonus)
+    return out
+
+
+def save_extra_credit(nb, resources, bonus: dict[str, float]) -> None:
+    """Write what each extra-credit test cell earned (`apply_verdicts`' score) to its grade.
+    Its partial-credit output goes (nbgrader refuses a number above the cell's 0 points)."""
+    for cell in nb.cells:
+        if role(cell) == "test" and cell.metadata.get("nbgrader", {}).get("grade_id") in bonus:
+            cell.outputs = [o for o in cell.outputs if o.output_type != "execute_result"]
+    info = resources.get("nbgrader", {})
+    if not bonus or "db_url" not in info:
+        return
+    with Gradebook(info["db_url"]) as gradebook:
+        for cell in nb.cells:
+            grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+            if role(cell) == "test" and grade_id in bonus:
+                grade = gradebook.find_grade(
+                    grade_id, info["notebook"], info["assignment"], info["student"]
+                )
+                grade.extra_credit = cell.metadata["course_lib"]["score"]
+        gradebook.db.commit()
+
+
+def judge_cells(nb, resources, bonus: dict[str, float] | None = None) -> list[dict]:
     """What the judge gets: the set-up, answer and test cells, in the notebook's order.
 
     The judge runs set-up and test cells itself, so their code comes from the gradebook (the
     instructor's source, hidden tests included), never from the submission: a cell the
     student added or relabelled as locked is not run there. Answer cells are the student's
-    (the judge only ships them to the ranks)."""
+    (the judge only ships them to the ranks). `bonus` (`extra_credit`) gives the points of
+    extra-credit test cells, whose nbgrader points are 0."""
     info = resources.get("nbgrader", {})
     if "db_url" not in info:  # outside `nbgrader autograde`: trust the notebook's own cells
+        bonus = extra_credit(nb)
         return [
-            _cell(cell.id, role(cell), cell.source, _points(cell))
+            _cell(cell.id, role(cell), cell.source, bonus.get(cell.id) or _points(cell))
             for cell in nb.cells
             if role(cell)
         ]
@@ -212,6 +272,7 @@ def judge_cells(nb, resources) -> list[dict]:
         source = gradebook.find_notebook(info["notebook"], info["assignment"])
         originals = {c.name: c for c in source.source_cells}
         points = {c.name: c.max_score for c in source.grade_cells}
+        points.update((bonus or {}).items())
         answers = {c.name for c in source.solution_cells}
         cells = []
         for cell in nb.cells:
