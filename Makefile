@@ -27,7 +27,8 @@ LAB_ARGS ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: install lock lab test site lint format bench clean release autograde feedback student
+.PHONY: install lock lab test site lint format bench clean release autograde feedback student \
+	roster zip-collect
 
 install: $(STAMP)
 
@@ -90,10 +91,11 @@ ASSIGNMENT_SOURCES = $(sort $(notdir $(wildcard solutions/*)))
 SUBMITTED = $(sort $(notdir $(wildcard submitted/*/*)))
 
 # Regenerate the student versions in assignments/ from solutions/ (and register them in the
-# gradebook). Reproducible: a second run changes nothing.
+# gradebook, with schedule.csv's due dates). Reproducible: a second run changes nothing.
 release: install
 	@for a in $(ASSIGNMENT_SOURCES); do \
 	    $(BIN)/nbgrader generate_assignment "$$a" --force || exit 1; done
+	@$(BIN)/python -m course_lib.grading.course_admin due-dates
 
 # Grade every notebook in submitted/<student>/<assignment>/ and write grades.csv. Each
 # submission runs in a sandbox (bubblewrap); SANDBOX=off grades without one, unprotected.
@@ -113,6 +115,22 @@ autograde: release
 STUDENT_DIR ?= student-edition
 student:
 	$(PYTHON) tools/student_edition.py "$(STUDENT_DIR)"
+
+# Import the roster into the gradebook: a CSV with a header row, columns id (required),
+# first_name, last_name, email, lms_user_id (the LMS's numeric user id, for zip-collect).
+roster: install
+	@test -n "$(FILE)" || { echo "usage: make roster FILE=students.csv"; exit 1; }
+	$(BIN)/nbgrader db student import "$(FILE)"
+
+# Submissions downloaded from an LMS (Canvas's "Download Submissions" zip) into
+# submitted/<student>/<assignment>/, students matched to the roster by lms_user_id.
+zip-collect: install
+	@test -n "$(FILE)" -a -n "$(ASSIGNMENT)" || { \
+	    echo "usage: make zip-collect FILE=submissions.zip ASSIGNMENT=a01_processes"; exit 1; }
+	@test -f "$(FILE)" || { echo "No such file: $(FILE)"; exit 1; }
+	rm -rf "downloaded/$(ASSIGNMENT)" && mkdir -p "downloaded/$(ASSIGNMENT)/archive"
+	cp "$(FILE)" "downloaded/$(ASSIGNMENT)/archive/"
+	$(BIN)/nbgrader zip_collect "$(ASSIGNMENT)" --force
 
 # HTML feedback for every autograded submission, in feedback/<student>/<assignment>/.
 feedback: install

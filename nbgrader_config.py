@@ -56,3 +56,17 @@ c.Autograde.autograde_preprocessors = [
     AssignLatePenalties,
     CheckCellMetadata,
 ]
+
+# The course around grading (course_lib/grading/course_admin.py): late penalties by the rules of
+# schedule.csv (`make release` stores its due dates in the gradebook), grades.csv as
+# `nbgrader export` writes it, and Canvas archives for `nbgrader zip_collect`.
+from course_lib.grading.course_admin import (  # noqa: E402
+    CanvasCollector,
+    GradesExport,
+    SchedulePenalty,
+)
+
+c.AssignLatePenalties.plugin_class = SchedulePenalty
+c.SchedulePenalty.schedule = str(Path(__file__).resolve().parent / "schedule.csv")
+c.ExportApp.plugin_class = GradesExport
+c.ZipCollectApp.collector_plugin = CanvasCollector
