@@ -320,7 +320,7 @@ def build(course: Path) -> float:
     alternatives) are graded by `judge`, without the kernel that renders feedback; the others
     go through `make autograde`, as a class's would."""
     judge_only = []
-    for name in ("Makefile", "pyproject.toml", "nbgrader_config.py"):
+    for name in ("Makefile", "pyproject.toml", "requirements.lock", "nbgrader_config.py"):
         shutil.copy2(ROOT / name, course / name)  # copy2 keeps mtimes: no reinstall
     shutil.copytree(ROOT / "solutions", course / "solutions")
     make(course, "release")

@@ -67,7 +67,7 @@ def cycle(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("exchange-cycle")
     course, exchange = tmp / "course", tmp / "exchange"
     course.mkdir()
-    for name in ("Makefile", "pyproject.toml", "nbgrader_config.py"):
+    for name in ("Makefile", "pyproject.toml", "requirements.lock", "nbgrader_config.py"):
         shutil.copy2(ROOT / name, course / name)  # copy2 keeps mtimes: no reinstall
     shutil.copytree(ROOT / "solutions" / A, course / "solutions" / A)
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}

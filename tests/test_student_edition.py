@@ -75,7 +75,9 @@ def test_edition_has_what_students_need(edition):
     assert sorted(p.name for p in (edition / "lectures").glob("*.ipynb")) == lectures
     for solution in SOLUTIONS:
         assert (edition / "assignments" / solution.parent.name / solution.name).is_file()
-    for name in ("Makefile", "README.md", "pyproject.toml", "nbgrader_config.py"):
+    for name in ("Makefile", "README.md", "pyproject.toml", "requirements.lock"):
+        assert (edition / name).is_file(), name
+    for name in ("nbgrader_config.py", "tools/build_site.py"):  # Validate; make test's site
         assert (edition / name).is_file(), name
 
 
@@ -83,11 +85,13 @@ def test_edition_leaves_out_solutions_answer_tests_and_instructor_tools(edition)
     files = [str(p.relative_to(edition)) for p in edition.rglob("*") if p.is_file()]
     assert not (edition / "solutions").exists()
     assert not [f for f in files if re.match(r"tests/(test_grading_|test_autograde|cheats/)", f)]
-    assert not [f for f in files if f.startswith(("bench/", "tools/", ".ci/", "docs/"))]
+    assert not [f for f in files if f.startswith(("bench/", ".ci/", "docs/"))]
+    assert [f for f in files if f.startswith("tools/")] == ["tools/build_site.py"]
     # The planted bugs quote lines of the solutions; adapters.py runs the solutions.
     assert not {"tests/grading_course.py", "tests/adapters.py", "CONTRIBUTING.md"} & set(files)
     makefile = (edition / "Makefile").read_text()
     assert "autograde" not in makefile and "release" not in makefile
+    assert "lock:" not in makefile and "roster" not in makefile  # tools/lock.py stays here
     readme = (edition / "README.md").read_text()
     assert "For instructors" not in readme and "student edition" in readme
     assert "GradeInSandbox" not in (edition / "nbgrader_config.py").read_text()

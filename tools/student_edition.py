@@ -40,7 +40,7 @@ EXCLUDED = (
     re.compile(r"^docs/"),
     re.compile(r"^CONTRIBUTING\.md$"),
     re.compile(r"^bench/"),
-    re.compile(r"^tools/"),
+    re.compile(r"^tools/(?!build_site\.py$)"),  # students build the site: `make test` does
     re.compile(r"^\.ci/"),
     re.compile(r"^nbgrader_config\.py$"),
 )
@@ -93,12 +93,27 @@ def student_readme(text: str) -> str:
     return f"{title}\n\n{NOTICE}{rest}"
 
 
+INSTRUCTOR_TARGETS = (
+    "lock",
+    "bench",
+    "release",
+    "autograde",
+    "feedback",
+    "student",
+    "roster",
+    "zip-collect",
+)
+
+
 def student_makefile(text: str) -> str:
-    """The Makefile without the instructors' targets and the benchmarks."""
+    """The Makefile without the instructors' targets, the lock's rewriting and the benchmarks."""
     text = re.sub(r"\n# --- instructors:.*?(?=\nclean:)", "\n", text, flags=re.S)
     text = re.sub(r"\nbench: install\n(\t.*\n)+", "\n", text)
-    text = re.sub(r"\n{3,}", "\n\n", text)
-    return text.replace(" bench clean release autograde feedback student", " clean")
+    text = re.sub(r"\n# Rewrite requirements\.lock[^\n]*\n(\w[^\n]*\n)+(\t[^\n]*\n)+", "\n", text)
+    phony = re.search(r"^\.PHONY:(.*?)(?<!\\)\n", text, flags=re.M | re.S)
+    kept = [t for t in phony.group(1).replace("\\\n", " ").split() if t not in INSTRUCTOR_TARGETS]
+    text = text[: phony.start()] + ".PHONY: " + " ".join(kept) + "\n" + text[phony.end() :]
+    return re.sub(r"\n{3,}", "\n\n", text)
 
 
 def build(dest: Path) -> list[str]:
