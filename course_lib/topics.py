@@ -167,6 +167,7 @@ GRADING_LIBRARY = frozenset(
         "answers",
         "training",
         "autograde",
+        "batch",
         "judge",
         "provenance",
         "report",
@@ -177,6 +178,7 @@ GRADING_LIBRARY = frozenset(
 LIBRARY_TESTS = frozenset(
     {
         "autograde",
+        "batch",
         "cheats",
         "comm",
         "costs",

@@ -1,6 +1,6 @@
 """A small class of a01_processes submissions, for grading serially and in parallel.
 
-Shared by tests/test_autograde_parallel.py and bench/autograde_parallel.py. a01 is the
+Shared by tests/test_batch.py and bench/autograde_parallel.py. a01 is the
 fastest assignment to grade (about 20 s a submission in the sandbox). The submissions are
 built as tests/grading_course.py builds its own: the solution, the blank release and the
 solution with a planted bug, taken in turn.
