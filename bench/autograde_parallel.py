@@ -6,9 +6,10 @@ K submissions of a01_processes (solution, blank and planted bug in turn; default
 graded in a fresh course folder by `make autograde` (one at a time, the reference) and by
 `make autograde JOBS=2` (and JOBS=<cores> when there are more than 2), each in a course
 folder of its own. Prints the seconds of each, the speed-up over the serial run measured
-here, and whether every score, cell by cell, is the serial run's. Grading is mostly one
-busy core per submission (the kernel, then the judge's ranks), so the speed-up is bounded
-by the free cores: on a shared machine it says how many were free.
+here, and whether every score, cell by cell, is the serial run's. One submission keeps
+about two cores busy (its kernel and the judge's ranks run side by side) and each scratch
+course starts an nbgrader of its own, so the speed-up needs free cores beyond two: on a
+2-core machine JOBS=2 is slower than the serial run.
 """
 
 from __future__ import annotations
