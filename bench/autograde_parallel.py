@@ -9,7 +9,7 @@ folder of its own. Prints the seconds of each, the speed-up over the serial run 
 here, and whether every score, cell by cell, is the serial run's. One submission keeps
 about two cores busy (its kernel and the judge's ranks run side by side) and each scratch
 course starts an nbgrader of its own, so the speed-up needs free cores beyond two: on a
-2-core machine JOBS=2 is slower than the serial run.
+2-core machine JOBS=2 measured slower than the serial run.
 """
 
 from __future__ import annotations
