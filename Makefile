@@ -85,6 +85,7 @@ bench: install
 	$(BIN)/python bench/network.py
 	$(BIN)/python bench/shaped_network.py
 	$(BIN)/python bench/autograde.py
+	$(BIN)/python bench/autograde_parallel.py
 
 # --- instructors: nbgrader (configured in nbgrader_config.py) ---
 ASSIGNMENT_SOURCES = $(sort $(notdir $(wildcard solutions/*)))
@@ -99,13 +100,22 @@ release: install
 
 # Grade every notebook in submitted/<student>/<assignment>/ and write grades.csv. Each
 # submission runs in a sandbox (bubblewrap); SANDBOX=off grades without one, unprotected.
+# JOBS=N grades N submissions at a time, each in a scratch course folder of its own, then
+# merges them into gradebook.db and autograded/ (course_lib/grading/batch.py).
 SANDBOX ?= on
+JOBS ?= 1
 autograde: release
 	@test -n "$(SUBMITTED)" || { echo "Nothing to grade: put submissions in submitted/<student>/<assignment>/"; exit 1; }
+ifeq ($(JOBS),1)
 	@failed=""; for a in $(SUBMITTED); do $(BIN)/nbgrader autograde "$$a" --force \
 	    $(if $(filter off,$(SANDBOX)),--GradeInSandbox.sandbox=False) || failed="$$failed $$a"; \
 	done; test -z "$$failed" || echo "WARNING: some submissions of$$failed could not be graded \
 	(nbgrader's log above names them; they score 0). The others were graded."
+else
+	$(BIN)/python -m course_lib.grading.batch grade --jobs $(JOBS) \
+	    $(if $(filter off,$(SANDBOX)),--no-sandbox)
+	$(BIN)/python -m course_lib.grading.batch merge
+endif
 	$(BIN)/nbgrader export --to grades.csv
 	@echo "Grades written to grades.csv"
 	@$(BIN)/python -m course_lib.grading.report autograded

@@ -169,6 +169,7 @@ GRADING_LIBRARY = frozenset(
         "answers",
         "training",
         "autograde",
+        "batch",
         "course_admin",
         "judge",
         "provenance",
@@ -180,6 +181,7 @@ GRADING_LIBRARY = frozenset(
 LIBRARY_TESTS = frozenset(
     {
         "autograde",
+        "batch",
         "cheats",
         "comm",
         "costs",
