@@ -65,6 +65,8 @@ def prepare(course: Path, student: str, assignment: str) -> Path:
         shutil.rmtree(scratch)
     scratch.mkdir(parents=True)
     shutil.copy2(course / "nbgrader_config.py", scratch)
+    if (course / "schedule.csv").exists():  # the late rules the config's penalty plugin reads
+        shutil.copy2(course / "schedule.csv", scratch)
     if not (course / GRADEBOOK).exists():
         raise SystemExit(f"no {GRADEBOOK} in {course}: run `make release` first")
     shutil.copy2(course / GRADEBOOK, scratch)
