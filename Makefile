@@ -43,8 +43,15 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	    --display-name "$(KERNEL_DISPLAY)"
 	touch $@
 
+# nbgrader's exchange (nbgrader_config.py: exchange/ here, or $COURSE_EXCHANGE). Its panels
+# (Assignment List, Course List) and the formgrader's Release need it to exist, open to every
+# user, the mode nbgrader's release_assignment gives it (0777).
+EXCHANGE := $(or $(COURSE_EXCHANGE),$(CURDIR)/exchange)
+
 lab: install
-	$(BIN)/jupyter lab --notebook-dir="$(CURDIR)" $(ROOT_ARGS) $(LAB_ARGS)
+	@test -d "$(EXCHANGE)" || install -d -m 0777 "$(EXCHANGE)"
+	$(BIN)/jupyter lab --notebook-dir="$(CURDIR)" --config="$(CURDIR)/jupyter/jupyter_lab_config.py" \
+	    $(ROOT_ARGS) $(LAB_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

@@ -177,6 +177,7 @@ GRADING_LIBRARY = frozenset(
 LIBRARY_TESTS = frozenset(
     {
         "autograde",
+        "browser",
         "cheats",
         "comm",
         "costs",
