@@ -261,6 +261,8 @@ def test_the_assignment_list_reads_the_courses_exchange(page, lab):
     page.goto(lab.url("lab") + "&reset")
     menu(page, "Nbgrader", "Assignment List")
     panel = page.locator("#nbgrader-assignment-list")
-    panel.locator("#released_assignments_list_placeholder").wait_for()
+    # Loaded: either the (empty) list of released assignments or an error in its place.
+    shown = "#released_assignments_list_placeholder, #released_assignments_list_error"
+    panel.locator(shown).locator("visible=true").first.wait_for()
     text = panel.inner_text()
     assert "Error" not in text and "does not exist" not in text, text
