@@ -246,6 +246,8 @@ def test_validate_on_an_untouched_assignment_says_what_to_write(page, lab):
 
 
 def test_the_formgrader_lists_the_assignments(page, lab):
+    if not (ROOT / "solutions").is_dir():
+        pytest.skip("no solutions/ here (the student edition): nothing for the formgrader")
     page.goto(lab.url("formgrader"))
     names = page.locator("#main-table tr td.name")
     names.first.wait_for()
