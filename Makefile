@@ -44,8 +44,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $@
 
 # nbgrader's exchange (nbgrader_config.py: exchange/ here, or $COURSE_EXCHANGE). Its panels
-# (Assignment List, Course List) and the formgrader's Release need it to exist, open to every
-# user, the mode nbgrader's release_assignment gives it (0777).
+# (Assignment List, Course List) and the formgrader need it to exist, open to every user
+# (mode 0777, as nbgrader itself creates it).
 EXCHANGE := $(or $(COURSE_EXCHANGE),$(CURDIR)/exchange)
 
 lab: install
