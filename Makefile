@@ -57,8 +57,15 @@ lock: | $(BIN)/python
 	$(BIN)/python -m pip install --disable-pip-version-check "$(UV_PIN)"
 	$(BIN)/python tools/lock.py
 
+# nbgrader's exchange (nbgrader_config.py: exchange/ here, or $COURSE_EXCHANGE). Its panels
+# (Assignment List, Course List) and the formgrader need it to exist, open to every user
+# (mode 0777, as nbgrader itself creates it).
+EXCHANGE := $(or $(COURSE_EXCHANGE),$(CURDIR)/exchange)
+
 lab: install
-	$(BIN)/jupyter lab --notebook-dir="$(CURDIR)" $(ROOT_ARGS) $(LAB_ARGS)
+	@test -d "$(EXCHANGE)" || install -d -m 0777 "$(EXCHANGE)"
+	$(BIN)/jupyter lab --notebook-dir="$(CURDIR)" --config="$(CURDIR)/jupyter/jupyter_lab_config.py" \
+	    $(ROOT_ARGS) $(LAB_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

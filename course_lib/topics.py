@@ -182,6 +182,7 @@ LIBRARY_TESTS = frozenset(
     {
         "autograde",
         "batch",
+        "browser",
         "cheats",
         "comm",
         "costs",

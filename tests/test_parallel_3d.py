@@ -263,6 +263,10 @@ def test_widget_replans_when_a_value_changes():
     widget.gpus.value = 8
     assert widget.best is None and widget.estimates  # 175B on 8 GPUs: candidates, none fits
     assert not any(e.fits for e in widget.estimates)
+    assert widget.inter.label == "25"  # the cluster's 25 GB/s, shown as written
+    widget.gpus.value, widget.inter.label = 512, "5"
+    assert widget.chosen()[1].inter_bandwidth == 5e9
+    assert widget.best.plan == best(GPT3, Cluster(512, gpu_memory=40e9, inter_bandwidth=5e9)).plan
 
 
 def test_fewer_micro_batches_than_stages_keep_only_m_in_flight():

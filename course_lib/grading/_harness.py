@@ -41,7 +41,7 @@ class CheckFailed(AssertionError):
         failed: set[str] | None = None,
         tampering: bool = False,
     ) -> None:
-        super().__init__(message)
+        super().__init__(_explain_placeholders(message))
         # Raised while handling a launcher error: the message already says what happened, so
         # the launcher's exception is not shown again below it.
         self.__suppress_context__ = True
@@ -56,31 +56,53 @@ class CheckFailed(AssertionError):
 
 
 def _show_check_failed(shell, etype, value, tb, tb_offset=None):
-    """IPython's display of a CheckFailed: the student's cell, then the message, without the
-    grader's frames in between."""
-    keep = []
-    while tb is not None:
-        if not _LIBRARY.search(tb.tb_frame.f_code.co_filename):
-            keep.append(tb)
-        tb = tb.tb_next
-    for this, following in zip(keep, [*keep[1:], None], strict=True):
-        this.tb_next = following
-    # Lines short enough for `nbgrader validate`, which cuts longer ones at 90 characters.
-    shown = CheckFailed(_wrap(str(value), DISPLAY_WIDTH))
-    shell.showtraceback((etype, shown, keep[0] if keep else None), tb_offset=tb_offset)
+    """IPython's display of a CheckFailed: the message alone. The grader's frames would only
+    hide it, and the cell it failed in is the one showing it (Validate lists that cell too)."""
+    # Lines short enough for `nbgrader validate`, which cuts longer ones at 90 characters; the
+    # first follows "CheckFailed: " on its line.
+    shown = CheckFailed(_wrap(str(value), DISPLAY_WIDTH, first=DISPLAY_WIDTH - len(_PREFIX)))
+    shell._showtraceback(etype, shown, shell.InteractiveTB.get_exception_only(etype, shown))
 
 
 DISPLAY_WIDTH = 80
+_PREFIX = "CheckFailed: "
 
 
-def _wrap(text: str, width: int) -> str:
+def _wrap(text: str, width: int, first: int | None = None) -> str:
     lines = []
     for line in text.splitlines():
         indent = line[: len(line) - len(line.lstrip())]
         lines += textwrap.wrap(
-            line, width, subsequent_indent=indent + "  ", break_long_words=False
+            line,
+            first if first is not None and not lines else width,
+            subsequent_indent=indent + "  ",
+            break_long_words=False,
         ) or [""]
     return "\n".join(lines)
+
+
+# The traceback of an answer still raising its placeholder, `raise NotImplementedError()`: an
+# untouched assignment shows a sentence saying what to write, not the traceback (Validate shows
+# every failing test cell at once).
+_PLACEHOLDER = re.compile(
+    r"Traceback \(most recent call last\):\n"
+    r"(?:(?:[ \t].*)?\n)*?"  # the frames before the last
+    r'  File "[^"]*", line \d+, in (?P<fn>[\w.<>]+)\n'
+    r"(?: +raise NotImplementedError(?:\(\))?\n)?"
+    r"(?: *\^+\n)?"
+    r"NotImplementedError[ \t]*(?:\n|$)"
+)
+
+
+def _explain_placeholders(message: str) -> str:
+    return _PLACEHOLDER.sub(
+        lambda m: (
+            f"{m['fn']} is not written yet: it still raises the placeholder "
+            f"NotImplementedError. Replace `raise NotImplementedError()` in {m['fn']}'s cell with "
+            "your code, run that cell, then this one.\n"
+        ),
+        message,
+    )
 
 
 def install_ipython_display() -> None:
@@ -338,7 +360,7 @@ def describe(outcome: tuple[str, Any], who: str, wait: float) -> str:
     """A sentence about an outcome that is not ("ok", ...)."""
     kind, detail = outcome
     if kind == "error":
-        return f"{who} raised an exception:\n\n{detail}"
+        return f"{who} raised an exception:\n\n{student_frames(detail)}"
     if kind == "timeout":
         return (
             f"{who} was still running after {wait:g} s: it is probably waiting in recv() "

@@ -57,25 +57,44 @@ def plot_step_times(estimates: Sequence[Estimate], title: str = "") -> NotebookF
 # --- 5. the interactive planner (exercise 8) -------------------------------------------------
 
 
+# Inter-node bandwidth per GPU: 16 Gbit/s Ethernet up to 800 Gbit/s InfiniBand (and beyond).
+INTER_NODE_GB_PER_S = (1, 2, 5, 12.5, 25, 50, 100, 200, 400)
+
+
 class PlannerWidget(widgets.VBox):
     """Menus and sliders for the model and the cluster; every change re-plans and shows the
     best plan and the fastest candidates. `estimates` and `best` hold what is shown (tests)."""
 
     def __init__(self, model: str = "70B", gpus: int = 512, top: int = 12) -> None:
         self.top = top
+        # Labels get the width they need: the default (about 80 px) cuts "global batch".
         style = {"description_width": "initial"}
-        self.model = widgets.Dropdown(options=list(MODELS), value=model, description="model")
+        self.model = widgets.Dropdown(
+            options=list(MODELS), value=model, description="model", style=style
+        )
         self.gpus = widgets.SelectionSlider(
             options=[2**k for k in range(3, 13)], value=gpus, description="GPUs", style=style
         )
-        self.gpus_per_node = widgets.Dropdown(options=[4, 8], value=8, description="GPUs/node")
-        self.memory = widgets.IntSlider(80, min=16, max=192, step=8, description="GPU GB")
-        self.inter = widgets.FloatLogSlider(
-            25, base=10, min=0, max=2.7, description="inter-node GB/s", style=style
+        self.gpus_per_node = widgets.Dropdown(
+            options=[4, 8], value=8, description="GPUs/node", style=style
+        )
+        self.memory = widgets.IntSlider(
+            80, min=16, max=192, step=8, description="GPU GB", style=style
+        )
+        # The link speeds of real clusters, shown as written: a log slider snaps 25 to
+        # 10**1.4 and reads "25.1".
+        self.inter = widgets.SelectionSlider(
+            options=[(f"{v:g}", v) for v in INTER_NODE_GB_PER_S],
+            value=25,
+            description="inter-node GB/s",
+            style=style,
         )
         batches = sorted({2**k for k in range(6, 14)} | {m.global_batch for m in MODELS.values()})
         self.batch = widgets.SelectionSlider(
-            options=batches, value=MODELS[model].global_batch, description="global batch"
+            options=batches,
+            value=MODELS[model].global_batch,
+            description="global batch",
+            style=style,
         )
         self.output = widgets.Output()
         controls = [self.model, self.gpus, self.gpus_per_node, self.memory, self.inter, self.batch]
