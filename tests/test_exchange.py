@@ -37,6 +37,17 @@ ZONE = "Europe/Paris"  # the schedule's time zone: the due date is converted to 
 PER_DAY, MOST = 1.5, 5  # late rule: 1.5 points per started day; alice is late by seconds
 
 
+def max_score(assignment: str) -> str:
+    """The assignment's maximum as grades.csv and the feedback print it: every graded cell's
+    points, written answers included."""
+    nb = nbformat.read(ROOT / "solutions" / assignment / f"{assignment}.ipynb", as_version=4)
+    cells = [c.metadata.get("nbgrader", {}) for c in nb.cells]
+    return f"{float(sum(c.get('points', 0) for c in cells if c.get('grade'))):.1f}"
+
+
+MAX = max_score(A)
+
+
 def run(cwd: Path, *args: str, env: dict[str, str]) -> str:
     result = subprocess.run(
         [str(VENV / "bin" / "nbgrader"), *args],
@@ -143,13 +154,13 @@ def test_grades_csv_lists_the_late_the_on_time_and_the_missing(cycle):
     numbers = ("status", "raw_score", "late_penalty", "score", "max_score")
     got = {s: tuple(rows[s, A][k] for k in numbers) for s in ("alice", "bob", "carol")}
     assert got == {
-        "alice": ("late", "3.0", str(PER_DAY), str(3 - PER_DAY), "10.0"),
-        "bob": ("graded", "3.0", "0.0", "3.0", "10.0"),
-        "carol": ("missing", "0.0", "0.0", "0.0", "10.0"),
+        "alice": ("late", "3.0", str(PER_DAY), str(3 - PER_DAY), MAX),
+        "bob": ("graded", "3.0", "0.0", "3.0", MAX),
+        "carol": ("missing", "0.0", "0.0", "0.0", MAX),
     }
     for student in ("alice", "bob", "carol"):
         total = rows[student, "TOTAL"]
-        assert (total["score"], total["max_score"]) == (rows[student, A]["score"], "10.0")
+        assert (total["score"], total["max_score"]) == (rows[student, A]["score"], MAX)
     assert rows["alice", A]["email"] == "alice@example.org"  # from the roster
     assert rows["carol", A]["submitted"] == ""
     due = datetime.fromisoformat(rows["bob", A]["due"])
@@ -164,9 +175,9 @@ def test_students_fetch_their_feedback_with_the_late_penalty(cycle):
         assert len(found) == 1, f"{student} fetched {found}"
         pages[student] = found[0].read_text()
     # nbgrader's feedback page: the total after the penalty, then the penalty itself.
-    assert f"Score: {3 - PER_DAY} / 10.0" in pages["alice"]
+    assert f"Score: {3 - PER_DAY} / {MAX}" in pages["alice"]
     assert f"Late submission penalty (Score: -{PER_DAY})" in pages["alice"]
-    assert "Score: 3.0 / 10.0" in pages["bob"]
+    assert f"Score: 3.0 / {MAX}" in pages["bob"]
     assert "Late submission penalty" not in pages["bob"]
 
 
