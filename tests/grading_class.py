@@ -15,7 +15,7 @@ import nbformat
 from nbgrader.api import Gradebook
 
 from tests.conftest import ROOT
-from tests.grading_course import BUG, edit, make, notebooks, solved, submit
+from tests.grading_course import BUG, COURSE_FILES, edit, make, notebooks, solved, submit
 
 ASSIGNMENT = "a01_processes"
 KINDS = ("solved", "blank", "buggy")
@@ -38,7 +38,7 @@ def students(count: int) -> list[str]:
 def build(course: Path, names: list[str]) -> None:
     """A course folder with a01 released and one submission per student in `names`."""
     course.mkdir(parents=True, exist_ok=True)
-    for name in ("Makefile", "pyproject.toml", "nbgrader_config.py"):
+    for name in COURSE_FILES:
         shutil.copy2(ROOT / name, course / name)  # copy2 keeps mtimes: no reinstall
     shutil.copytree(ROOT / "solutions" / ASSIGNMENT, course / "solutions" / ASSIGNMENT)
     make(course, "release")

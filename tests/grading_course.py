@@ -37,6 +37,8 @@ from tests import cheats
 from tests.conftest import ROOT
 
 ASSIGNMENTS = sorted(p.name for p in (ROOT / "solutions").iterdir() if p.is_dir())
+# What a course folder needs from the repository to run the Makefile's targets.
+COURSE_FILES = ("Makefile", "pyproject.toml", "requirements.lock", "nbgrader_config.py")
 VENV = Path(sys.executable).parent.parent
 JUDGED = "judged.json"  # scores of the submissions graded by the judge alone (`judge`)
 
@@ -320,7 +322,7 @@ def build(course: Path) -> float:
     alternatives) are graded by `judge`, without the kernel that renders feedback; the others
     go through `make autograde`, as a class's would."""
     judge_only = []
-    for name in ("Makefile", "pyproject.toml", "requirements.lock", "nbgrader_config.py"):
+    for name in COURSE_FILES:
         shutil.copy2(ROOT / name, course / name)  # copy2 keeps mtimes: no reinstall
     shutil.copytree(ROOT / "solutions", course / "solutions")
     make(course, "release")

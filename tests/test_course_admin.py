@@ -12,7 +12,7 @@ import pytest
 
 from course_lib.grading.course_admin import CANVAS, Deadline, parse_due, read_schedule
 from tests.conftest import ROOT
-from tests.grading_course import make
+from tests.grading_course import COURSE_FILES, make
 
 A = "a01_processes"
 
@@ -77,7 +77,7 @@ def test_canvas_names_give_the_user_id_lateness_and_the_notebook():
 def test_zip_collect_files_a_canvas_archive_under_the_rostered_students(tmp_path: Path):
     course = tmp_path / "course"
     course.mkdir()
-    for name in ("Makefile", "pyproject.toml", "requirements.lock", "nbgrader_config.py"):
+    for name in COURSE_FILES:
         shutil.copy2(ROOT / name, course / name)
     shutil.copytree(ROOT / "assignments" / A, course / "assignments" / A)
     (course / "students.csv").write_text(

@@ -25,7 +25,7 @@ import pytest
 from nbgrader.api import Gradebook
 
 from tests.conftest import ROOT, require_sandbox
-from tests.grading_course import VENV, make
+from tests.grading_course import COURSE_FILES, VENV, make
 
 # About 2 minutes on an idle 2-core machine (two sandboxed submissions, ~20 s each); several
 # times that under load, hence the generous timeout.
@@ -78,7 +78,7 @@ def cycle(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("exchange-cycle")
     course, exchange = tmp / "course", tmp / "exchange"
     course.mkdir()
-    for name in ("Makefile", "pyproject.toml", "requirements.lock", "nbgrader_config.py"):
+    for name in COURSE_FILES:
         shutil.copy2(ROOT / name, course / name)  # copy2 keeps mtimes: no reinstall
     shutil.copytree(ROOT / "solutions" / A, course / "solutions" / A)
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
