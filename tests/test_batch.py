@@ -37,10 +37,13 @@ def serial(tmp_path_factory) -> dict:
 @require_sandbox
 @pytest.mark.timeout(900)
 def test_the_serial_run_grades_what_it_should(serial):
-    """The reference itself: full marks, zero, and the planted bug's part lost."""
+    """The reference itself: full marks on the autograded cells, zero, and the planted bug's
+    part lost."""
     solved, blank, buggy = (serial[name] for name in NAMES)
     assert set(solved) == set(blank) == set(buggy) and solved
-    assert all(score == top for score, top, _ in solved.values()), solved
+    # The written answer waits for a grader (needs_manual_grade); every autograded cell is full.
+    assert [cell for cell, (*_, manual) in solved.items() if manual], solved
+    assert all(score == top for score, top, manual in solved.values() if not manual), solved
     assert all(score == 0 for score, _, _ in blank.values()), blank
     assert 0 < sum(s for s, _, _ in buggy.values()) < sum(s for s, _, _ in solved.values())
 
