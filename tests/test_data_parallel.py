@@ -1,5 +1,6 @@
 """course_lib.data_parallel: the host scheme and all-reduce loop match single-process training,
-timelines are well formed, the timing comm hook still averages, stragglers show in step times.
+timelines are well formed, the timing comm hook still averages, stragglers show in step times;
+and the large-batch measurements (course_lib.measure.data_parallel) against independent ones.
 
 Tolerances: 4 ranks against single-process training on the full batch
 differ by rounding only, so fp32 atol 1e-6 for SGD and 1e-5 for Adam.
@@ -24,6 +25,7 @@ from course_lib.data_parallel import (
     plot_timeline,
     train_data_parallel,
 )
+from course_lib.measure import data_parallel as large_batches
 
 P = 4
 SIZES = (8, 32, 32, 4)
@@ -267,3 +269,47 @@ def bad_straggler():
 def test_straggler_rank_must_exist(pool4):
     with pytest.raises(RankError, match="straggler rank 7 is not in 0..3"):
         pool4.launch(bad_straggler, timeout=30)
+
+
+# --- large batches (course_lib.measure.data_parallel) -----------------------------------------
+
+
+def test_gradient_noise_scale_is_the_covariance_trace_over_the_squared_mean():
+    rows = 0.5 + torch.randn(
+        200, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
+    # Independent reference: torch.cov's unbiased covariance of the coordinates.
+    expected = torch.trace(torch.cov(rows.T)) / rows.mean(dim=0).square().sum()
+    assert large_batches.gradient_noise_scale(rows) == pytest.approx(expected.item(), rel=1e-12)
+
+
+def test_per_example_gradients_equal_one_backward_per_example():
+    x, y = large_batches.large_batch_task(n=6)
+    model = models.MLP(large_batches.SIZES)
+    rows = large_batches.per_example_gradients(model, x, y)
+    for i in range(len(x)):
+        model.zero_grad()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        one = torch.cat([p.grad.flatten() for p in model.parameters()])
+        torch.testing.assert_close(rows[i], one, rtol=1e-5, atol=1e-7)
+
+
+def test_fit_critical_batch_recovers_the_model_it_fits():
+    best = {b: (0.1, 50 * (1 + 200 / b)) for b in (8, 32, 128, 512)}
+    s_min, b_crit = large_batches.fit_critical_batch(best)
+    assert (s_min, b_crit) == (pytest.approx(50, rel=1e-9), pytest.approx(200, rel=1e-9))
+
+
+def test_warmup_grows_the_rate_linearly_then_holds_it():
+    factors = [large_batches.warmup_factor(step, 4) for step in range(1, 7)]
+    assert factors == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert large_batches.warmup_factor(1, 0) == 1.0
+
+
+def test_a_larger_batch_takes_fewer_steps_and_too_large_a_rate_diverges():
+    small = large_batches.steps_to_loss(16, 0.1, target=0.3)
+    large = large_batches.steps_to_loss(256, 0.8, target=0.3)
+    assert small is not None and large is not None and large < small / 2
+    assert large_batches.steps_to_loss(1024, 6.4, target=0.3) is None
+    best = large_batches.best_steps({16: {0.1: small, 0.4: None}, 256: {0.8: large}})
+    assert best == {16: (0.1, small), 256: (0.8, large)}

@@ -1,0 +1,160 @@
+"""Large batches (lecture 3, section 5): how many steps a target loss takes as the batch grows.
+
+Data parallelism over P ranks with B/P samples each is, step for step, single-process
+training with batch B (lecture 3, section 2 shows the parameters equal to rounding). So the
+optimisation questions of large batches (which learning rate, whether to warm up, when more
+ranks stop saving steps) are measured here in one process, on a small seeded problem: an MLP
+classifying points around four centres that overlap, so that mini-batch gradients are noisy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from course_lib import data, models
+
+SIZES = (8, 32, 4)  # the classifier: 8 inputs, 32 hidden units, 4 classes
+
+
+def large_batch_task(n: int = 4096, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data set every run trains on: overlapping classes, so gradients are noisy."""
+    return data.classification(n, dim=SIZES[0], classes=SIZES[-1], spread=2.0, seed=seed)
+
+
+def warmup_factor(step: int, warmup: int) -> float:
+    """Linear warm-up: the learning rate grows from lr/warmup to lr over the first `warmup`
+    steps (step counts from 1), then stays."""
+    return min(1.0, step / warmup) if warmup else 1.0
+
+
+def steps_to_loss(
+    batch_size: int,
+    lr: float,
+    target: float,
+    warmup: int = 0,
+    max_steps: int = 1500,
+    every: int = 5,
+    seed: int = 0,
+) -> int | None:
+    """SGD with mini-batches of `batch_size` drawn with replacement: the first step (checked
+    every `every` steps) at which the loss on the whole data set is <= target, or None when
+    it never gets there in `max_steps` or diverges."""
+    x, y = large_batch_task()
+    model = models.MLP(SIZES)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(1, max_steps + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * warmup_factor(step, warmup)
+        idx = torch.randint(len(x), (batch_size,), generator=g)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        if not math.isfinite(loss.item()) or loss.item() > 20:  # diverged: stop paying
+            return None
+        loss.backward()
+        optimizer.step()
+        if step % every == 0:
+            with torch.no_grad():
+                if F.cross_entropy(model(x), y).item() <= target:
+                    return step
+    return None
+
+
+def large_batch_sweep(
+    grid: dict[int, Sequence[float]], target: float, warmup: int = 0
+) -> dict[int, dict[float, int | None]]:
+    """steps_to_loss for each batch size and each of its learning rates: {B: {lr: steps}}."""
+    return {b: {lr: steps_to_loss(b, lr, target, warmup) for lr in lrs} for b, lrs in grid.items()}
+
+
+def best_steps(results: dict[int, dict[float, int | None]]) -> dict[int, tuple[float, int]]:
+    """For each batch size, the learning rate that reached the target in fewest steps."""
+    best = {}
+    for b, by_lr in results.items():
+        reached = [(steps, lr) for lr, steps in by_lr.items() if steps is not None]
+        if reached:
+            steps, lr = min(reached)
+            best[b] = (lr, steps)
+    return best
+
+
+def fit_critical_batch(best: dict[int, tuple[float, int]]) -> tuple[float, float]:
+    """Least-squares fit of steps = S_min (1 + B_crit / B) to the measured best steps per
+    batch (McCandlish et al., 2018): S_min is the fewest steps any batch can take, B_crit
+    the batch at which training takes twice that. Returns (S_min, B_crit)."""
+    sizes = torch.tensor(sorted(best), dtype=torch.float64)
+    steps = torch.tensor([best[int(b)][1] for b in sizes], dtype=torch.float64)
+    # steps = a + c / B is linear in (a, c): a = S_min, c = S_min * B_crit.
+    design = torch.stack([torch.ones_like(sizes), 1 / sizes], dim=1)
+    a, c = torch.linalg.lstsq(design, steps.unsqueeze(1)).solution.squeeze(1).tolist()
+    return a, c / a
+
+
+def per_example_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One row per example: the flattened gradient of that example's loss (torch.func)."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss_of_one(p, xi, yi):
+        logits = functional_call(model, p, (xi.unsqueeze(0),))
+        return F.cross_entropy(logits, yi.unsqueeze(0))
+
+    grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, x, y)
+    return torch.cat([g.flatten(1) for g in grads.values()], dim=1)
+
+
+def gradient_noise_scale(per_example: torch.Tensor) -> float:
+    """The gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al., 2018) from
+    one row of gradient per example: Sigma is the covariance of one example's gradient, G
+    their mean. Batches much smaller than B_simple are dominated by noise (doubling B nearly
+    halves the steps); much larger ones waste samples (the steps hardly fall)."""
+    mean = per_example.mean(dim=0)
+    trace = per_example.var(dim=0).sum()  # sum of per-coordinate variances = tr(Sigma)
+    return (trace / mean.square().sum()).item()
+
+
+def model_at_loss(loss: float, lr: float = 0.4, batch_size: int = 64) -> nn.Module:
+    """The classifier trained until its loss on the whole data set falls to `loss`: the point
+    of training where the noise scale is measured."""
+    x, y = large_batch_task()
+    model = models.MLP(SIZES)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10_000):
+        with torch.no_grad():
+            if F.cross_entropy(model(x), y).item() <= loss:
+                return model
+        idx = torch.randint(len(x), (batch_size,), generator=g)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        optimizer.step()
+    raise RuntimeError(f"the classifier did not reach loss {loss}; pick a larger one")
+
+
+def plot_steps_against_batch(
+    best: dict[int, tuple[float, int]], b_noise: float | None = None, ax=None
+) -> plt.Axes:
+    """Measured steps to the target against batch size (log-log), with the line of perfect
+    scaling (steps halve when B doubles) through the smallest batch, and B_simple marked."""
+    ax = ax or plt.subplots(figsize=(6, 4))[1]
+    sizes = sorted(best)
+    steps = [best[b][1] for b in sizes]
+    ax.loglog(sizes, steps, "o-", label="measured (best learning rate per batch)")
+    ax.loglog(
+        sizes, [steps[0] * sizes[0] / b for b in sizes], "k--", label="perfect: steps x B fixed"
+    )
+    for b, s in zip(sizes, steps, strict=True):
+        ax.annotate(f"lr {best[b][0]:g}", (b, s), textcoords="offset points", xytext=(5, 5))
+    if b_noise:
+        ax.axvline(
+            b_noise, color="tab:red", ls=":", label=f"measured $B_{{simple}}$ = {b_noise:.0f}"
+        )
+    ax.set(xlabel="global batch size B", ylabel="steps to reach the target loss")
+    ax.legend()
+    return ax
