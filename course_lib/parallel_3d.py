@@ -19,7 +19,9 @@ The model of a step (an estimate, not a simulation): a 1F1B pipeline of m micro-
 m x (compute + TP + PP time per micro-batch) / (1 - bubble); the data-parallel gradient
 traffic comes after it, not overlapped (an upper bound). Left out: the embedding and LM head
 (their parameters are spread evenly over the stages), the buffers ZeRO-3 gathers, latency,
-and framework overheads.
+and framework overheads. So the planner says what its numbers cannot: plans whose step times
+differ by under 2% (`close_calls`: too close for the model to choose), and plans flagged for
+tight memory or ZeRO-2/3 under a pipeline (`FLAGS`).
 """
 
 from __future__ import annotations
@@ -174,8 +176,9 @@ MODELS = {m.name: m for m in (LLAMA_7B, LLAMA_70B, GPT3)}
 class Cluster:
     """GPUs in nodes of `gpus_per_node`, linked inside a node at `intra_bandwidth` and between
     nodes at `inter_bandwidth` (bytes/s per GPU), each computing `flops_per_s` (achieved, not
-    peak). Defaults: A100 80 GB nodes with NVLink (300 GB/s) and 200 Gbit/s InfiniBand per GPU,
-    at about half the bf16 peak."""
+    peak) of a `peak_flops_per_s` peak. Defaults: A100 80 GB nodes with NVLink (300 GB/s) and
+    200 Gbit/s InfiniBand per GPU, at about half the bf16 peak of 312 TFLOP/s (NVIDIA's data
+    sheet, dense)."""
 
     gpus: int
     gpus_per_node: int = 8
@@ -183,6 +186,7 @@ class Cluster:
     intra_bandwidth: float = 300e9
     inter_bandwidth: float = 25e9
     flops_per_s: float = 150e12
+    peak_flops_per_s: float = 312e12
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -257,6 +261,9 @@ class Estimate:
     links: dict[str, str]  # tp, pp, dp: "intra-node" or "inter-node"
     seconds: dict[str, float]  # compute, recompute, tp, pp, bubble, dp: time per step
     useful_seconds: float  # the model's own forward + backward math, no recomputation
+    mfu: float  # model FLOPs per second over the GPU's peak
+    free_memory: float  # bytes per GPU left for what the model leaves out (see TIGHT_MEMORY)
+    flags: str = ""  # letters of FLAGS: what the numbers do not say about this plan
 
     @property
     def total_memory(self) -> float:
@@ -270,6 +277,30 @@ class Estimate:
     def utilisation(self) -> float:
         """Share of the step spent on the model's own math (an MFU at the assumed FLOP/s)."""
         return self.useful_seconds / self.step_seconds
+
+
+# Under this share of free GPU memory a plan is flagged: the CUDA context, the allocator's
+# fragmentation and the communication buffers (none of them modelled) take a few GB.
+TIGHT_MEMORY = 0.10
+# Plans whose step times differ by less than this are too close for the model to choose.
+CLOSE_CALL = 0.02
+
+
+# What the numbers of a plan do not say, by the letter the candidate table marks it with.
+FLAGS = {
+    "M": f"tight memory: under {TIGHT_MEMORY:.0%} of the GPU free for the CUDA context, the "
+    "allocator's fragmentation and communication buffers (none modelled)",
+    "Z": "ZeRO-2/3 with a pipeline: gradients reduce-scattered (ZeRO-3: parameters gathered "
+    "too) for every micro-batch; DeepSpeed's pipeline engine refuses it, Megatron pairs PP "
+    "with ZeRO-1",
+}
+
+
+def plan_flags(plan: Plan, free_memory: float, cluster: Cluster) -> str:
+    """The letters of FLAGS that apply to a plan."""
+    tight = 0 <= free_memory < TIGHT_MEMORY * cluster.gpu_memory
+    zero_with_pp = plan.pp > 1 and plan.zero in ("zero2", "zero3")
+    return ("M" if tight else "") + ("Z" if zero_with_pp else "")
 
 
 def layers_per_stage(model: Model, pp: int) -> int:
@@ -381,6 +412,8 @@ def estimate(model: Model, cluster: Cluster, plan: Plan) -> Estimate:
         "dp": dp_bytes / bandwidth[link["dp"]],
     }
     exact = compute_seconds(model.shape, plan.tp, plan.pp, cluster.flops_per_s)
+    free = cluster.gpu_memory - sum(memory.values())
+    step = sum(seconds.values())
     return Estimate(
         plan=plan,
         micro_batches=m,
@@ -392,6 +425,10 @@ def estimate(model: Model, cluster: Cluster, plan: Plan) -> Estimate:
         links=link,
         seconds=seconds,
         useful_seconds=m * exact,
+        # The model's FLOPs run at flops_per_s during useful_seconds: over the step, at peak.
+        mfu=m * exact * cluster.flops_per_s / (step * cluster.peak_flops_per_s),
+        free_memory=free,
+        flags=plan_flags(plan, free, cluster),
     )
 
 
@@ -427,6 +464,16 @@ def best(model: Model, cluster: Cluster, **options: Any) -> Estimate | None:
     return next((e for e in candidates(model, cluster, **options) if e.fits), None)
 
 
+def close_calls(model: Model, cluster: Cluster, **options: Any) -> list[Estimate]:
+    """The fitting plans other than the best whose step time is within CLOSE_CALL of it: the
+    estimate cannot tell them apart, so the choice among them is for measurements to make."""
+    fitting = [e for e in candidates(model, cluster, **options) if e.fits]
+    if not fitting:
+        return []
+    fastest = fitting[0].step_seconds
+    return [e for e in fitting[1:] if e.step_seconds <= (1 + CLOSE_CALL) * fastest]
+
+
 def explain_none(model: Model, cluster: Cluster, **options: Any) -> str:
     """Why nothing fits: the plan needing the least memory, and how much it needs."""
     estimates = candidates(model, cluster, **options)
@@ -445,7 +492,7 @@ def candidate_table(estimates: Sequence[Estimate]) -> str:
     header = (
         f"{'tp':>3}{'pp':>4}{'dp':>5} {'zero':<6}{'ckpt':<10}{'m':>5}{'state GB':>9}{'act GB':>8}"
         f"{'total':>7} {'fits':<5}{'bubble':>7}{'compute':>8}{'recomp':>7}{'TP':>6}{'PP':>6}"
-        f"{'bubble':>7}{'DP':>7}{'step s':>8}{'util':>6}"
+        f"{'bubble':>7}{'DP':>7}{'step s':>8}{'util':>6}{'MFU':>5} flags"
     )
     rows = [header]
     for e in estimates:
@@ -456,8 +503,11 @@ def candidate_table(estimates: Sequence[Estimate]) -> str:
             f"{state / GB:>9.1f}{e.memory['activations'] / GB:>8.1f}{e.total_memory / GB:>7.1f}"
             f" {'yes' if e.fits else 'no':<5}{e.bubble:>7.1%}{s['compute']:>8.2f}"
             f"{s['recompute']:>7.2f}{s['tp']:>6.2f}{s['pp']:>6.2f}{s['bubble']:>7.2f}"
-            f"{s['dp']:>7.2f}{e.step_seconds:>8.2f}{e.utilisation:>6.0%}"
+            f"{s['dp']:>7.2f}{e.step_seconds:>8.2f}{e.utilisation:>6.0%}{e.mfu:>5.0%}"
+            + f" {e.flags}".rstrip()
         )
+    for flag in sorted({f for e in estimates for f in e.flags}):
+        rows.append(f"{flag}: {FLAGS[flag]}")
     return "\n".join(rows)
 
 
@@ -467,7 +517,15 @@ def summary(model: Model, cluster: Cluster, **options: Any) -> str:
     e = best(model, cluster, **options)
     if e is None:
         return f"{where}: {explain_none(model, cluster, **options)}"
-    return (
-        f"{where}: {e.plan}  {e.total_memory / GB:.0f} GB/GPU, bubble {e.bubble:.1%}, "
-        f"{e.step_seconds:.1f} s/step, utilisation {e.utilisation:.0%}"
+    line = (
+        f"{where}: {e.plan}  {e.total_memory / GB:.0f} GB/GPU ({e.free_memory / GB:.0f} free), "
+        f"bubble {e.bubble:.1%}, {e.step_seconds:.1f} s/step, utilisation {e.utilisation:.0%}, "
+        f"MFU {e.mfu:.0%}"
     )
+    close = close_calls(model, cluster, **options)
+    if close:
+        gap = close[-1].step_seconds / e.step_seconds - 1
+        line += (
+            f"\n    {len(close)} more within {gap:.1%} ({close[0].plan}, ...): too close to call"
+        )
+    return line + "".join(f"\n    {flag}: {FLAGS[flag]}" for flag in e.flags)

@@ -29,6 +29,7 @@ from course_lib.parallel_3d import (
     best,
     candidate_table,
     candidates,
+    close_calls,
     estimate,
     factorizations,
     group_members,
@@ -135,6 +136,10 @@ def test_estimate_tp2_pp2_dp4_zero1_by_hand():
     assert e.step_seconds == pytest.approx((m + 2 - 1) * per_micro + dp_bytes / 10e9, rel=RTOL)
     assert e.seconds["bubble"] == pytest.approx(1 * per_micro, rel=RTOL)
     assert e.utilisation == pytest.approx(m * compute / e.step_seconds, rel=RTOL)
+    # MFU: the GPU's share of the model's FLOPs (1/(t p)) per second of step, over the peak
+    model_flops = m * forward_backward_flops(L) / (2 * 2)
+    assert e.mfu == pytest.approx(model_flops / e.step_seconds / 312e12, rel=RTOL)
+    assert e.free_memory == pytest.approx(80e9 - sum(e.memory.values()), rel=RTOL)
 
 
 def test_estimate_zero3_with_full_checkpointing_no_sp_by_hand():
@@ -245,7 +250,8 @@ def test_candidates_are_exactly_the_brute_force_factorizations(cluster):
     assert len({e.plan for e in estimates}) == len(estimates)
     steps = [e.step_seconds for e in estimates]
     assert steps == sorted(steps)
-    assert len(candidate_table(estimates).splitlines()) == len(estimates) + 1
+    legend = {flag for e in estimates for flag in e.flags}  # one line per flag shown
+    assert len(candidate_table(estimates).splitlines()) == len(estimates) + 1 + len(legend)
 
 
 def test_widget_replans_when_a_value_changes():
@@ -285,3 +291,33 @@ def test_step_time_chart_stacks_each_cause_and_hatches_what_does_not_fit():
         bars = [p for p in ax.patches if abs(p.get_y() + p.get_height() / 2 - row) < 1e-9]
         assert sum(p.get_width() for p in bars) == pytest.approx(e.step_seconds, rel=RTOL)
         assert all(bool(p.get_hatch()) == (not e.fits) for p in bars)
+
+
+def test_zero2_and_zero3_under_a_pipeline_are_flagged_and_zero1_is_not():
+    for zero, pp, flagged in [("zero3", 2, True), ("zero2", 2, True), ("zero1", 2, False),
+                              ("zero3", 1, False)]:  # fmt: skip
+        e = estimate(SMALL, CLUSTER, Plan(2, pp, 8 // pp, zero, "none"))
+        assert ("Z" in e.flags) == flagged, (zero, pp)
+    assert "Z:" in candidate_table([estimate(SMALL, CLUSTER, Plan(2, 2, 4, "zero3", "none"))])
+
+
+def test_a_plan_with_under_a_tenth_of_memory_free_is_flagged_tight():
+    e = estimate(SMALL, CLUSTER, Plan(2, 2, 4, "zero1", "none"))
+    used = sum(e.memory.values())
+    for memory, tight in [(used / 0.95, True), (used / 0.85, False)]:
+        cluster = replace(CLUSTER, gpu_memory=memory)
+        e = estimate(SMALL, cluster, Plan(2, 2, 4, "zero1", "none"))
+        assert ("M" in e.flags) == tight and e.fits
+
+
+def test_plans_within_two_percent_of_the_best_are_called_too_close():
+    cluster = Cluster(512)
+    fitting = [e for e in candidates(LLAMA_70B, cluster) if e.fits]
+    close = close_calls(LLAMA_70B, cluster)
+    fastest = fitting[0].step_seconds
+    assert close and fitting[0] not in close
+    assert close == [e for e in fitting[1:] if e.step_seconds <= 1.02 * fastest]
+    assert "too close to call" in summary(LLAMA_70B, cluster)
+    tiny = Model("tiny", 1e9, TransformerShape(4, 64, 1, 8, 1), global_batch=4)
+    only_one = Cluster(4, 4, gpu_memory=5e9, flops_per_s=1e7)
+    assert close_calls(tiny, only_one, zero_stages=("ddp",), checkpointing=("none",)) == []
