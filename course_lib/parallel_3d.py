@@ -5,13 +5,12 @@
     launch(group_members, grid, world_size=8)           # the same groups made with dist.new_group
     estimates = candidates(LLAMA_70B, Cluster(512))     # every TP x PP x DP plan, estimated
     best(LLAMA_70B, Cluster(512))                       # the fastest plan that fits in memory
-    print(candidate_table(estimates[:10]))             # the fastest plans, as a table
 
 Every estimate is a formula of the earlier lectures, imported from `course_lib.costs`, not
 rewritten: bytes per parameter of mixed-precision AdamW and the ZeRO stages (lectures 6-7),
 activation memory per layer with TP and SP, TP and PP traffic and compute per micro-batch
-(lecture 9), and the pipeline bubble (lecture 8). The figure and the form (widget) of the
-lecture are in `course_lib.measure.parallel_3d`. What this
+(lecture 9), and the pipeline bubble (lecture 8). The tables, the figure and the form (widget)
+of the lecture are in `course_lib.measure.parallel_3d`. What this
 module adds is the bookkeeping: which ranks form which group (`ProcessGrid`), which link each
 group's traffic crosses, and how the pieces add up to a step time.
 
@@ -472,60 +471,3 @@ def close_calls(model: Model, cluster: Cluster, **options: Any) -> list[Estimate
         return []
     fastest = fitting[0].step_seconds
     return [e for e in fitting[1:] if e.step_seconds <= (1 + CLOSE_CALL) * fastest]
-
-
-def explain_none(model: Model, cluster: Cluster, **options: Any) -> str:
-    """Why nothing fits: the plan needing the least memory, and how much it needs."""
-    estimates = candidates(model, cluster, **options)
-    if not estimates:
-        return f"no way to split {model.name} over {cluster.gpus} GPUs (check the batch sizes)"
-    least = min(estimates, key=lambda e: e.total_memory)
-    return (
-        f"nothing fits: the smallest plan, {least.plan}, needs {least.total_memory / GB:.0f} GB "
-        f"per GPU of {cluster.gpu_memory / GB:.0f} GB; add GPUs or memory"
-    )
-
-
-def candidate_table(estimates: Sequence[Estimate]) -> str:
-    """One row per plan: memory per GPU (GB), whether it fits, bubble, seconds per step
-    by cause, and utilisation."""
-    header = (
-        f"{'tp':>3}{'pp':>4}{'dp':>5} {'zero':<6}{'ckpt':<10}{'m':>5}{'state GB':>9}{'act GB':>8}"
-        f"{'total':>7} {'fits':<5}{'bubble':>7}{'compute':>8}{'recomp':>7}{'TP':>6}{'PP':>6}"
-        f"{'bubble':>7}{'DP':>7}{'step s':>8}{'util':>6}{'MFU':>5} flags"
-    )
-    rows = [header]
-    for e in estimates:
-        p, s = e.plan, e.seconds
-        state = e.total_memory - e.memory["activations"]
-        rows.append(
-            f"{p.tp:>3}{p.pp:>4}{p.dp:>5} {p.zero:<6}{p.checkpointing:<10}{e.micro_batches:>5}"
-            f"{state / GB:>9.1f}{e.memory['activations'] / GB:>8.1f}{e.total_memory / GB:>7.1f}"
-            f" {'yes' if e.fits else 'no':<5}{e.bubble:>7.1%}{s['compute']:>8.2f}"
-            f"{s['recompute']:>7.2f}{s['tp']:>6.2f}{s['pp']:>6.2f}{s['bubble']:>7.2f}"
-            f"{s['dp']:>7.2f}{e.step_seconds:>8.2f}{e.utilisation:>6.0%}{e.mfu:>5.0%}"
-            + f" {e.flags}".rstrip()
-        )
-    for flag in sorted({f for e in estimates for f in e.flags}):
-        rows.append(f"{flag}: {FLAGS[flag]}")
-    return "\n".join(rows)
-
-
-def summary(model: Model, cluster: Cluster, **options: Any) -> str:
-    """One line: the best plan for `model` on `cluster`, or why there is none."""
-    where = f"{model.name} on {cluster.gpus:>4} GPUs"
-    e = best(model, cluster, **options)
-    if e is None:
-        return f"{where}: {explain_none(model, cluster, **options)}"
-    line = (
-        f"{where}: {e.plan}  {e.total_memory / GB:.0f} GB/GPU ({e.free_memory / GB:.0f} free), "
-        f"bubble {e.bubble:.1%}, {e.step_seconds:.1f} s/step, utilisation {e.utilisation:.0%}, "
-        f"MFU {e.mfu:.0%}"
-    )
-    close = close_calls(model, cluster, **options)
-    if close:
-        gap = close[-1].step_seconds / e.step_seconds - 1
-        line += (
-            f"\n    {len(close)} more within {gap:.1%} ({close[0].plan}, ...): too close to call"
-        )
-    return line + "".join(f"\n    {flag}: {FLAGS[flag]}" for flag in e.flags)

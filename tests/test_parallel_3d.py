@@ -16,7 +16,12 @@ import pytest
 
 from course_lib import launch
 from course_lib.costs import TransformerShape
-from course_lib.measure.parallel_3d import PlannerWidget, plot_step_times
+from course_lib.measure.parallel_3d import (
+    PlannerWidget,
+    candidate_table,
+    plot_step_times,
+    summary,
+)
 from course_lib.parallel_3d import (
     GPT3,
     LLAMA_7B,
@@ -27,14 +32,12 @@ from course_lib.parallel_3d import (
     ProcessGrid,
     activation_bytes,
     best,
-    candidate_table,
     candidates,
     close_calls,
     estimate,
     factorizations,
     group_members,
     spans_nodes,
-    summary,
 )
 
 RTOL = 1e-12  # the estimates are a few float operations: only rounding may differ
