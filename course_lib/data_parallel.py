@@ -2,6 +2,8 @@
 
     host_step(model, opt, loss_fn, x, y)                  # rank 0 is the host
     log = train_data_parallel(model, opt, loss_fn, batches)  # all-reduce DP, with timings
+    accumulation_step(ddp_model, opt, loss_fn, micro_batches)  # k backwards, one all-reduce
+    losses = local_sgd(model, opt, loss_fn, batches, every=8)  # average parameters every 8
     timeline = DDPTimeline(ddp_model)                     # when each layer / bucket ran
     plot_timeline({r: log.events for r, log in enumerate(logs)})
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -259,6 +261,73 @@ def train_data_parallel(
 @contextmanager
 def _no_span(kind: str, name: str) -> Iterator[None]:
     yield
+
+
+# --- 2b. fewer all-reduces: gradient accumulation, local SGD -----------------------------------
+
+
+def accumulation_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    no_sync: bool = True,
+) -> float:
+    """One optimizer step of a DDP `model` over k micro-batches (this rank's shards): each
+    loss is divided by k so the summed gradients are the mean over all of them. With
+    `no_sync`, DDP skips the all-reduce of the first k-1 backward passes (the gradients just
+    accumulate locally) and averages once, in the last: 1/k of the traffic for the same
+    step. Returns the mean loss."""
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError("accumulation_step needs a DistributedDataParallel model (no_sync)")
+    k = len(micro_batches)
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == k - 1
+        with model.no_sync() if no_sync and not last else nullcontext():
+            loss = loss_fn(model(x), y) / k
+            loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total
+
+
+def average_parameters(model: nn.Module) -> None:
+    """Replace every parameter by its average over all ranks (one all-reduce)."""
+    flat = flat_parameters(model)
+    dist.all_reduce(flat)
+    flat /= world_size()
+    _unflatten_into(flat, model.parameters())
+
+
+def local_sgd(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    every: int,
+) -> list[float]:
+    """Local SGD (periodic averaging): every rank steps on its own shard with no
+    communication, and every `every` steps the ranks average their parameters. With
+    every = 1 and plain SGD it is all-reduce data parallel (averaging the parameters after
+    equal steps = stepping with the averaged gradient); larger `every` sends 1/every of the
+    bytes, and the copies drift apart between averages. Returns this rank's shard loss per
+    step (average them over the ranks for the loss of the whole batch)."""
+    if every < 1:
+        raise ValueError(f"average every >= 1 steps, got {every}")
+    p, r = world_size(), rank()
+    losses = []
+    for step, (x, y) in enumerate(batches, start=1):
+        _check_divisible(x, p)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(shard(x, r, p)), shard(y, r, p))
+        loss.backward()
+        optimizer.step()
+        if step % every == 0:
+            average_parameters(model)
+        losses.append(loss.item())
+    return losses
 
 
 # --- 3. watching backward and DDP's buckets ------------------------------------------------

@@ -17,11 +17,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib import CommCounter, RankError, WorkerPool, compare, costs, data, models, rank
+from course_lib import (
+    CommCounter,
+    RankError,
+    WireCounter,
+    WorkerPool,
+    compare,
+    costs,
+    data,
+    models,
+    rank,
+)
 from course_lib.data_parallel import (
     DDPTimeline,
+    accumulation_step,
     flat_parameters,
     host_step,
+    local_sgd,
     plot_timeline,
     train_data_parallel,
 )
@@ -269,6 +281,72 @@ def bad_straggler():
 def test_straggler_rank_must_exist(pool4):
     with pytest.raises(RankError, match="straggler rank 7 is not in 0..3"):
         pool4.launch(bad_straggler, timeout=30)
+
+
+# --- fewer all-reduces: gradient accumulation under no_sync, local SGD ------------------------
+
+K = 4  # micro-batches per step: each full batch of 32 is K x P ranks x 2 samples
+
+
+def accumulated_training(no_sync):
+    model = DDP(models.MLP(SIZES))
+    optimizer = make_optimizer("sgd", model.parameters())
+    written = []
+    for x, y in full_batches():
+        micro = zip(x.chunk(K), y.chunk(K), strict=True)
+        mine = [(data.shard(a, rank(), P), data.shard(b, rank(), P)) for a, b in micro]
+        with WireCounter() as wire:
+            accumulation_step(model, optimizer, F.mse_loss, mine, no_sync=no_sync)
+        written.append(wire.bytes_written)
+    return model.module.state_dict(), statistics.median(written)
+
+
+def test_accumulation_equals_the_full_batch_and_no_sync_sends_a_kth(pool4):
+    reference = single_process_reference("sgd")
+    runs = {flag: pool4.launch(accumulated_training, flag, timeout=60) for flag in (False, True)}
+    for flag, results in runs.items():
+        for r, (state, _) in enumerate(results):
+            compare.assert_same_parameters(state, reference, rtol=0, atol=TOLERANCE["sgd"],
+                                           context=f"no_sync={flag}, rank {r}")  # fmt: skip
+    # Measured bytes on the wire: one all-reduce per step instead of K (gloo's headers aside).
+    for r in range(P):
+        share = runs[True][r][1] / runs[False][r][1]
+        assert 0.2 <= share <= 0.3, f"rank {r}: no_sync wrote {share:.2f} of the bytes"
+
+
+def test_accumulation_needs_a_ddp_model():
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        accumulation_step(models.MLP(SIZES), None, F.mse_loss, [])
+
+
+def local_then_allreduce(every):
+    local = models.MLP(SIZES)
+    with WireCounter() as wire:
+        losses = local_sgd(local, torch.optim.SGD(local.parameters(), lr=0.1), F.mse_loss,
+                           full_batches(), every)  # fmt: skip
+    synced = models.MLP(SIZES)
+    train_data_parallel(synced, torch.optim.SGD(synced.parameters(), lr=0.1), F.mse_loss,
+                        full_batches())  # fmt: skip
+    return local.state_dict(), synced.state_dict(), losses, wire.bytes_written
+
+
+def test_local_sgd_every_step_is_data_parallel_and_every_k_sends_a_kth(pool4):
+    every_step = pool4.launch(local_then_allreduce, 1, timeout=60)
+    for r, (local, synced, losses, _) in enumerate(every_step):
+        compare.assert_same_parameters(local, synced, rtol=0, atol=1e-6, context=f"rank {r}")
+        assert len(losses) == STEPS
+    every_two = pool4.launch(local_then_allreduce, 2, timeout=60)  # STEPS = 4: averaged at 2, 4
+    for r, (local, _, _, written) in enumerate(every_two):
+        for name, value in local.items():  # just averaged: the copies are one model again
+            assert torch.equal(value, every_two[0][0][name]), f"rank {r}: {name} differs"
+        assert 0.4 <= written / every_step[r][3] <= 0.6
+    differs = max(compare.errors(every_two[0][0][n], every_step[0][0][n])[0] for n in local)
+    assert differs > 1e-4  # drifting copies averaged twice are not the synchronous model
+
+
+def test_local_sgd_needs_a_period_of_at_least_one_step():
+    with pytest.raises(ValueError, match=">= 1"):
+        local_sgd(models.MLP(SIZES), None, F.mse_loss, [], every=0)
 
 
 # --- large batches (course_lib.measure.data_parallel) -----------------------------------------

@@ -1,4 +1,5 @@
-"""Large batches (lecture 3, section 5): how many steps a target loss takes as the batch grows.
+"""Large batches and fewer all-reduces (lecture 3, sections 5 and 6): steps to a target loss
+against the batch size, and local SGD's loss against the bytes it sends.
 
 Data parallelism over P ranks with B/P samples each is, step for step, single-process
 training with batch B (lecture 3, section 2 shows the parameters equal to rounding). So the
@@ -156,5 +157,22 @@ def plot_steps_against_batch(
             b_noise, color="tab:red", ls=":", label=f"measured $B_{{simple}}$ = {b_noise:.0f}"
         )
     ax.set(xlabel="global batch size B", ylabel="steps to reach the target loss")
+    ax.legend()
+    return ax
+
+
+def plot_loss_against_bytes(
+    results: dict[float, dict[int, tuple[float, int]]], ax=None
+) -> plt.Axes:
+    """Local SGD: final loss against bytes each rank wrote, one line per learning rate, one
+    point per averaging period. `results` is {lr: {every: (loss, bytes)}}."""
+    ax = ax or plt.subplots(figsize=(6, 4))[1]
+    for lr, by_every in results.items():
+        periods = sorted(by_every)
+        ax.semilogx([by_every[h][1] for h in periods], [by_every[h][0] for h in periods], "o-",
+                    label=f"lr {lr:g}")  # fmt: skip
+        for h in periods:
+            ax.annotate(f"every {h}", by_every[h][::-1], textcoords="offset points", xytext=(4, 4))
+    ax.set(xlabel="bytes each rank wrote (measured, WireCounter)", ylabel="final loss, all data")
     ax.legend()
     return ax
