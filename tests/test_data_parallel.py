@@ -391,3 +391,37 @@ def test_a_larger_batch_takes_fewer_steps_and_too_large_a_rate_diverges():
     assert large_batches.steps_to_loss(1024, 6.4, target=0.3) is None
     best = large_batches.best_steps({16: {0.1: small, 0.4: None}, 256: {0.8: large}})
     assert best == {16: (0.1, small), 256: (0.8, large)}
+
+
+# --- DDP's two tools: gradient-ready hooks, asynchronous all-reduce --------------------------
+
+
+def test_gradients_become_ready_from_the_last_layer_to_the_first():
+    order = large_batches.gradient_ready_order(SIZES)
+    names = [name for name, _ in models.MLP(SIZES).named_parameters()]
+    assert sorted(order) == sorted(names)  # every parameter, once
+    layers = [int(name.split(".")[1]) for name in order]
+    assert layers == sorted(layers, reverse=True)
+
+
+def right_async(tensor, compute):
+    work = dist.all_reduce(tensor, async_op=True)
+    result = compute()
+    work.wait()
+    return result
+
+
+def forgets_the_result(tensor, compute):
+    right_async(tensor, compute)
+    return "something else"
+
+
+def stub(tensor, compute): ...
+
+
+@pytest.mark.parametrize(
+    "fn,verdict", [(right_async, True), (forgets_the_result, False), (stub, None)]
+)
+def test_the_async_exercise_check_tells_right_wrong_and_unanswered(fn, verdict, capsys):
+    assert large_batches.check_all_reduce_while_computing(fn) is verdict
+    assert capsys.readouterr().out

@@ -11,15 +11,18 @@ classifying points around four centres that overlap, so that mini-batch gradient
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from course_lib import data, models
+from course_lib import data, launch, models, rank
 
 SIZES = (8, 32, 4)  # the classifier: 8 inputs, 32 hidden units, 4 classes
 
@@ -176,3 +179,60 @@ def plot_loss_against_bytes(
     ax.set(xlabel="bytes each rank wrote (measured, WireCounter)", ylabel="final loss, all data")
     ax.legend()
     return ax
+
+
+# --- DDP's two tools (lecture 3, section 3): gradient-ready hooks and asynchronous collectives
+
+
+def gradient_ready_order(sizes: tuple[int, ...] = (8, 32, 32, 4)) -> list[str]:
+    """Names of an MLP's parameters in the order one backward pass finishes their gradients,
+    seen by `register_post_accumulate_grad_hook` (what DDP's buckets wait for)."""
+    model = models.MLP(sizes)
+    order: list[str] = []
+    for name, param in model.named_parameters():
+        # Autograd calls the hook once param.grad holds this backward's gradient.
+        param.register_post_accumulate_grad_hook(lambda _p, name=name: order.append(name))
+    x, y = data.regression(16, in_dim=sizes[0], out_dim=sizes[-1])
+    F.mse_loss(model(x), y).backward()
+    return order
+
+
+def _try_all_reduce_while_computing(fn) -> tuple[list[float], object]:
+    tensor = torch.full((4,), float(rank() + 1))
+    result = fn(tensor, lambda: "computed")
+    return tensor.tolist(), result
+
+
+def check_all_reduce_while_computing(fn, world_size: int = 2) -> bool | None:
+    """The lecture's exercise check: on `world_size` ranks, fn(tensor, compute) must return
+    compute()'s result with `tensor` already summed over the ranks (waited for)."""
+    runs = launch(_try_all_reduce_while_computing, fn, world_size=world_size)
+    if all(result is None or result is ... for _, result in runs):
+        print("Not answered yet: your function returned nothing; return compute()'s result.")
+        return None
+    total = float(sum(range(1, world_size + 1)))
+    for r, (tensor, result) in enumerate(runs):
+        if result != "computed":
+            print(f"✗ Not yet: rank {r} returned {result!r}, not what compute() returned.")
+            return False
+        if tensor != [total] * 4:
+            print(f"✗ Not yet: on return, rank {r}'s tensor is not the sum; did you wait()?")
+            return False
+    print("✓ Right: every rank computed while its all-reduce ran, and waited for the sum.")
+    return True
+
+
+def time_overlap(overlap: bool, floats: int = 4_000_000, steps: int = 5) -> float:
+    """Median seconds of `steps` rounds of one all-reduce of `floats` values and a fixed
+    amount of matrix multiplication, one after the other or overlapped (async_op=True)."""
+    tensor, a = torch.ones(floats), torch.randn(400, 400)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        work = dist.all_reduce(tensor, async_op=True) if overlap else dist.all_reduce(tensor)
+        for _ in range(20):
+            a = torch.tanh(a @ a)  # the "backward" that runs while the bytes travel
+        if overlap:
+            work.wait()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
