@@ -7,6 +7,7 @@
     check_numbers({"ddp": ..., "zero3": ...}, {"ddp": 112e9, "zero3": 1.75e9}, unit="bytes")
     check_function(my_formula, costs.all_reduce_bytes, [(4_000, 2), (4_000, 8)])
     check_function(my_shard, library_shard, {"rank 1 of 2": (weight, 1, 2)})
+    check_function(value_and_gradient(MyOp.apply), value_and_gradient(torch.sin), [(x,)])
     check_matrix(my_mixing_matrix, Ring(4).mixing_matrix())
 
 An exercise cell leaves the answer as `...` until the student writes one: the check then says
@@ -179,6 +180,26 @@ def check_function(
             return False
     print(f"✓ Right on all {len(cases)} cases: {', '.join(cases)}.")
     return True
+
+
+def value_and_gradient(fn: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """Wrap a function of one tensor so that check_function compares its forward and its
+    backward at once: the wrapper returns fn(x) followed by the gradient of sum(w * fn(x))
+    with respect to x, for weights w = 1, 2, 3, ... (so a backward that ignores the incoming
+    gradient shows). An unwritten forward (returning None or ...) is passed on as None."""
+
+    def both(x: torch.Tensor) -> torch.Tensor | None:
+        x = x.detach().clone().requires_grad_(True)
+        y = fn(x)
+        if y is None or y is ...:
+            return None
+        weights = torch.arange(1, y.numel() + 1, dtype=y.dtype).reshape(y.shape)
+        (y * weights).sum().backward()
+        if x.grad is None:
+            raise ValueError("backward gave x no gradient: return it from backward")
+        return torch.cat([y.detach().flatten(), x.grad.flatten()])
+
+    return both
 
 
 def check_matrix(

@@ -12,6 +12,7 @@ from course_lib.exercises import (
     check_number,
     check_numbers,
     nearest_option,
+    value_and_gradient,
 )
 
 
@@ -166,3 +167,33 @@ def test_a_measured_ratio_picks_the_nearest_option_on_a_log_scale():
     assert nearest_option(40, options) == "100x"  # 40 is nearer 100 than 10 on a log scale
     assert nearest_option(30, options) == "10x"
     assert nearest_option(0.6, {"same": 1, "half": 0.5}) == "half"
+
+
+class _Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * grad_output
+
+
+class _CubeIgnoringTheIncomingGradient(_Cube):
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2
+
+
+def test_value_and_gradient_checks_forward_and_backward_together(capsys):
+    x = (torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64),)
+    reference = value_and_gradient(lambda t: t**3)
+    assert check_function(value_and_gradient(_Cube.apply), reference, [x], rtol=1e-12)
+    # Right values, a backward that drops dL/dy: the weighted sum makes the gradient differ.
+    wrong = value_and_gradient(_CubeIgnoringTheIncomingGradient.apply)
+    assert check_function(wrong, reference, [x], rtol=1e-12) is False
+    assert check_function(value_and_gradient(lambda t: None), reference, [x]) is None
+    assert "values off" in capsys.readouterr().out
