@@ -337,6 +337,22 @@ class PeakMemory(TorchDispatchMode):
             self.live_bytes -= nbytes
 
 
+class CastMemory(PeakMemory):
+    """`PeakMemory` of only the copies of `sources` made in another dtype inside the block:
+    the bf16 (or fp16) weights autocast casts from the fp32 parameters, live while autocast
+    caches them or autograd keeps them for backward."""
+
+    def __init__(self, sources: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self._sources = {_storage_key(t) for t in sources}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and _storage_key(args[0]) in self._sources:
+            self._hold(out)
+        return out
+
+
 # --- activation checkpointing ---------------------------------------------------------------
 
 
