@@ -5,14 +5,15 @@ frameworks run it (autocast, fp32 master weights, fp16 loss scaling with skipped
     block = PaperBlock(h=64, a=4)                      # 16-bit, dropout, fused mask-softmax
     layer_activations(block, s=128, b=2).live_bytes    # bytes saved for backward, one layer
     rows = activation_sweep(SWEEP); activation_table(rows); plot_activation_sweep(rows)
-    losses = train_losses(model, steps=30, autocast=torch.bfloat16)
+    autocast_memory(model, optimizer, lambda m: lm_loss(m(x), y))  # 16-bit copies, fp32 rest
+    losses = train_losses(model, optimizer, steps=30, autocast=torch.bfloat16)
     log = scaled_training(model, LossScaler(2.0**30, growth_interval=3), steps=12)
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,24 +118,17 @@ def layer_activations(block: nn.Module, s: int, b: int, seed: int = 0) -> LayerS
     return result
 
 
-def paper_hand_count(s: int, b: int, h: int, a: int, element_size: int = 2) -> int:
-    """What `PaperBlock` saves, counted by hand from its operations (for element_size 2):
-    the formula's 34sbh + 5as^2b, plus what the formula leaves out: the mean and 1/std that
-    each of the two layer norms keeps per token (4 numbers per token in all)."""
-    e = element_size
-    sbh, as2b = s * b * h, a * s * s * b
-    # 16-bit values per sbh: 2 layer-norm inputs, QKV input, Q K V, projection input, first
-    # MLP input, GeLU input and output (4h wide each)
-    values = (2 + 1 + 3 + 1 + 1 + 4 + 4) * sbh * e
-    masks = 2 * sbh + as2b  # two sublayer dropout masks and the attention one, 1 byte each
-    return values + masks + 2 * as2b * e + 4 * s * b * e  # softmax out, dropout out; LN stats
-
-
-def course_hand_count(s: int, b: int, h: int, a: int) -> int:
-    """What the course's fp32 `models.Block` saves, counted by hand: the same 16 values per
-    sbh at 4 bytes, no dropout, softmax's output (as^2b fp32), the s x s boolean causal mask,
-    and the layer norms' statistics."""
-    return 16 * s * b * h * 4 + a * s * s * b * 4 + s * s + 4 * s * b * 4
+def records_table(saved: LayerSaved, s: int, b: int, h: int, a: int) -> str:
+    """Each storage a layer saved, in the order forward saved it, with its bytes in the
+    formula's units: sbh bytes for a tensor of tokens, as^2b bytes for one of (s, s) scores."""
+    lines = [f"{'shape':<20}{'dtype':<10}{'bytes':>10}{'in units of':>16}"]
+    for r in saved.records:
+        square = r.shape[-2:] == (s, s) and len(r.shape) > 2
+        unit, name = (a * s * s * b, "as^2b") if square else (s * b * h, "sbh")
+        dtype = str(r.dtype).removeprefix("torch.")
+        lines.append(f"{str(r.shape):<20}{dtype:<10}{r.nbytes:>10,}{r.nbytes / unit:>10.3g} {name}")
+    lines.append(f"{'total':<30}{saved.live_bytes:>10,}")
+    return "\n".join(lines)
 
 
 # --- the sweep over s, b, h, a ----------------------------------------------------------------
@@ -240,17 +234,16 @@ def lm_batches(
 def autocast_memory(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
+    loss_fn: Callable[[nn.Module], torch.Tensor],
     dtype: torch.dtype = torch.bfloat16,
 ) -> MemoryBreakdown:
-    """One training step with the forward under `torch.autocast`, counted as the formula's
-    categories: "weights" are the 16-bit copies autocast casts from the fp32 parameters (their
-    peak, from forward to the end of backward), "master weights" the fp32 parameters the
-    optimizer steps, then the (fp32) gradients and the optimizer's state after the step."""
+    """One training step, `loss_fn(model)` computed under `torch.autocast`, counted as the
+    formula's categories: "weights" are the 16-bit copies autocast casts from the fp32
+    parameters (their peak, from forward to the end of backward), "master weights" the fp32
+    parameters the optimizer steps, then the (fp32) gradients and the optimizer's state."""
     with CastMemory(model.parameters()) as casts:
         with torch.autocast("cpu", dtype=dtype):
-            loss = models.lm_loss(model(inputs), targets)
+            loss = loss_fn(model)
         loss.backward()
     optimizer.step()
     kept = training_memory(model, optimizer)
