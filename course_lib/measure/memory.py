@@ -175,15 +175,17 @@ def activation_sweep(configs: Iterable[tuple[int, int, int, int]] = SWEEP) -> li
 
 
 def activation_table(rows: Sequence[LayerRow]) -> str:
-    """Measured bytes per layer over the formula's, for each configuration."""
+    """The formula's bytes per layer, the Megatron-style layer's measured bytes, and each
+    measured layer's bytes over the formula's, for each configuration."""
     lines = [
-        f"{'s':>4}{'b':>3}{'h':>5}{'a':>3}{'formula':>12}{'measured':>12}{'/formula':>9}"
-        f"{'F.dropout':>10}{'course fp32':>12}"
+        f"{'bytes per layer':>39}{'measured / formula':>33}",
+        f"{'s':>4}{'b':>3}{'h':>5}{'a':>3}{'formula':>12}{'measured':>12}"
+        f"{'Megatron':>10}{'CPU dropout':>12}{'course fp32':>12}",
     ]
     for r in rows:
         lines.append(
             f"{r.s:>4}{r.b:>3}{r.h:>5}{r.a:>3}{r.formula:>12,.0f}{r.paper:>12,}"
-            f"{r.paper / r.formula:>9.4f}{r.unfused / r.formula:>10.3f}"
+            f"{r.paper / r.formula:>10.4f}{r.unfused / r.formula:>12.3f}"
             f"{r.course / r.formula:>12.3f}"
         )
     return "\n".join(lines)
