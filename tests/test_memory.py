@@ -25,6 +25,8 @@ from course_lib.measure.memory import (
     autocast_memory,
     course_block,
     layer_activations,
+    plot_activation_sweep,
+    plot_losses,
     scaled_training,
     train_losses,
 )
@@ -413,3 +415,15 @@ def test_loss_scaler_skips_a_planted_inf_halves_the_scale_and_grows_after_the_in
         torch.testing.assert_close(w.detach(), before - 0.5 * 4.0 / 4.0, rtol=0, atol=0)
         scaler.update()
         assert scaler.get_scale() == expected_scale
+
+
+def test_the_figures_draw_each_measurement_over_its_reference():
+    rows = activation_sweep([(16, 1, 32, 2), (32, 1, 32, 2)])
+    ax = plot_activation_sweep(rows).axes[0]
+    dots = [line for line in ax.lines if line.get_marker() == "o"]
+    assert len(dots) == 3 and all(len(line.get_xdata()) == 2 for line in dots)
+    assert list(dots[0].get_xdata()) == [r.formula / 1e6 for r in rows]  # x is the formula
+    top, bottom = plot_losses({"fp32": [3.0, 2.0], "bf16": [3.001, 2.0]}, tolerance=2e-3).axes
+    gaps = bottom.lines[1].get_ydata()
+    assert gaps[0] == pytest.approx(1e-3) and gaps[1] == 0
+    assert sorted(line.get_ydata()[0] for line in bottom.lines[2:]) == [-2e-3, 2e-3]

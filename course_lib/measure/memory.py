@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 from torch import nn
 
 from course_lib import data, models
@@ -192,11 +193,11 @@ def activation_table(rows: Sequence[LayerRow]) -> str:
 
 
 def plot_activation_sweep(rows: Sequence[LayerRow]) -> Figure:
-    """Measured bytes against the formula's, one dot per configuration and layer kind, on a
+    """Measured MB against the formula's, one dot per configuration and layer kind, on a
     log-log plot with the line measured = formula (and measured = 2 x formula)."""
     fig = NotebookFigure(figsize=(6, 4), layout="constrained")
     ax = fig.add_subplot()
-    formula = [r.formula for r in rows]
+    formula = [r.formula / 1e6 for r in rows]
     span = [min(formula) * 0.8, max(formula) * 1.25]
     ax.plot(span, span, "-", color="grey", alpha=0.5, lw=3, label="measured = formula")
     ax.plot(span, [2 * v for v in span], ":", color="grey", label="measured = 2 x formula")
@@ -206,11 +207,19 @@ def plot_activation_sweep(rows: Sequence[LayerRow]) -> Figure:
         "course": "course's TinyGPT block, fp32",
     }
     for i, (field, label) in enumerate(kinds.items()):
-        ax.plot(formula, [getattr(r, field) for r in rows], "o", color=f"C{i}", label=label)
+        measured = [getattr(r, field) / 1e6 for r in rows]
+        ax.plot(formula, measured, "o", color=f"C{i}", label=label)
+    ticks = [0.1, 0.2, 0.5, 1, 2, 5, 10]
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("formula sbh(34 + 5as/h), bytes per layer")
-    ax.set_ylabel("measured bytes saved per layer")
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_minor_formatter(NullFormatter())  # labels only on the ticks above
+    ax.set_xlim(span)
+    ax.set_ylim(span[0], 2 * span[1])
+    ax.set_xlabel("formula sbh(34 + 5as/h), MB per layer")
+    ax.set_ylabel("measured MB saved per layer")
     ax.set_title("activations of one layer over s, b, h, a: measured against formula", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
@@ -276,17 +285,30 @@ def train_losses(
     return losses
 
 
-def plot_losses(curves: dict[str, Sequence[float]], title: str = "") -> Figure:
-    """Training loss against step, one line per run."""
-    fig = NotebookFigure(figsize=(6, 3.4), layout="constrained")
-    ax = fig.add_subplot()
+def plot_losses(
+    curves: dict[str, Sequence[float]], tolerance: float | None = None, title: str = ""
+) -> Figure:
+    """Training loss against step, one line per run (top), and each run's loss minus the
+    first run's (bottom), with the band of +-`tolerance` if given."""
+    fig = NotebookFigure(figsize=(6, 4.6), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    reference = list(curves.values())[0]
     for i, (label, losses) in enumerate(curves.items()):
-        ax.plot(range(len(losses)), losses, "-", color=f"C{i}", alpha=0.8, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+        style = {"lw": 4, "alpha": 0.4} if i == 0 else {"lw": 1.2, "ls": "--"}
+        top.plot(range(len(losses)), losses, color=f"C{i}", label=label, **style)
+        gaps = [a - b for a, b in zip(losses, reference, strict=True)]
+        bottom.plot(range(len(losses)), gaps, color=f"C{i}", **style)
+    if tolerance is not None:
+        for sign in (1, -1):
+            bottom.axhline(sign * tolerance, color="grey", ls=":", label="tolerance" * (sign > 0))
+        bottom.legend(fontsize=8)
+    top.set_ylabel("training loss")
+    top.set_title(title, fontsize=10)
+    top.legend(fontsize=8)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel(f"loss - {list(curves)[0]} loss")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
     return fig
 
 
