@@ -166,12 +166,30 @@ def test_saved_tensors_counts_shared_storage_once_excludes_and_sees_frees():
     assert [r.shape for r in saved.records] == [(100,), (100,)]
 
 
+def test_saved_tensors_lets_a_graph_that_is_never_backwarded_go():
+    x = torch.randn(100, requires_grad=True)
+    with SavedTensors() as saved:
+        y = x.exp()  # exp saves its own output: the tensor whose grad_fn holds what was saved
+        assert saved.live_bytes == nbytes([y])
+    del y  # no backward: dropping the output must free the graph and what it saved
+    assert saved.live_bytes == 0
+
+
+def test_gradients_through_counted_saved_tensors_are_unchanged():
+    x = torch.randn(100, requires_grad=True)
+    with SavedTensors():
+        x.exp().sin().sum().backward()
+    torch.testing.assert_close(x.grad, x.detach().exp().cos() * x.detach().exp(), rtol=0, atol=0)
+
+
 def test_activation_bytes_grow_linearly_with_batch():
     model = models.TinyGPT(CONFIG)
     seq = 16
     live = []
     for batch in (1, 2, 3, 4):
-        x, y = data.tokens(batch, seq_len=seq, vocab_size=CONFIG.vocab_size)
+        # Copies: data.tokens returns two views of one (batch, seq + 1) storage, which the
+        # loss's reshape of the targets copies for batch > 1 only.
+        x, y = (t.clone() for t in data.tokens(batch, seq_len=seq, vocab_size=CONFIG.vocab_size))
         live.append(saved_by_forward(model, x, y, models.lm_loss).live_bytes)
     steps = [b - a for a, b in zip(live[:-1], live[1:], strict=True)]
     assert steps[0] > 0 and steps == [steps[0]] * 3, live

@@ -29,7 +29,7 @@ from course_lib.memory import (
     MemoryBreakdown,
     MixedPrecisionAdamW,
     Row,
-    SavedRecord,
+    SavedSnapshot,
     SavedTensors,
     training_memory,
 )
@@ -95,15 +95,7 @@ def course_block(h: int, a: int, seed: int = 0) -> nn.Module:
         return models.Block(config, torch.float32)
 
 
-@dataclass(frozen=True)
-class LayerSaved:
-    """What one layer's forward left saved for backward: bytes, and each storage's record."""
-
-    live_bytes: int
-    records: list[SavedRecord]
-
-
-def layer_activations(block: nn.Module, s: int, b: int, seed: int = 0) -> LayerSaved:
+def layer_activations(block: nn.Module, s: int, b: int, seed: int = 0) -> SavedSnapshot:
     """Forward a (b, s, h) input that requires grad, as the previous layer's output does,
     through `block` under `SavedTensors`, and count what the layer keeps for backward (read
     while the output, and so the graph, is alive)."""
@@ -114,12 +106,12 @@ def layer_activations(block: nn.Module, s: int, b: int, seed: int = 0) -> LayerS
         torch.manual_seed(seed)  # the dropout masks
         with SavedTensors(exclude=block.parameters()) as saved:
             out = block(x)
-    result = LayerSaved(saved.live_bytes, list(saved.records))
+    snapshot = SavedSnapshot(saved.live_bytes, saved.peak_bytes, tuple(saved.records))
     del out
-    return result
+    return snapshot
 
 
-def records_table(saved: LayerSaved, s: int, b: int, h: int, a: int) -> str:
+def records_table(saved: SavedSnapshot, s: int, b: int, h: int, a: int) -> str:
     """Each storage a layer saved, in the order forward saved it, with its bytes in the
     formula's units: sbh bytes for a tensor of tokens, as^2b bytes for one of (s, s) scores."""
     lines = [f"{'shape':<20}{'dtype':<10}{'bytes':>10}{'in units of':>16}"]
