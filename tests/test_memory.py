@@ -373,10 +373,11 @@ def test_bf16_autocast_and_the_bf16_model_train_like_fp32():
     trainer = MixedPrecisionAdamW(models.TinyGPT(config), lr=3e-3)
     bf16_model = train_losses(trainer.model, trainer, steps)
     assert reference[-1] < reference[0] - 0.1  # it learns: the comparison means something
-    # bf16 keeps 8 significant bits (relative rounding 2^-9 = 0.2%); losses near 3.5 agree to
-    # about 1e-3 in the lecture's runs: allow 1e-2.
-    torch.testing.assert_close(bf16, reference, rtol=0, atol=1e-2)
-    torch.testing.assert_close(bf16_model, reference, rtol=0, atol=1e-2)
+    # bf16 keeps 8 significant bits (relative rounding 2^-9 = 0.2% per operation); the fp32
+    # master weights keep the errors from piling up. Measured: losses near 3.5 differ by at
+    # most 7e-4 here (8e-4 in the lecture's 30 steps); 3e-3 leaves room for other CPU kernels.
+    torch.testing.assert_close(bf16, reference, rtol=0, atol=3e-3)
+    torch.testing.assert_close(bf16_model, reference, rtol=0, atol=3e-3)
     assert bf16 != reference  # the runs did compute in bf16
 
 
