@@ -7,6 +7,7 @@
         loss = loss_fn(model(x), y)                      # saved.live_bytes: activations
         loss.backward()                                  # saved.peak_bytes: the high-water mark
     run = measure_chain(chain(36, 64), x, k=6)           # activation checkpointing, k segments
+    with CastMemory(model.parameters()) as casts: ...    # the 16-bit weights autocast makes
 
 Bytes are the real bytes of tensor storages, each storage counted once (a view shares its
 base's storage), so a number here is what the allocator had to provide, not a formula.
@@ -243,7 +244,9 @@ class SavedTensors:
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             self.records.append(SavedRecord(tuple(t.shape), t.dtype, nbytes))
         self._holders[key] = self._holders.get(key, 0) + 1
-        packed = _Packed(t)
+        # Detached: a saved output holding its own grad_fn would be a cycle through C++ that no
+        # garbage collector sees, keeping a graph that is never backwarded alive for good.
+        packed = _Packed(t.detach())
         weakref.finalize(packed, self._release, key, nbytes)
         return packed
 
@@ -258,21 +261,32 @@ class SavedTensors:
         return packed.tensor if isinstance(packed, _Packed) else packed
 
 
+@dataclass(frozen=True)
+class SavedSnapshot:
+    """What a `SavedTensors` held at one moment: live and peak bytes, and the records."""
+
+    live_bytes: int
+    peak_bytes: int
+    records: tuple[SavedRecord, ...]
+
+
 def saved_by_forward(
     model: nn.Module,
     inputs: torch.Tensor,
     targets: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> SavedTensors:
-    """Forward `inputs` and the loss under `SavedTensors` and return it: its `live_bytes`
-    are the activations the backward pass will need (the graph is dropped afterwards)."""
+) -> SavedSnapshot:
+    """Forward `inputs` and the loss under `SavedTensors`; its counts while the graph is alive,
+    whose `live_bytes` are the activations the backward pass would need. The graph is dropped
+    afterwards, and with it the saved tensors."""
     with SavedTensors(exclude=model.parameters()) as saved:
         loss = loss_fn(model(inputs), targets)
-    del loss  # frees the graph, and with it the saved tensors
-    return saved
+    snapshot = SavedSnapshot(saved.live_bytes, saved.peak_bytes, tuple(saved.records))
+    del loss
+    return snapshot
 
 
-def square_bytes(saved: SavedTensors, seq: int) -> int:
+def square_bytes(saved: SavedTensors | SavedSnapshot, seq: int) -> int:
     """Bytes of saved storages whose tensors end in (seq, seq): attention probabilities and
     causal masks. Pick `seq` unlike the model's other sizes, or other tensors match too."""
     return sum(r.nbytes for r in saved.records if r.shape[-2:] == (seq, seq))
@@ -335,6 +349,22 @@ class PeakMemory(TorchDispatchMode):
         if self._holders[key] == 0:
             del self._holders[key]
             self.live_bytes -= nbytes
+
+
+class CastMemory(PeakMemory):
+    """`PeakMemory` of only the copies of `sources` made in another dtype inside the block:
+    the bf16 (or fp16) weights autocast casts from the fp32 parameters, live while autocast
+    caches them or autograd keeps them for backward."""
+
+    def __init__(self, sources: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self._sources = {_storage_key(t) for t in sources}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and _storage_key(args[0]) in self._sources:
+            self._hold(out)
+        return out
 
 
 # --- activation checkpointing ---------------------------------------------------------------

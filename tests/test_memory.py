@@ -1,6 +1,8 @@
 """course_lib.memory: byte counts of weights, gradients and optimizer state, the mixed-precision
 AdamW recipe and its 16 bytes/parameter, saved-tensor accounting of activations, and activation
-checkpointing's peak against n/k + k.
+checkpointing's peak against n/k + k. course_lib.measure.memory: a Megatron-style layer's saved
+bytes against sbh(34 + 5as/h), autocast's memory and losses, and fp16 loss scaling against
+torch.amp.GradScaler.
 
 Every expected byte count is computed here from numel() * element_size() of the tensors
 involved (or from the model's sizes), never read back from course_lib.memory.
@@ -14,8 +16,23 @@ import pytest
 import torch
 
 from course_lib import data, models
+from course_lib.costs import activation_memory
+from course_lib.measure.memory import (
+    LossScaler,
+    PaperBlock,
+    activation_sweep,
+    activation_table,
+    autocast_memory,
+    course_block,
+    layer_activations,
+    plot_activation_sweep,
+    plot_losses,
+    scaled_training,
+    train_losses,
+)
 from course_lib.memory import (
     BYTES_PER_PARAMETER,
+    CastMemory,
     MixedPrecisionAdamW,
     PeakMemory,
     SavedTensors,
@@ -149,12 +166,30 @@ def test_saved_tensors_counts_shared_storage_once_excludes_and_sees_frees():
     assert [r.shape for r in saved.records] == [(100,), (100,)]
 
 
+def test_saved_tensors_lets_a_graph_that_is_never_backwarded_go():
+    x = torch.randn(100, requires_grad=True)
+    with SavedTensors() as saved:
+        y = x.exp()  # exp saves its own output: the tensor whose grad_fn holds what was saved
+        assert saved.live_bytes == nbytes([y])
+    del y  # no backward: dropping the output must free the graph and what it saved
+    assert saved.live_bytes == 0
+
+
+def test_gradients_through_counted_saved_tensors_are_unchanged():
+    x = torch.randn(100, requires_grad=True)
+    with SavedTensors():
+        x.exp().sin().sum().backward()
+    torch.testing.assert_close(x.grad, x.detach().exp().cos() * x.detach().exp(), rtol=0, atol=0)
+
+
 def test_activation_bytes_grow_linearly_with_batch():
     model = models.TinyGPT(CONFIG)
     seq = 16
     live = []
     for batch in (1, 2, 3, 4):
-        x, y = data.tokens(batch, seq_len=seq, vocab_size=CONFIG.vocab_size)
+        # Copies: data.tokens returns two views of one (batch, seq + 1) storage, which the
+        # loss's reshape of the targets copies for batch > 1 only.
+        x, y = (t.clone() for t in data.tokens(batch, seq_len=seq, vocab_size=CONFIG.vocab_size))
         live.append(saved_by_forward(model, x, y, models.lm_loss).live_bytes)
     steps = [b - a for a, b in zip(live[:-1], live[1:], strict=True)]
     assert steps[0] > 0 and steps == [steps[0]] * 3, live
@@ -241,3 +276,173 @@ def test_peak_memory_counts_what_the_block_allocates_once_per_storage():
         x.add_(1)  # in place, on a tensor made before: nothing new
     assert (m.live_bytes, m.peak_bytes) == (4000, 16000)
     assert c.shape == (1000,)
+
+
+# --- a layer as Korthikanti et al. count it (course_lib.measure.memory) -----------------------
+
+LAYER_CONFIGS = [(32, 2, 64, 4), (64, 1, 32, 2), (48, 3, 64, 8)]  # (s, b, h, a)
+
+
+def layer_norm_statistics(s, b, element_size):
+    # Each of the two layer norms keeps a mean and a 1/std per token: the formula omits them.
+    return 2 * 2 * s * b * element_size
+
+
+@pytest.mark.parametrize(("s", "b", "h", "a"), LAYER_CONFIGS)
+def test_paper_block_saves_what_the_formula_counts_plus_layer_norm_statistics(s, b, h, a):
+    saved = layer_activations(PaperBlock(h, a), s, b)
+    # By hand, in bf16 (2 bytes) with bool masks (1 byte): the layer's input and the residual
+    # (the two layer-norm inputs), the QKV input, Q K V, the projection input, the first MLP
+    # input, GeLU's input and output (4h each): 16 values per token and hidden unit; the two
+    # sublayer dropout masks; softmax's output, the dropout mask on it and the dropout's output.
+    by_hand = 16 * s * b * h * 2 + 2 * s * b * h + a * s * s * b * (2 + 1 + 2)
+    assert saved.live_bytes == by_hand + layer_norm_statistics(s, b, 2)
+    assert saved.live_bytes == activation_memory(s, b, h, a) + layer_norm_statistics(s, b, 2)
+    masks = [r for r in saved.records if r.dtype == torch.bool]
+    assert sorted(r.nbytes for r in masks) == sorted([s * b * h] * 2 + [a * s * s * b])
+    assert {r.dtype for r in saved.records} == {torch.bfloat16, torch.bool}
+
+
+def test_torch_cpu_dropout_keeps_a_two_byte_mask_where_the_fused_kernel_keeps_one():
+    s, b, h, a = LAYER_CONFIGS[0]
+    fused = layer_activations(PaperBlock(h, a), s, b).live_bytes
+    unfused = layer_activations(PaperBlock(h, a, fused_dropout=False), s, b).live_bytes
+    assert unfused - fused == 2 * s * b * h + a * s * s * b  # one more byte per mask entry
+
+
+@pytest.mark.parametrize(("s", "b", "h", "a"), LAYER_CONFIGS)
+def test_course_block_saves_fp32_values_softmax_and_a_boolean_causal_mask(s, b, h, a):
+    saved = layer_activations(course_block(h, a), s, b)
+    # The same 16 values per token and hidden unit at 4 bytes, no dropout, softmax's fp32
+    # output, the s x s bool mask of masked_fill, the layer norms' statistics in fp32.
+    by_hand = 16 * s * b * h * 4 + a * s * s * b * 4 + s * s
+    assert saved.live_bytes == by_hand + layer_norm_statistics(s, b, 4)
+
+
+def test_activation_sweep_rows_put_the_paper_block_within_a_percent_of_the_formula():
+    rows = activation_sweep([(64, 2, 64, 4), (16, 1, 32, 2)])
+    for r in rows:
+        assert r.formula == activation_memory(r.s, r.b, r.h, r.a)
+        # The layer norms' statistics are 8 bytes per token against sbh(34 + ...): < 1% here.
+        assert r.paper / r.formula == pytest.approx(1, rel=1e-2)
+        assert r.paper < r.unfused and r.course > r.paper
+    assert "formula" in activation_table(rows)
+
+
+# --- mixed precision as frameworks run it -----------------------------------------------------
+
+
+def linear_parameters(model):
+    return [p for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()]
+
+
+def test_cast_memory_counts_the_16_bit_copies_autocast_makes_of_the_weights():
+    model = models.MLP((8, 32, 32, 4))
+    x = torch.randn(16, 8)
+    with CastMemory(model.parameters()) as casts:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()  # the input's cast is not a weight's
+        loss.backward()
+    assert casts.peak_bytes == 2 * models.count_parameters(model)  # every parameter, in bf16
+    assert casts.live_bytes == 0  # backward freed the copies it kept
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_autocast_keeps_fp32_weights_and_gradients_and_16_bit_copies_in_flight():
+    model = models.TinyGPT(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = data.tokens(4, seq_len=16, vocab_size=CONFIG.vocab_size)
+    breakdown = autocast_memory(model, optimizer, lambda m: models.lm_loss(m(x), y))
+    n = models.count_parameters(model)
+    rows = {r.category: (r.bytes, r.dtype) for r in breakdown.rows}
+    # Only the Linear layers compute in bf16: embeddings and layer norms stay fp32.
+    assert rows["weights"] == (nbytes(linear_parameters(model)) // 2, "bfloat16")
+    for category in ("master weights", "gradients", "optimizer: exp_avg", "optimizer: exp_avg_sq"):
+        assert rows[category] == (4 * n, "float32"), category
+
+
+def test_bf16_autocast_and_the_bf16_model_train_like_fp32():
+    config = models.GPTConfig(vocab_size=32, seq_len=16, d_model=32, n_heads=4, n_layers=1)
+    steps = 12
+    fp32 = models.TinyGPT(config)
+    reference = train_losses(fp32, torch.optim.AdamW(fp32.parameters(), lr=3e-3), steps)
+    autocast = models.TinyGPT(config)
+    bf16 = train_losses(
+        autocast, torch.optim.AdamW(autocast.parameters(), lr=3e-3), steps, torch.bfloat16
+    )
+    trainer = MixedPrecisionAdamW(models.TinyGPT(config), lr=3e-3)
+    bf16_model = train_losses(trainer.model, trainer, steps)
+    assert reference[-1] < reference[0] - 0.1  # it learns: the comparison means something
+    # bf16 keeps 8 significant bits (relative rounding 2^-9 = 0.2% per operation); the fp32
+    # master weights keep the errors from piling up. Measured: losses near 3.5 differ by at
+    # most 7e-4 here (8e-4 in the lecture's 30 steps); 3e-3 leaves room for other CPU kernels.
+    torch.testing.assert_close(bf16, reference, rtol=0, atol=3e-3)
+    torch.testing.assert_close(bf16_model, reference, rtol=0, atol=3e-3)
+    assert bf16 != reference  # the runs did compute in bf16
+
+
+# --- fp16 loss scaling --------------------------------------------------------------------------
+
+
+def scaling_runs(scaler_class, steps=12, **kwargs):
+    # A tiny TinyGPT under fp16 autocast overflows fp16 in backward from a loss scale of 2^20.
+    return scaled_training(models.TinyGPT(models.GPTConfig()), scaler_class(**kwargs), steps)
+
+
+def test_loss_scaler_decides_as_torch_gradscaler_step_by_step():
+    kwargs = {"init_scale": 2.0**24, "growth_interval": 3}
+    reference = scaling_runs(lambda **kw: torch.amp.GradScaler("cpu", **kw), **kwargs)
+    ours = scaling_runs(LossScaler, **kwargs)
+    # The same scales, the same skipped steps and, since every scale is a power of two (so
+    # dividing by it is exact), bit-identical weights and so the same losses: rtol = atol = 0.
+    assert ours == reference
+    scales = [r.scale for r in reference]
+    assert reference[0].skipped and not all(r.skipped for r in reference)  # overflow, then not
+    assert any(b > a for a, b in zip(scales[:-1], scales[1:], strict=True))  # and growth
+
+
+class NeverSkips(LossScaler):
+    """A wrong scaler: it unscales and steps even when a gradient overflowed."""
+
+    def step(self, optimizer):
+        super().step(optimizer)
+        if self.found_inf:
+            optimizer.step()
+
+
+def test_a_scaler_that_steps_on_inf_gradients_differs_from_gradscaler_and_breaks_the_weights():
+    kwargs = {"init_scale": 2.0**24, "growth_interval": 3}
+    reference = scaling_runs(lambda **kw: torch.amp.GradScaler("cpu", **kw), steps=3, **kwargs)
+    wrong = scaling_runs(NeverSkips, steps=3, **kwargs)
+    assert wrong != reference
+    assert not wrong[0].skipped and math.isnan(wrong[1].loss)
+
+
+def test_loss_scaler_skips_a_planted_inf_halves_the_scale_and_grows_after_the_interval():
+    w = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([w], lr=0.5)
+    scaler = LossScaler(init_scale=8.0, growth_interval=2)
+    w.grad = torch.tensor([1.0, float("inf"), 0.0])
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(w.detach(), torch.ones(3)) and scaler.get_scale() == 4.0
+    for expected_scale in (4.0, 8.0):  # two good steps, then the scale doubles
+        w.grad = torch.full((3,), 4.0)  # a scaled gradient: 4 / scale unscaled
+        before = w.detach().clone()
+        scaler.step(optimizer)
+        assert scaler.get_scale() == 4.0  # the step divides by the scale before the update
+        torch.testing.assert_close(w.detach(), before - 0.5 * 4.0 / 4.0, rtol=0, atol=0)
+        scaler.update()
+        assert scaler.get_scale() == expected_scale
+
+
+def test_the_figures_draw_each_measurement_over_its_reference():
+    rows = activation_sweep([(16, 1, 32, 2), (32, 1, 32, 2)])
+    ax = plot_activation_sweep(rows).axes[0]
+    dots = [line for line in ax.lines if line.get_marker() == "o"]
+    assert len(dots) == 3 and all(len(line.get_xdata()) == 2 for line in dots)
+    assert list(dots[0].get_xdata()) == [r.formula / 1e6 for r in rows]  # x is the formula
+    top, bottom = plot_losses({"fp32": [3.0, 2.0], "bf16": [3.001, 2.0]}, tolerance=2e-3).axes
+    gaps = bottom.lines[1].get_ydata()
+    assert gaps[0] == pytest.approx(1e-3) and gaps[1] == 0
+    assert sorted(line.get_ydata()[0] for line in bottom.lines[2:]) == [-2e-3, 2e-3]
