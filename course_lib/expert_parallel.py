@@ -232,6 +232,7 @@ class ExpertParallelMoE(nn.Module):
         # 1. Every rank's choices per expert (and probability sums, for the loss): one small
         # all-gather. From it each rank knows the batch size, the capacity, where its tokens
         # stand in each expert's queue, and how many rows every rank sends to every other.
+        # (Counts travel as floats with the sums: exact up to 2^24 choices in float32.)
         mine = torch.stack([F.one_hot(experts, n).sum((0, 1)).to(x.dtype), probs.detach().sum(0)])
         every = mine.unsqueeze(0)
         if p > 1:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import models
-from course_lib.comm import CommCounter
+from course_lib.comm import CommCounter, WireCounter
 from course_lib.costs import all_to_all_bytes
 from course_lib.expert_parallel import ExpertParallelMoE, MoE, route
 from course_lib.network import SlowNetwork
@@ -142,14 +142,15 @@ def largest_errors(tokens_per_rank: int = 32, capacity_factor: float = 1.0) -> d
 def bytes_sent(tokens_per_rank: int = 64, even: bool = False) -> dict[str, int]:
     """On each rank: bytes one forward and one backward of `ExpertParallelMoE` sent
     (`CommCounter`): the all-to-alls (sends and receives) and the small all-gather of counts;
-    and N, this rank's routed tokens T/P * k * d * 8 bytes. `even`: a router that spreads the
-    tokens evenly (`balanced`), else the seeded one, capacity factor 2 (nothing dropped)."""
+    what the forward pass really wrote to its sockets (`WireCounter`, gloo's headers too); and
+    N, this rank's routed tokens T/P * k * d * 8 bytes. `even`: a router that spreads the
+    tokens evenly (`balanced`), else the seeded one; capacity factor 2 (nothing dropped)."""
     p, me = world_size(), rank()
     moe = small_moe(capacity_factor=2.0)
     x = balanced(moe, tokens_per_rank * p) if even else batch(tokens_per_rank * p)
     ep = ExpertParallelMoE(moe)
     mine = x[me * tokens_per_rank : (me + 1) * tokens_per_rank].clone().requires_grad_()
-    with CommCounter() as forward:
+    with CommCounter() as forward, WireCounter() as wire:
         y, aux = ep(mine)
     with CommCounter() as backward:
         (y.sum() + aux).backward()
@@ -157,6 +158,7 @@ def bytes_sent(tokens_per_rank: int = 64, even: bool = False) -> dict[str, int]:
         "forward all-to-alls": forward.by_op.get("isend", [0, 0])[0],
         "backward all-to-alls": backward.by_op.get("isend", [0, 0])[0],
         "all-gather of counts": forward.by_op.get("all_gather_single", [0, 0])[0],
+        "forward, written to sockets": wire.bytes_written,
         "N": tokens_per_rank * moe.k * D_MODEL * 8,
     }
 
