@@ -20,6 +20,7 @@ from course_lib.expert_parallel import (
 )
 from course_lib.measure.expert_parallel import (
     D_MODEL,
+    balance_router,
     batch,
     bytes_sent,
     largest_errors,
@@ -107,6 +108,13 @@ def test_load_balancing_loss_by_hand():
     # Top-2, tokens split between experts {0, 1} and {2, 3}: f = 1/4 each, so 1 again.
     pairs = torch.tensor([[0, 1], [2, 3]] * (tokens // 2))
     assert load_balancing_loss(uniform, pairs).item() == pytest.approx(1.0)
+
+
+def test_sgd_on_the_balancing_loss_evens_out_the_router_as_lecture_12_shows():
+    history = balance_router(steps=60)
+    assert history["dropped"][0] > 0.05 and history["dropped"][-1] == 0
+    assert history["loss"][-1] < history["loss"][0]
+    assert history["chosen"][-1] == [64] * 8  # 256 tokens * 2 choices / 8 experts
 
 
 # --- expert parallelism against the dense layer ----------------------------------------------

@@ -8,7 +8,6 @@ the notebook. The formulas the numbers are held against are in `course_lib.costs
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import matplotlib.pyplot as plt
@@ -18,7 +17,7 @@ import torch.distributed as dist
 from course_lib import models
 from course_lib.comm import CommCounter, WireCounter
 from course_lib.costs import all_to_all_bytes
-from course_lib.expert_parallel import ExpertParallelMoE, MoE, route
+from course_lib.expert_parallel import ExpertParallelMoE, MoE, load_balancing_loss, route
 from course_lib.network import SlowNetwork
 from course_lib.runtime import rank, world_size
 from course_lib.tensor_parallel import ParallelMLP
@@ -100,6 +99,37 @@ def plot_dropped_share(capacity_factors: list[float], shares: list[float]):
     ax.set_title("Dropped tokens against capacity")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    return fig
+
+
+def balance_router(steps: int = 60, lr: float = 1.0, n_tokens: int = 256) -> dict[str, list]:
+    """Train `small_moe`'s router by SGD on the load-balancing loss alone, on `batch(n_tokens)`:
+    the loss, the share of choices dropped at capacity factor 1 and the tokens per expert,
+    before each step."""
+    moe = small_moe(capacity_factor=1.0)
+    x, weight = batch(n_tokens), moe.router.weight
+    optimizer = torch.optim.SGD([weight], lr=lr)
+    history: dict[str, list] = {"loss": [], "dropped": [], "chosen": []}
+    for _ in range(steps + 1):
+        r = route(x, weight, moe.k, 1.0)
+        loss = load_balancing_loss(r.probs, r.experts)
+        history["loss"].append(loss.item())
+        history["dropped"].append(1 - r.kept.double().mean().item())
+        history["chosen"].append(torch.bincount(r.experts.flatten(), minlength=N_EXPERTS).tolist())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return history
+
+
+def plot_balancing(history: dict[str, list]):
+    """The dropped share (capacity factor 1) as SGD on the balancing loss alone goes on."""
+    fig, ax = plt.subplots(figsize=(6.5, 3))
+    ax.plot(history["dropped"], "o-", markersize=3)
+    ax.set_xlabel("SGD step on the load-balancing loss")
+    ax.set_ylabel("share of choices dropped")
+    ax.set_title("The balancing loss evens out the router (capacity factor 1)")
+    ax.grid(True, alpha=0.3)
     return fig
 
 
@@ -197,11 +227,12 @@ def step_times(
     d_model: int = 64,
     d_ff: int = 64,
     n_experts: int = 8,
-    steps: int = 4,
+    steps: int = 5,
     bandwidth: float = 12.5e6,
     latency: float = 1e-3,
 ) -> dict:
-    """On each rank: median seconds of a forward and backward step, on a `SlowNetwork`, of
+    """On each rank: seconds of the fastest of `steps` forward and backward steps (other
+    processes on the machine only ever add time) on a `SlowNetwork`, of
     "EP" (`ExpertParallelMoE`, E experts of width d_ff, this rank's n_tokens/P tokens) or
     "TP" (`ParallelMLP` of width E * d_ff, as many parameters, every token on every rank),
     float32; with the parameters and the bytes this rank sent per step."""
@@ -238,7 +269,7 @@ def step_times(
                 start = time.perf_counter()
                 step()
                 times.append(time.perf_counter() - start)
-    return {"seconds": statistics.median(times), "params": params, "bytes": counter.bytes_sent}
+    return {"seconds": min(times), "params": params, "bytes": counter.bytes_sent}
 
 
 def sweep_step_times(bandwidths: list[float], **kw) -> dict[str, list[dict]]:
