@@ -5,6 +5,7 @@ exact count and `costs.ep_bytes`, and the errors it gives for input it cannot ta
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -34,10 +35,23 @@ from course_lib.measure.expert_parallel import (
 TOL = dict(rtol=0.0, atol=1e-12)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda p: f"P={p}")
-def pool(request):
-    with WorkerPool(request.param) as pool:
-        yield pool
+@pytest.fixture(scope="module")
+def pools():
+    """pools(P): one warm pool of P ranks for the whole module (starting one takes seconds)."""
+    made: dict[int, WorkerPool] = {}
+    with contextlib.ExitStack() as stack:
+
+        def get(p: int) -> WorkerPool:
+            if p not in made:
+                made[p] = stack.enter_context(WorkerPool(p))
+            return made[p]
+
+        yield get
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda p: f"P={p}")
+def pool(request, pools):
+    return pools(request.param)
 
 
 # --- routing and the dense layer, against loops over tokens ----------------------------------
@@ -153,9 +167,8 @@ def test_expert_parallel_equals_the_dense_layer_forward_and_backward(pool, k, ca
             assert max(errors) <= TOL["atol"], (n_tokens, n_experts, r, errors)
 
 
-def test_the_lectures_comparison_drops_tokens_and_agrees():
-    with WorkerPool(4) as pool:
-        results = pool.launch(largest_errors, 16, 0.5, timeout=60)
+def test_the_lectures_comparison_drops_tokens_and_agrees(pools):
+    results = pools(4).launch(largest_errors, 16, 0.5, timeout=60)
     for r in results:
         assert r["dropped"] > 0
         assert max(v for name, v in r.items() if name != "dropped") <= TOL["atol"], r
@@ -165,12 +178,11 @@ def test_the_lectures_comparison_drops_tokens_and_agrees():
 
 
 @pytest.mark.parametrize("p", [2, 4])
-def test_an_even_router_sends_exactly_ep_bytes(p):
+def test_an_even_router_sends_exactly_ep_bytes(pools, p):
     """Every expert gets as many tokens from every rank: each all-to-all sends (P-1)/P of this
     rank's T/P * k routed rows, dispatch and combine in forward (costs.ep_bytes), the same
     again in backward; plus the all-gather of 2E counts and probability sums (float64)."""
-    with WorkerPool(p) as pool:
-        results = pool.launch(bytes_sent, 64, True, timeout=60)
+    results = pools(p).launch(bytes_sent, 64, True, timeout=60)
     for r in results:
         assert r["forward all-to-alls"] == ep_bytes(r["N"], p) == r["backward all-to-alls"]
         assert r["all-gather of counts"] == all_gather_bytes(2 * 8 * 8, p)
@@ -180,13 +192,12 @@ def test_an_even_router_sends_exactly_ep_bytes(p):
         assert 0 <= r["forward, written to sockets"] - counted < 2048, r
 
 
-def test_a_real_router_sends_the_rows_it_routes_to_other_ranks():
+def test_a_real_router_sends_the_rows_it_routes_to_other_ranks(pools):
     """With the seeded router the shares are uneven: a rank's dispatch sends its kept choices
     of other ranks' experts, its combine sends back the rows other ranks sent it, counted from
     the dense routing on one process, d * 8 bytes each."""
     p, per_rank, n_experts = 4, 64, 8
-    with WorkerPool(p) as pool:
-        results = pool.launch(bytes_sent, per_rank, False, timeout=60)
+    results = pools(p).launch(bytes_sent, per_rank, False, timeout=60)
     from course_lib.measure.expert_parallel import small_moe
 
     moe = small_moe(capacity_factor=2.0)
@@ -204,9 +215,8 @@ def test_a_real_router_sends_the_rows_it_routes_to_other_ranks():
 # --- what gloo offers, and what the layer refuses ------------------------------------------
 
 
-def test_gloo_all_to_all_single_takes_uneven_splits_but_commcounter_cannot_see_them():
-    with WorkerPool(4) as pool:
-        results = pool.launch(torch_all_to_all, timeout=60)
+def test_gloo_all_to_all_single_takes_uneven_splits_but_commcounter_cannot_see_them(pools):
+    results = pools(4).launch(torch_all_to_all, timeout=60)
     assert all(r["runs"] is True for r in results), results
     assert all(r["CommCounter"] == r["even model"] for r in results)
     assert any(r["CommCounter"] != r["really sent"] for r in results)
@@ -233,13 +243,12 @@ def test_bad_arguments_say_what_to_do():
         ExpertParallelMoE(moe)(torch.zeros(5, 8, dtype=torch.float64))
 
 
-def test_step_times_compares_layers_of_the_same_size():
+def test_step_times_compares_layers_of_the_same_size(pools):
     """EP and TP hold as many parameters but the router and E - 1 more output biases, and
     TP sends two all-reduces of the T x d activation (forward g, backward f)."""
     kw = dict(n_tokens=32, d_model=8, d_ff=4, n_experts=4, steps=1, bandwidth=1e12, latency=0.0)
-    with WorkerPool(2) as pool:
-        ep = pool.launch(step_times, "EP", **kw, timeout=60)
-        tp = pool.launch(step_times, "TP", **kw, timeout=60)
+    ep = pools(2).launch(step_times, "EP", **kw, timeout=60)
+    tp = pools(2).launch(step_times, "TP", **kw, timeout=60)
     assert ep[0]["params"] - tp[0]["params"] == 4 * 8 + 3 * 8
     assert tp[0]["bytes"] == 2 * all_reduce_bytes(32 * 8 * 4, 2)
     assert all(r["seconds"] > 0 for r in ep + tp)
