@@ -328,6 +328,14 @@ def ep_bytes(token_bytes, world_size: int):
     return 2 * all_to_all_bytes(token_bytes, world_size)
 
 
+def expert_capacity(tokens: int, n_experts: int, k: int, capacity_factor: float) -> int:
+    """Tokens one expert of a mixture of experts takes per batch of T tokens, each routed to k
+    of E experts: ceil(capacity_factor * T k / E) (GShard; Switch with k = 1), the even share
+    of the T k choices with the factor's headroom. Rounded to 1e-9 before the ceiling, so that
+    1.1 * 100 / 11 is 10 and not 11."""
+    return math.ceil(round(capacity_factor * tokens * k / n_experts, 9))
+
+
 def ring_attention_bytes(kv_bytes, world_size: int):
     """Bytes one rank sends per attention pass under ring attention (context parallelism over
     P ranks, Liu et al., 2023): each rank holds K and V for 1/P of the sequence and passes

@@ -129,6 +129,7 @@ TOPICS = (
         assignment="2-D parallel training, the capstone (bonus points)",
     ),
     Topic(11, "sequence_parallel", "Sequence parallelism: splitting the tokens"),
+    Topic(12, "expert_parallel", "Mixture of experts: experts on different ranks"),
 )
 
 # course_lib's machinery, used by every topic: not topics themselves.

@@ -31,6 +31,7 @@ from course_lib.costs import (
     busiest_bytes,
     collective_steps,
     ep_bytes,
+    expert_capacity,
     interleaved_peak_chunks,
     pp_boundary_bytes,
     ring_attention_bytes,
@@ -220,6 +221,13 @@ def test_parallelism_traffic_by_hand():
     assert ep_bytes(400, 4) == 600  # dispatch and combine, 3/4 of 400 each
     assert ring_attention_bytes(800, 4) == 600  # three of the four 200-byte K/V blocks
     assert ulysses_bytes(200, 4) == 600  # q, k, v and output: 3/4 of this rank's 200 each
+
+
+def test_expert_capacity_by_hand():
+    assert expert_capacity(1024, 8, 2, 1.25) == 320  # 1.25 * 1024 * 2 / 8
+    assert expert_capacity(10, 4, 1, 1.0) == 3  # 2.5 rounds up: no expert is short of a slot
+    assert expert_capacity(100, 11, 1, 1.1) == 10  # 10.000000000000002 in floats, still 10
+    assert expert_capacity(64, 4, 2, 0.5) == 16
 
 
 # --- every formula once -------------------------------------------------------------------

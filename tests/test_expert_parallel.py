@@ -1,0 +1,254 @@
+"""course_lib.expert_parallel: the router against a token-by-token loop, the dense layer against
+a per-token sum, `ExpertParallelMoE` against the dense layer (forward and backward, float64,
+dropped tokens included) on 1, 2 and 4 ranks, the bytes its all-to-alls send against the
+exact count and `costs.ep_bytes`, and the errors it gives for input it cannot take."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from course_lib import RankError, WorkerPool, rank, world_size
+from course_lib.costs import all_gather_bytes, all_reduce_bytes, ep_bytes, expert_capacity
+from course_lib.expert_parallel import (
+    ExpertParallelMoE,
+    MoE,
+    load_balancing_loss,
+    route,
+)
+from course_lib.measure.expert_parallel import (
+    D_MODEL,
+    balance_router,
+    batch,
+    bytes_sent,
+    largest_errors,
+    step_times,
+    torch_all_to_all,
+)
+
+# float64: expert parallelism computes each expert on the same rows in the same order as one
+# process, so outputs agree to the bit; only the router's gradient is summed over ranks in
+# another order (~1e-16 relative). 1e-12 leaves room and still catches any wrong term.
+TOL = dict(rtol=0.0, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """pools(P): one warm pool of P ranks for the whole module (starting one takes seconds)."""
+    made: dict[int, WorkerPool] = {}
+    with contextlib.ExitStack() as stack:
+
+        def get(p: int) -> WorkerPool:
+            if p not in made:
+                made[p] = stack.enter_context(WorkerPool(p))
+            return made[p]
+
+        yield get
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda p: f"P={p}")
+def pool(request, pools):
+    return pools(request.param)
+
+
+# --- routing and the dense layer, against loops over tokens ----------------------------------
+
+
+def routing_by_loop(x, router_weight, k, capacity_factor):
+    """The routing rules written out token by token: each token's k most probable experts;
+    an expert keeps the first C tokens that chose it, in token order."""
+    probs = torch.softmax(x @ router_weight.T, dim=-1)
+    n_tokens, n_experts = probs.shape
+    capacity = math.ceil(capacity_factor * n_tokens * k / n_experts - 1e-9)
+    taken = [0] * n_experts
+    choices = []  # per token: [(expert, probability, kept)]
+    for t in range(n_tokens):
+        ranked = sorted(range(n_experts), key=lambda e: -probs[t, e].item())[:k]
+        mine = []
+        for e in ranked:
+            mine.append((e, probs[t, e].item(), taken[e] < capacity))
+            taken[e] += 1
+        choices.append(mine)
+    return choices, capacity
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.25, 4.0])
+def test_routing_is_the_token_by_token_rule(k, capacity_factor):
+    moe = MoE(D_MODEL, 8, 6, k, capacity_factor)
+    x = batch(37)
+    r = route(x, moe.router.weight.detach(), k, capacity_factor)
+    choices, capacity = routing_by_loop(x, moe.router.weight.detach(), k, capacity_factor)
+    assert r.capacity == capacity == expert_capacity(37, 6, k, capacity_factor)
+    for t, mine in enumerate(choices):
+        assert r.experts[t].tolist() == [e for e, _, _ in mine], t
+        assert r.kept[t].tolist() == [kept for _, _, kept in mine], t
+        torch.testing.assert_close(r.weights[t], torch.tensor([p for _, p, _ in mine]).double())
+    if capacity_factor < 1:
+        assert not r.kept.all(), "a capacity below the even share must drop something"
+
+
+def test_the_dense_layer_is_the_per_token_weighted_sum_of_its_kept_experts():
+    moe = MoE(D_MODEL, 8, 6, k=2, capacity_factor=0.75)
+    x = batch(40)
+    y, _ = moe(x)
+    choices, _ = routing_by_loop(x, moe.router.weight.detach(), 2, 0.75)
+    with torch.no_grad():
+        for t, mine in enumerate(choices):
+            expected = sum(
+                (p * moe.experts[e](x[t : t + 1])[0] for e, p, kept in mine if kept),
+                torch.zeros(D_MODEL, dtype=torch.float64),
+            )
+            torch.testing.assert_close(y[t], expected, **TOL)
+    all_dropped = [t for t, mine in enumerate(choices) if not any(kept for *_, kept in mine)]
+    assert all_dropped, "capacity 0.75 should drop every choice of some token"
+    assert (y[all_dropped] == 0).all(), "a token with no kept choice gets a zero output"
+
+
+def test_load_balancing_loss_by_hand():
+    n, tokens = 4, 8
+    # Every token sure of expert 0: f_0 = 1 and P_0 = 1, E * 1 * 1 = E, the worst.
+    probs = torch.zeros(tokens, n, dtype=torch.float64)
+    probs[:, 0] = 1.0
+    experts = torch.zeros(tokens, 1, dtype=torch.long)
+    assert load_balancing_loss(probs, experts).item() == pytest.approx(n)
+    # Uniform probabilities and choices spread evenly: E * E * (1/E * 1/E) = 1, the best.
+    uniform = torch.full((tokens, n), 1 / n, dtype=torch.float64)
+    spread = torch.arange(tokens).remainder(n).unsqueeze(1)
+    assert load_balancing_loss(uniform, spread).item() == pytest.approx(1.0)
+    # Top-2, tokens split between experts {0, 1} and {2, 3}: f = 1/4 each, so 1 again.
+    pairs = torch.tensor([[0, 1], [2, 3]] * (tokens // 2))
+    assert load_balancing_loss(uniform, pairs).item() == pytest.approx(1.0)
+
+
+def test_sgd_on_the_balancing_loss_evens_out_the_router_as_lecture_12_shows():
+    history = balance_router(steps=60)
+    assert history["dropped"][0] > 0.05 and history["dropped"][-1] == 0
+    assert history["loss"][-1] < history["loss"][0]
+    assert history["chosen"][-1] == [64] * 8  # 256 tokens * 2 choices / 8 experts
+
+
+# --- expert parallelism against the dense layer ----------------------------------------------
+
+
+def against_dense(n_tokens, n_experts, k, capacity_factor):
+    """On each rank: ExpertParallelMoE on this rank's share of n_tokens (torch.tensor_split:
+    the shares may differ, or be empty) against MoE on all of them, forward and backward."""
+    moe = MoE(D_MODEL, 8, n_experts, k, capacity_factor)
+    x = batch(n_tokens).requires_grad_()
+    weight = batch(n_tokens, seed=5)
+    y, aux = moe(x)
+    ((y * weight).sum() + 0.1 * aux).backward()
+    ep = ExpertParallelMoE(moe)
+    mine = torch.tensor_split(torch.arange(n_tokens), world_size())[rank()]
+    x_mine = x.detach()[mine].clone().requires_grad_()
+    y_mine, aux_mine = ep(x_mine)
+    ((y_mine * weight[mine]).sum() + 0.1 * aux_mine).backward()
+    ep.sync_router_grads()
+    pairs = [(y_mine, y[mine]), (aux_mine, aux), (x_mine.grad, x.grad[mine])]
+    pairs.append((ep.router.weight.grad, moe.router.weight.grad))
+    for i, expert in enumerate(ep.experts):
+        dense = moe.experts[ep.first + i]
+        pairs += [
+            (a.grad, b.grad) for a, b in zip(expert.parameters(), dense.parameters(), strict=True)
+        ]
+    return [(a - b).abs().max().item() if a.numel() else 0.0 for a, b in pairs]
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("k", [1, 2])
+def test_expert_parallel_equals_the_dense_layer_forward_and_backward(pool, k, capacity_factor):
+    for n_tokens, n_experts in [(32, 4), (13, 8), (3, 4)]:  # even, uneven, fewer than ranks
+        results = pool.launch(against_dense, n_tokens, n_experts, k, capacity_factor, timeout=60)
+        for r, errors in enumerate(results):
+            assert max(errors) <= TOL["atol"], (n_tokens, n_experts, r, errors)
+
+
+def test_the_lectures_comparison_drops_tokens_and_agrees(pools):
+    results = pools(4).launch(largest_errors, 16, 0.5, timeout=60)
+    for r in results:
+        assert r["dropped"] > 0
+        assert max(v for name, v in r.items() if name != "dropped") <= TOL["atol"], r
+
+
+# --- bytes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_an_even_router_sends_exactly_ep_bytes(pools, p):
+    """Every expert gets as many tokens from every rank: each all-to-all sends (P-1)/P of this
+    rank's T/P * k routed rows, dispatch and combine in forward (costs.ep_bytes), the same
+    again in backward; plus the all-gather of 2E counts and probability sums (float64)."""
+    results = pools(p).launch(bytes_sent, 64, True, timeout=60)
+    for r in results:
+        assert r["forward all-to-alls"] == ep_bytes(r["N"], p) == r["backward all-to-alls"]
+        assert r["all-gather of counts"] == all_gather_bytes(2 * 8 * 8, p)
+        # What the process wrote to its sockets: the same, plus gloo's headers (under 2 KB for
+        # the dozen or so messages, as lecture 12 says).
+        counted = r["forward all-to-alls"] + r["all-gather of counts"]
+        assert 0 <= r["forward, written to sockets"] - counted < 2048, r
+
+
+def test_a_real_router_sends_the_rows_it_routes_to_other_ranks(pools):
+    """With the seeded router the shares are uneven: a rank's dispatch sends its kept choices
+    of other ranks' experts, its combine sends back the rows other ranks sent it, counted from
+    the dense routing on one process, d * 8 bytes each."""
+    p, per_rank, n_experts = 4, 64, 8
+    results = pools(p).launch(bytes_sent, per_rank, False, timeout=60)
+    from course_lib.measure.expert_parallel import small_moe
+
+    moe = small_moe(capacity_factor=2.0)
+    r = route(batch(per_rank * p), moe.router.weight.detach(), moe.k, 2.0)
+    owner = r.experts // (n_experts // p)  # the rank holding each chosen expert
+    home = (torch.arange(per_rank * p) // per_rank).unsqueeze(1).expand_as(owner)
+    for me, got in enumerate(results):
+        dispatched = int(((home == me) & (owner != me) & r.kept).sum())
+        returned = int(((owner == me) & (home != me) & r.kept).sum())
+        assert got["forward all-to-alls"] == (dispatched + returned) * D_MODEL * 8, me
+    totals = [got["forward all-to-alls"] for got in results]
+    assert len(set(totals)) > 1, "the seeded router should spread tokens unevenly"
+
+
+# --- what gloo offers, and what the layer refuses ------------------------------------------
+
+
+def test_gloo_all_to_all_single_takes_uneven_splits_but_commcounter_cannot_see_them(pools):
+    results = pools(4).launch(torch_all_to_all, timeout=60)
+    assert all(r["runs"] is True for r in results), results
+    assert all(r["CommCounter"] == r["even model"] for r in results)
+    assert any(r["CommCounter"] != r["really sent"] for r in results)
+
+
+def six_experts_on_my_ranks():
+    return ExpertParallelMoE(MoE(D_MODEL, 8, 6))
+
+
+def test_experts_that_do_not_divide_over_the_ranks_are_refused():
+    with WorkerPool(4) as pool, pytest.raises(RankError, match="6 experts cannot be split evenly"):
+        pool.launch(six_experts_on_my_ranks, timeout=60)
+
+
+def test_bad_arguments_say_what_to_do():
+    with pytest.raises(ValueError, match="between 1 and 4 experts"):
+        MoE(D_MODEL, 8, 4, k=5)
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        MoE(D_MODEL, 8, 4, capacity_factor=0)
+    moe = MoE(D_MODEL, 8, 4)
+    with pytest.raises(ValueError, match=r"x.reshape\(-1, 16\)"):
+        moe(torch.zeros(2, 3, D_MODEL, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\[tokens, d_model=16\]"):
+        ExpertParallelMoE(moe)(torch.zeros(5, 8, dtype=torch.float64))
+
+
+def test_step_times_compares_layers_of_the_same_size(pools):
+    """EP and TP hold as many parameters but the router and E - 1 more output biases, and
+    TP sends two all-reduces of the T x d activation (forward g, backward f)."""
+    kw = dict(n_tokens=32, d_model=8, d_ff=4, n_experts=4, steps=1, bandwidth=1e12, latency=0.0)
+    ep = pools(2).launch(step_times, "EP", **kw, timeout=60)
+    tp = pools(2).launch(step_times, "TP", **kw, timeout=60)
+    assert ep[0]["params"] - tp[0]["params"] == 4 * 8 + 3 * 8
+    assert tp[0]["bytes"] == 2 * all_reduce_bytes(32 * 8 * 4, 2)
+    assert all(r["seconds"] > 0 for r in ep + tp)
