@@ -41,6 +41,7 @@ from course_lib.costs import (
     ulysses_bytes,
     zero_bytes,
     zero_comm_bytes,
+    zero_offload_bytes,
 )
 from course_lib.pipeline import simulate
 
@@ -300,3 +301,15 @@ def test_no_cost_formula_is_written_outside_costs():
     assert not written, "use course_lib.costs instead of writing the formula again:\n" + "\n".join(
         written
     )
+
+
+def test_zero_offload_keeps_16_bit_weights_on_the_gpu_and_the_rest_on_the_cpu():
+    # 13B on one GPU (the ZeRO-Offload paper's headline): 26 GB of bf16 weights on the GPU,
+    # 208 GB of fp32 state on the CPU, 26 GB of gradients down and of weights up per step.
+    one = zero_offload_bytes(13e9)
+    assert one == {"gpu": 26e9, "cpu": 208e9, "pcie_each_way": 26e9}
+    # Over 4 GPUs (ZeRO-2) each GPU offloads only its shard; its weights stay whole.
+    four = zero_offload_bytes(13e9, 4)
+    assert four == {"gpu": 26e9, "cpu": 52e9, "pcie_each_way": 6.5e9}
+    with pytest.raises(ValueError, match="world_size"):
+        zero_offload_bytes(1e9, 0)
