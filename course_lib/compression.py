@@ -4,50 +4,39 @@
     dequantize(q)                                   # within scale / 2 of grad, element by element
     quantized_all_reduce(grad)                      # the sum over ranks, sending only 8-bit data
     compress_with_feedback(grad, error, TopK(0.01)) # error feedback: keep what was not sent
-    run = train_compressed("powersgd", batches, sizes=...)  # on every rank, in `launch`
+    EFMomentumSGD(params, lr=0.1, momentum=0.9)     # momentum on the decompressed average
+    run = train_compressed("powersgd", batches, sizes=...)  # course_lib.measure.compression
 
-Every method here is a DDP communication hook (`build_ddp`), so one training loop
-(`train_compressed`) runs them all and counts the same things: the loss, the bytes sent
-(`CommCounter`) and the wall-clock time of every step, optionally on an emulated slow
-network (`SlowNetwork`).
+Every method here is a DDP communication hook (`build_ddp`, with the training loop in
+`course_lib.measure.compression`), so one loop runs them all and counts the same things: the
+loss, the bytes sent (`CommCounter`) and the wall-clock time of every step, optionally on an
+emulated slow network (`SlowNetwork`).
 
 - "fp32": torch's `allreduce_hook`, the uncompressed reference (a ring all-reduce).
+- "fp16": torch's `fp16_compress_hook`, the same all-reduce of gradients cast to fp16.
 - "int8": `quantized_hook`, an all-reduce whose payloads are 8-bit (fp32 arithmetic).
 - "topk", "sign" and their "+ef" versions: `feedback_hook`, all-gathers of top-k or 1-bit
   compressed gradients, with or without error feedback.
+- "vote": signSGD with majority vote (`majority_vote_hook`): 1-bit signs all-gathered, the
+  sign of their sum applied (with `SGD`, a step of lr times +-1 per entry).
 - "powersgd": torch's `powerSGD_hook` with `PowerSGDState(use_error_feedback=True,
   warm_start=True)`, the production reference (Assignment 5 builds PowerSGD from scratch).
 """
 
 import math
-import time
 from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
-    PowerSGDState,
-    powerSGD_hook,
-)
-from torch.nn.parallel import DistributedDataParallel
 
-from course_lib import models
-from course_lib.comm import CommCounter, WireCounter
 from course_lib.costs import all_gather_bytes, all_reduce_bytes, alpha_beta_time, collective_steps
-from course_lib.data import shard
-from course_lib.network import SlowNetwork
-from course_lib.progress import progress
-from course_lib.runtime import device, rank, world_size
 
 LEVELS = 127  # int8 values -127..127: symmetric, so 0 is exact and no value is wasted
 CHUNK = 256  # elements per scale: 4 scale bytes per 256 value bytes, a 1.6% overhead
 ONE_BUCKET_MB = 1024  # DDP bucket size larger than any model here
-METHODS = ("fp32", "int8", "topk", "topk+ef", "sign", "sign+ef", "powersgd")
+METHODS = ("fp32", "fp16", "int8", "topk", "topk+ef", "sign", "sign+ef", "vote", "powersgd")
 
 
 # --- 8-bit quantization -------------------------------------------------------------------
@@ -280,13 +269,18 @@ class FeedbackState:
     errors: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def compressed_mean(payload: torch.Tensor, numel: int, compressor: Compressor) -> torch.Tensor:
-    """All-gather every rank's payload; return the mean of the decompressed payloads."""
+def gather_payloads(payload: torch.Tensor) -> torch.Tensor:
+    """All-gather every rank's payload (all the same size): one row per rank."""
     p = dist.get_world_size()
     gathered = torch.empty(p * payload.numel(), dtype=payload.dtype, device=payload.device)
     dist.all_gather_single(gathered, payload)
-    rows = gathered.view(p, -1)
-    return sum(compressor.decompress(row, numel) for row in rows) / p
+    return gathered.view(p, -1)
+
+
+def compressed_mean(payload: torch.Tensor, numel: int, compressor: Compressor) -> torch.Tensor:
+    """All-gather every rank's payload; return the mean of the decompressed payloads."""
+    rows = gather_payloads(payload)
+    return sum(compressor.decompress(row, numel) for row in rows) / len(rows)
 
 
 def feedback_hook(
@@ -301,6 +295,38 @@ def feedback_hook(
         state.errors[bucket.index()] = new_error
     grads.copy_(compressed_mean(payload, grads.numel(), state.compressor))
     return _done(grads)
+
+
+def majority_vote_hook(_state: None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook for signSGD with majority vote (Bernstein et al., 2018): every rank sends
+    the signs of its gradient (1 bit each), and every rank applies the sign of their sum, the
+    majority's direction, +1, -1 or 0 on a tie (one bit cannot say 0: a zero entry votes +1).
+    No error feedback: the vote is the update."""
+    grads, sign = bucket.buffer(), Sign()
+    rows = gather_payloads(sign.compress(grads))
+    votes = sum(sign.decompress(row, grads.numel()).sign() for row in rows)
+    grads.copy_(votes.sign())
+    return _done(grads)
+
+
+class EFMomentumSGD(torch.optim.Optimizer):
+    """SGD with momentum as error-feedback compression applies it (PowerSGD's paper,
+    algorithm 2): on the decompressed average Delta' every rank received, m = lambda m + Delta'
+    and x = x - lr (Delta' + m). The momentum sees only the aggregate, identical on all ranks,
+    so the copies stay equal, and the error memory keeps only what compression dropped."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                m.mul_(group["momentum"]).add_(p.grad)
+                p.sub_(group["lr"] * (p.grad + m))
 
 
 # --- PowerSGD: the compression ratio and torch's hook --------------------------------------
@@ -352,11 +378,13 @@ def bytes_per_step(
     numel = sum(math.prod(shape) for shape in shapes)
     if method == "fp32":
         return fp32_all_reduce_bytes(numel, world_size)
+    if method == "fp16":
+        return all_reduce_bytes(2 * numel, world_size)
     if method == "int8":
         return quantized_bytes(numel, world_size, chunk_size)
     if method.startswith("topk"):
         return all_gather_bytes(TopK(topk_fraction).payload_bytes(numel), world_size)
-    if method.startswith("sign"):
+    if method.startswith("sign") or method == "vote":
         return all_gather_bytes(Sign().payload_bytes(numel), world_size)
     if method == "powersgd":
         return powersgd_bytes(shapes, powersgd_rank, world_size)
@@ -368,6 +396,7 @@ def latency_steps(method: str, world_size: int) -> int:
     an all-to-all P-1; PowerSGD runs three all-reduces, int8 an all-to-all and an all-gather."""
     collectives = {
         "fp32": ("all_reduce",),
+        "fp16": ("all_reduce",),
         "int8": ("all_to_all", "all_gather"),
         "powersgd": ("all_reduce",) * 3,
     }
@@ -385,99 +414,3 @@ def comm_seconds(
     """Network time per step, alpha-beta model: latency_steps * latency + bytes / bandwidth."""
     sent = bytes_per_step(method, shapes, world_size, **options)
     return alpha_beta_time(sent, latency, bandwidth, messages=latency_steps(method, world_size))
-
-
-# --- one training loop for every method ----------------------------------------------------
-
-
-def build_ddp(
-    model: nn.Module,
-    method: str,
-    *,
-    chunk_size: int = CHUNK,
-    topk_fraction: float = 0.01,
-    powersgd_rank: int = 4,
-    start_powersgd_iter: int = 10,
-) -> nn.Module:
-    """Wrap `model` in DDP with the comm hook of `method` (one of `METHODS`)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
-    # One bucket for all gradients: one hook call per step, so each step sends the payloads
-    # the formulas count (and no two hook chains issue collectives at once from two threads).
-    ddp = DistributedDataParallel(model, bucket_cap_mb=ONE_BUCKET_MB)
-    if method == "fp32":
-        # torch's Python all-reduce hook: DDP's own averaging, where CommCounter sees it
-        ddp.register_comm_hook(None, allreduce_hook)
-    elif method == "int8":
-        ddp.register_comm_hook(QuantizeState(chunk_size), quantized_hook)
-    elif method == "powersgd":
-        state = PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=powersgd_rank,
-            start_powerSGD_iter=start_powersgd_iter,
-            use_error_feedback=True,
-            warm_start=True,
-        )
-        ddp.register_comm_hook(state, powerSGD_hook)
-    else:
-        compressor = TopK(topk_fraction) if method.startswith("topk") else Sign()
-        state = FeedbackState(compressor, error_feedback=method.endswith("+ef"))
-        ddp.register_comm_hook(state, feedback_hook)
-    return ddp
-
-
-@dataclass
-class CompressionLog:
-    """What one rank measured in `train_compressed`: one entry per step."""
-
-    method: str
-    losses: list[float] = field(default_factory=list)  # loss on this rank's shard
-    bytes_sent: list[int] = field(default_factory=list)  # by this rank, per CommCounter
-    bytes_written: list[int] = field(default_factory=list)  # to the sockets, per the OS
-    step_s: list[float] = field(default_factory=list)  # wall-clock time of the step
-    wait_s: list[float] = field(default_factory=list)  # of step_s, waiting for the network
-    params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
-
-
-def train_compressed(
-    method: str,
-    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    sizes: tuple[int, ...],
-    lr: float = 0.1,
-    network: dict | None = None,
-    **options,
-) -> CompressionLog:
-    """Train the seeded MLP(sizes) with SGD under `method` (run on every rank in `launch`),
-    each rank on its shard of every batch; record loss, bytes sent and time per step.
-
-    `network`: keyword arguments of `SlowNetwork` (bandwidth, latency) to emulate a slow link
-    while training; `wait_s` then records the part of each step spent waiting for it (the
-    emulated network time beyond the real transfer); `options` go to `build_ddp`."""
-    model = build_ddp(models.MLP(sizes).to(device()), method, **options)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    run = CompressionLog(method)
-    p, r = world_size(), rank()
-    net = SlowNetwork(**network) if network is not None else None
-    with net if net is not None else nullcontext():
-        for x, y in progress(batches, f"{method} steps"):
-            x, y = shard(x, r, p).to(device()), shard(y, r, p).to(device())
-            waited = net.waited if net is not None else 0.0
-            start = time.perf_counter()
-            with CommCounter() as counter, WireCounter() as wire:
-                optimizer.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()  # the comm hook runs in here
-                optimizer.step()
-            run.step_s.append(time.perf_counter() - start)
-            run.wait_s.append(net.waited - waited if net is not None else 0.0)
-            run.losses.append(loss.item())
-            run.bytes_sent.append(counter.bytes_sent)
-            run.bytes_written.append(wire.bytes_written)
-    run.params = {n: t.detach().cpu().clone() for n, t in model.module.named_parameters()}
-    return run
-
-
-def mean_losses(per_rank: Sequence[CompressionLog]) -> list[float]:
-    """Loss per step averaged over the ranks' shards: the loss of the whole batch."""
-    return [sum(losses) / len(losses) for losses in zip(*(r.losses for r in per_rank), strict=True)]

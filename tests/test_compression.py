@@ -13,14 +13,14 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from course_lib import CommCounter, WorkerPool, data, models
 from course_lib.compression import (
     LEVELS,
-    CompressionLog,
+    EFMomentumSGD,
     Sign,
     TopK,
-    build_ddp,
     bytes_per_step,
     comm_seconds,
     compress_with_feedback,
@@ -33,12 +33,14 @@ from course_lib.compression import (
     quantized_all_reduce,
     quantized_bytes,
     quantized_sum_bound,
-    train_compressed,
 )
 from course_lib.measure.compression import (
+    CompressionLog,
+    build_ddp,
     plot_quantization_error,
     slow_network_table,
     sweep_bandwidth,
+    train_compressed,
 )
 
 P = 4
@@ -138,6 +140,22 @@ def test_byte_formulas():
     assert powersgd_bytes(shapes, 2, 4) == sum(fp32_all_reduce_bytes(c, 4) for c in (128, 64, 320))
 
 
+def test_ef_momentum_applies_momentum_to_the_received_average_by_hand():
+    x = torch.nn.Parameter(torch.tensor([1.0, -1.0], dtype=torch.float64))
+    optimizer = EFMomentumSGD([x], lr=0.1, momentum=0.5)
+    g1, g2 = (
+        torch.tensor([1.0, 2.0], dtype=torch.float64),
+        torch.tensor([-3.0, 4.0], dtype=torch.float64),
+    )
+    x.grad = g1.clone()
+    optimizer.step()  # m = g1, x = x0 - lr (g1 + m)
+    x1 = torch.tensor([1.0, -1.0], dtype=torch.float64) - 0.1 * (g1 + g1)
+    torch.testing.assert_close(x.detach(), x1, rtol=0, atol=1e-15)
+    x.grad = g2.clone()
+    optimizer.step()  # m = 0.5 g1 + g2, x = x1 - lr (g2 + m)
+    torch.testing.assert_close(x.detach(), x1 - 0.1 * (g2 + 0.5 * g1 + g2), rtol=0, atol=1e-15)
+
+
 def test_build_ddp_rejects_an_unknown_method():
     with pytest.raises(ValueError, match="unknown method"):
         build_ddp(torch.nn.Linear(2, 2), "int4")
@@ -226,12 +244,38 @@ def test_powersgd_matches_plain_ddp_parameters_before_start(pool4):
             torch.testing.assert_close(powersgd.params[name], value, rtol=0, atol=1e-6)
 
 
+def _one_step(method, lr):
+    return train_compressed(method, batches(1), sizes=SIZES, lr=lr).params
+
+
+def test_majority_vote_steps_by_the_sign_of_the_ranks_signs(pool4):
+    lr = 0.01
+    (x, y), start = batches(1)[0], models.MLP(SIZES)
+    votes = {name: torch.zeros_like(p) for name, p in start.named_parameters()}
+    for r in range(P):  # each rank's gradient on its shard, computed here in one process
+        model = models.MLP(SIZES)
+        F.cross_entropy(model(data.shard(x, r, P)), data.shard(y, r, P)).backward()
+        for name, p in model.named_parameters():
+            votes[name] += torch.where(p.grad >= 0, 1.0, -1.0)  # one bit: 0 votes +1
+    for params in pool4.launch(_one_step, "vote", lr, timeout=60):
+        for name, p in start.named_parameters():
+            expected = p.detach() - lr * votes[name].sign()  # ties (2 against 2) do not move
+            torch.testing.assert_close(params[name], expected, rtol=0, atol=1e-7)
+
+
+def test_fp16_compression_stays_within_fp16_rounding_of_fp32(pool4):
+    fp32 = pool4.launch(_one_step, "fp32", 0.1, timeout=60)[0]
+    fp16 = pool4.launch(_one_step, "fp16", 0.1, timeout=60)[0]
+    worst = max((fp16[n] - fp32[n]).abs().max().item() for n in fp32)
+    assert 0 < worst < 1e-4  # lr x gradient x fp16's 2^-11 relative rounding, and not exact
+
+
 def _bytes_of(method):
     run = train_compressed(method, batches(3), sizes=SIZES, topk_fraction=0.1)
     return run.bytes_sent
 
 
-@pytest.mark.parametrize("method", ["fp32", "int8", "topk+ef", "sign"])
+@pytest.mark.parametrize("method", ["fp32", "fp16", "int8", "topk+ef", "sign", "vote"])
 def test_bytes_per_step_match_formula(pool4, method):
     shapes = [p.shape for p in models.MLP(SIZES).parameters()]
     expected = bytes_per_step(method, shapes, P, topk_fraction=0.1)

@@ -1,6 +1,9 @@
-"""How lecture 5 shows training with compressed gradients: loss curves against steps or
-seconds, from the runs of `course_lib.compression.train_compressed`; the quantization error
-as a histogram; a slow-network run as a table, and step time swept over bandwidths.
+"""How lecture 5 trains and shows training with compressed gradients: every method of
+`course_lib.compression` as a DDP comm hook (`build_ddp`) in one training loop
+(`train_compressed`), loss curves against steps or seconds; the quantization error as a
+histogram; a slow-network run as a table, and step time swept over bandwidths.
+
+    run = train_compressed("powersgd", batches, sizes=(8, 4))   # on every rank, in `launch`
 
     plot_loss_curves(loss_curves(runs, against="time"), "seconds")
     plot_quantization_error(gradient, [None, 256])
@@ -10,22 +13,153 @@ as a histogram; a slow-network run as a table, and step time swept over bandwidt
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from matplotlib.figure import Figure
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    allreduce_hook,
+    fp16_compress_hook,
+)
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+    PowerSGDState,
+    powerSGD_hook,
+)
+from torch.nn.parallel import DistributedDataParallel
 
-from course_lib import plots
+from course_lib import models, plots
+from course_lib.comm import CommCounter, WireCounter
 from course_lib.compression import (
-    CompressionLog,
+    CHUNK,
+    METHODS,
+    ONE_BUCKET_MB,
+    EFMomentumSGD,
+    FeedbackState,
+    QuantizeState,
+    Sign,
+    TopK,
     dequantize,
     error_bound,
-    mean_losses,
+    feedback_hook,
+    majority_vote_hook,
     quantize,
-    train_compressed,
+    quantized_hook,
 )
+from course_lib.data import shard
+from course_lib.network import SlowNetwork
 from course_lib.plots import NotebookFigure
+from course_lib.progress import progress
+from course_lib.runtime import device, rank, world_size
+
+# --- one training loop for every method ----------------------------------------------------
+
+
+def build_ddp(
+    model: nn.Module,
+    method: str,
+    *,
+    chunk_size: int = CHUNK,
+    topk_fraction: float = 0.01,
+    powersgd_rank: int = 4,
+    start_powersgd_iter: int = 10,
+) -> nn.Module:
+    """Wrap `model` in DDP with the comm hook of `method` (one of `METHODS`)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    # One bucket for all gradients: one hook call per step, so each step sends the payloads
+    # the formulas count (and no two hook chains issue collectives at once from two threads).
+    ddp = DistributedDataParallel(model, bucket_cap_mb=ONE_BUCKET_MB)
+    if method == "fp32":
+        # torch's Python all-reduce hook: DDP's own averaging, where CommCounter sees it
+        ddp.register_comm_hook(None, allreduce_hook)
+    elif method == "fp16":
+        ddp.register_comm_hook(None, fp16_compress_hook)  # torch's: cast, all-reduce, cast back
+    elif method == "vote":
+        ddp.register_comm_hook(None, majority_vote_hook)
+    elif method == "int8":
+        ddp.register_comm_hook(QuantizeState(chunk_size), quantized_hook)
+    elif method == "powersgd":
+        state = PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=start_powersgd_iter,
+            use_error_feedback=True,
+            warm_start=True,
+        )
+        ddp.register_comm_hook(state, powerSGD_hook)
+    else:
+        compressor = TopK(topk_fraction) if method.startswith("topk") else Sign()
+        state = FeedbackState(compressor, error_feedback=method.endswith("+ef"))
+        ddp.register_comm_hook(state, feedback_hook)
+    return ddp
+
+
+@dataclass
+class CompressionLog:
+    """What one rank measured in `train_compressed`: one entry per step."""
+
+    method: str
+    losses: list[float] = field(default_factory=list)  # loss on this rank's shard
+    bytes_sent: list[int] = field(default_factory=list)  # by this rank, per CommCounter
+    bytes_written: list[int] = field(default_factory=list)  # to the sockets, per the OS
+    step_s: list[float] = field(default_factory=list)  # wall-clock time of the step
+    wait_s: list[float] = field(default_factory=list)  # of step_s, waiting for the network
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
+
+
+def train_compressed(
+    method: str,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    sizes: tuple[int, ...],
+    lr: float = 0.1,
+    momentum: float = 0.0,
+    network: dict | None = None,
+    **options,
+) -> CompressionLog:
+    """Train the seeded MLP(sizes) under `method` (run on every rank in `launch`), each rank
+    on its shard of every batch, with SGD (`EFMomentumSGD` when `momentum` is given); record
+    loss, bytes sent and time per step.
+
+    `network`: keyword arguments of `SlowNetwork` (bandwidth, latency) to emulate a slow link
+    while training; `wait_s` then records the part of each step spent waiting for it (the
+    emulated network time beyond the real transfer); `options` go to `build_ddp`."""
+    model = build_ddp(models.MLP(sizes).to(device()), method, **options)
+    if momentum:
+        optimizer = EFMomentumSGD(model.parameters(), lr=lr, momentum=momentum)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    run = CompressionLog(method)
+    p, r = world_size(), rank()
+    net = SlowNetwork(**network) if network is not None else None
+    with net if net is not None else nullcontext():
+        for x, y in progress(batches, f"{method} steps"):
+            x, y = shard(x, r, p).to(device()), shard(y, r, p).to(device())
+            waited = net.waited if net is not None else 0.0
+            start = time.perf_counter()
+            with CommCounter() as counter, WireCounter() as wire:
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()  # the comm hook runs in here
+                optimizer.step()
+            run.step_s.append(time.perf_counter() - start)
+            run.wait_s.append(net.waited - waited if net is not None else 0.0)
+            run.losses.append(loss.item())
+            run.bytes_sent.append(counter.bytes_sent)
+            run.bytes_written.append(wire.bytes_written)
+    run.params = {n: t.detach().cpu().clone() for n, t in model.module.named_parameters()}
+    return run
+
+
+def mean_losses(per_rank: Sequence[CompressionLog]) -> list[float]:
+    """Loss per step averaged over the ranks' shards: the loss of the whole batch."""
+    return [sum(losses) / len(losses) for losses in zip(*(r.losses for r in per_rank), strict=True)]
 
 
 def plot_loss_curves(
