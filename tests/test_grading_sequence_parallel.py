@@ -132,6 +132,35 @@ def ring_to_everyone(q, k, v, causal=False):
     return torch.softmax(scores, dim=-1) @ whole_v
 
 
+def ring_gather_then_attend(q, k, v, causal=False):
+    """Right numbers and a ring's messages, but every block is kept and joined: the whole
+    sequence's K and V on every rank, then attention over all of it."""
+    P, r = world_size(), rank()
+    right, left = (r + 1) % P, (r - 1) % P
+    blocks, current = {r: (k, v)}, (k, v)
+    for step in range(1, P):
+        n_in = torch.empty(1, dtype=torch.long)
+        for work in [
+            dist.isend(torch.tensor([current[0].shape[1]]), right),
+            dist.irecv(n_in, left),
+        ]:
+            work.wait()
+        into = torch.empty(2, k.shape[0], int(n_in), k.shape[2], dtype=k.dtype)
+        for work in [dist.isend(torch.stack(current), right), dist.irecv(into, left)]:
+            work.wait()
+        current = (into[0], into[1])
+        blocks[(r - step) % P] = current
+    whole_k = torch.cat([blocks[s][0] for s in range(P)], dim=1)
+    whole_v = torch.cat([blocks[s][1] for s in range(P)], dim=1)
+    start = sum(blocks[s][0].shape[1] for s in range(r))
+    scores = q @ whole_k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    if causal:
+        positions = torch.arange(start, start + q.shape[1])
+        hidden = torch.arange(whole_k.shape[1])[None, :] > positions[:, None]
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ whole_v
+
+
 def ulysses_all_gathered(q, k, v, causal=False):
     """Right numbers and the ValueError, but all-gathers the whole q, k, v instead of swapping
     shards for heads."""
@@ -158,6 +187,7 @@ WRONG_RING = [
     ("a block never seen", check_ring_attention, MISSING_LAST_BLOCK, {}, "differs"),
     # On 3 ranks every rank is a neighbour: 4 tell a ring from sending to everyone.
     ("K/V to every rank", check_ring_traffic, ring_to_everyone, {"world_sizes": (4,)}, "rank 2"),
+    ("whole K/V kept", check_ring_traffic, ring_gather_then_attend, {}, "made a tensor of"),
 ]
 
 

@@ -14,7 +14,8 @@ in the checking process (`reference`): never the lecture's code.
 Ring rules (`check_ring_traffic`): only dist.send/recv/isend/irecv, each rank talking to its
 two neighbours (r - 1, r + 1 mod P) only, and sending at most the K and V of P - 1 blocks
 (`costs.ring_attention_bytes` for even shards; all blocks but the smallest for uneven ones)
-plus, per hop, 8 bytes per token of the block and 64 bytes (lengths, positions). Ulysses rules:
+plus, per hop, 8 bytes per token of the block and 64 bytes (lengths, positions); no tensor on
+a rank larger than a block of scores or one K/V message (`largest_tensor`). Ulysses rules:
 all-to-alls (dist.all_to_all, dist.all_to_all_single, or sends and receives), at most
 `costs.ulysses_bytes` (four all-to-alls of this rank's q-sized tensor) plus 64 bytes a peer.
 """
@@ -75,6 +76,14 @@ def ring_budget(case: Case) -> int:
     else:
         kv = block * (case.tokens - min(n))
     return kv + (P - 1) * (ITEMSIZE * max(n) + HOP_BYTES)
+
+
+def largest_tensor(case: Case, r: int) -> int:
+    """Elements the largest tensor on rank r may hold in ring attention: a block of scores
+    (heads x n_r x the longest shard) or one K/V message (2 x heads x the longest shard x
+    head_dim, plus a position per token and 8 numbers), whichever is larger."""
+    n, heads, d = lengths(case), case.heads, case.head_dim
+    return max(heads * n[r] * max(n), 2 * heads * max(n) * d + max(n) + 8)
 
 
 def ulysses_budget(case: Case) -> int:
@@ -179,6 +188,16 @@ def judge_ring(check: str, case: Case, records: list[dict]) -> None:
                 f"{case}: rank {r} sent {record['sent']} bytes; passing K and V around the "
                 f"ring sends at most {budget} (the K and V of P - 1 blocks, plus 8 bytes a "
                 f"token and {HOP_BYTES} bytes per hop). Does each hop send one block, once?",
+                prop="ring",
+            )
+    for r, record in enumerate(records):
+        if record["largest"] > largest_tensor(case, r):
+            fail(
+                check,
+                f"{case}: rank {r} made a tensor of {record['largest']} elements; ring "
+                f"attention never needs more than {largest_tensor(case, r)} here (a block of "
+                "scores, or one K/V block in flight). Keep one K/V block at a time and fold "
+                "it in; do not collect the whole sequence's K/V or scores on a rank.",
                 prop="ring",
             )
     if P > 1 and not any(record["sent"] for record in records):
@@ -287,7 +306,8 @@ def check_ring_traffic(
     verdict.conclude(
         f"ring attention on {', '.join(map(str, world_sizes))} rank(s), causal and not, is "
         "right, and every rank sent only with send/recv/isend/irecv, only to its two "
-        f"neighbours, within the bytes of P - 1 K/V blocks (closest: {most[1]} of {most[2]})"
+        f"neighbours, within the bytes of P - 1 K/V blocks (closest: {most[1]} of {most[2]}), "
+        "and made no tensor larger than a block of scores or one K/V message"
     )
 
 
@@ -341,6 +361,7 @@ __all__ = [
     "check_ring_attention",
     "check_ring_traffic",
     "check_ulysses_attention",
+    "largest_tensor",
     "lengths",
     "reference",
     "ring_budget",

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from course_lib import comm
 from course_lib.comm import CommCounter
@@ -81,10 +83,26 @@ class _Messages:
         comm.remove_around_hook(self._seen)
 
 
+class _Largest(TorchDispatchMode):
+    """While active: the most elements of any tensor an operation made on this rank (the
+    whole sequence's K, or a row of scores over every key, is larger than any block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.most = max(self.most, leaf.numel())
+        return out
+
+
 def _run_case(fn: Callable, case: Case) -> dict:
     r, P = rank(), world_size()
     q, k, v = (shard(x, r, P) for x in inputs(case))
-    with CommCounter() as counter, _Messages() as messages:
+    with CommCounter() as counter, _Messages() as messages, _Largest() as largest:
         try:
             out = fn(q.clone(), k.clone(), v.clone(), causal=case.causal)
             raised = None
@@ -96,6 +114,7 @@ def _run_case(fn: Callable, case: Case) -> dict:
         "raised": raised,
         "sent": counter.bytes_sent,
         "messages": messages.log,
+        "largest": largest.most,
     }
 
 
