@@ -145,7 +145,8 @@ def _hint(case: Case, record: dict, r: int) -> str:
     out = record["out"]
     q, k, v = (shard(x, r, case.world_size) for x in inputs(case))
     local = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(case.head_dim), dim=-1) @ v
-    if out.shape == local.shape and not case.causal and torch.allclose(out, local):
+    same = out.shape == local.shape and out.dtype == local.dtype
+    if same and not case.causal and torch.allclose(out, local):
         return "Hint: this is attention over this rank's own tokens only: did K/V go around?"
     if case.causal:
         return (
