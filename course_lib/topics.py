@@ -128,7 +128,12 @@ TOPICS = (
         "Putting it together: 3D parallelism",
         assignment="2-D parallel training, the capstone (bonus points)",
     ),
-    Topic(11, "sequence_parallel", "Sequence parallelism: splitting the tokens"),
+    Topic(
+        11,
+        "sequence_parallel",
+        "Sequence parallelism: splitting the tokens",
+        assignment="ring attention and Ulysses",
+    ),
     Topic(12, "expert_parallel", "Mixture of experts: experts on different ranks"),
 )
 

@@ -29,6 +29,11 @@ from course_lib.grading.processes import (
     check_ping_pong,
     check_round_trip_time,
 )
+from course_lib.grading.sequence_parallel import (
+    check_ring_attention,
+    check_ring_traffic,
+    check_ulysses_attention,
+)
 from course_lib.grading.tensor_parallel import (
     check_column_parallel_linear,
     check_parallel_attention,
@@ -58,10 +63,13 @@ __all__ = [
     "check_quantized_all_reduce",
     "check_reduce",
     "check_reduce_scatter",
+    "check_ring_attention",
+    "check_ring_traffic",
     "check_round_trip_time",
     "check_row_parallel_linear",
     "check_simulate_schedule",
     "check_sync_gradients",
+    "check_ulysses_attention",
     "check_zero1",
     "check_zero2",
     "check_zero3",

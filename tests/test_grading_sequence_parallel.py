@@ -1,0 +1,244 @@
+"""Assignment 11's checks accept right ring and Ulysses attentions and reject wrong ones."""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import rank, world_size
+from course_lib.costs import ring_attention_bytes
+from course_lib.grading import (
+    CheckFailed,
+    check_ring_attention,
+    check_ring_traffic,
+    check_ulysses_attention,
+)
+from course_lib.grading.sequence_parallel import Case, lengths, reference, ring_budget
+from tests.adapters import mutant, planted, solution
+from tests.cheats import a11_sequence_parallel as cheats
+
+# Fresh workers cannot import this test module: ship its functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+A11 = solution("sequence_parallel")
+LOGSUMEXP = planted("sequence_parallel", "ring_attention", cheats.RING_LOGSUMEXP)
+ULYSSES_P2P = planted("sequence_parallel", "ulysses_attention", cheats.ULYSSES_P2P)
+
+
+def expect_failure(check, fn, message: str, **options) -> CheckFailed:
+    with pytest.raises(CheckFailed) as info:
+        check(fn, **options)
+    assert message in str(info.value), str(info.value)
+    return info.value
+
+
+# --- the reference and the budget ----------------------------------------------------------
+
+
+def test_reference_is_torch_attention_on_the_whole_sequence():
+    """The check's reference against torch's own attention (float64, to 1e-12)."""
+    from course_lib.grading.sequence_parallel_ranks import inputs
+
+    for causal in (False, True):
+        case = Case(3, 2, 11, 4, causal, 0)
+        q, k, v = inputs(case)
+        torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.testing.assert_close(reference(case), torch_out, rtol=1e-12, atol=1e-12)
+
+
+def test_shards_are_tensor_split_and_the_budget_is_the_cost_formula_when_even():
+    assert lengths(Case(4, 2, 14, 4, False, 0)) == [4, 4, 3, 3]
+    even = Case(4, 2, 12, 4, False, 0)
+    kv_bytes = 2 * 2 * 12 * 4 * 8
+    slack = 3 * (8 * 3 + 64)
+    assert ring_budget(even) == ring_attention_bytes(kv_bytes, 4) + slack
+
+
+# --- right implementations -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", [A11, LOGSUMEXP], ids=["solution", "logsumexp-leftwards"])
+def test_ring_checks_accept_right_implementations(module, capsys):
+    check_ring_attention(module.ring_attention, world_sizes=(1, 2, 3, 4))
+    check_ring_attention(module.ring_attention, causal=True, world_sizes=(1, 2, 3, 4))
+    check_ring_traffic(module.ring_attention, world_sizes=(2, 3, 4))
+    assert capsys.readouterr().out.count(": passed.") == 3
+
+
+@pytest.mark.parametrize("module", [A11, ULYSSES_P2P], ids=["solution", "isend-irecv-sdpa"])
+def test_ulysses_check_accepts_right_implementations(module):
+    check_ulysses_attention(module.ulysses_attention, world_sizes=(1, 2, 3, 4))
+
+
+# --- wrong implementations -----------------------------------------------------------------
+
+OFF_BY_ONE = mutant(
+    "sequence_parallel",
+    "ring_attention",
+    ("source = (r - step) % P", "source = (r - step - 1) % P"),
+).ring_attention
+NO_RESCALE = mutant(
+    "sequence_parallel",
+    "ring_attention",
+    ("row_sum = row_sum * rescale + ", "row_sum = row_sum + "),
+    ("acc = acc * rescale + ", "acc = acc + "),
+).ring_attention
+LOCAL_MASK = mutant(
+    "sequence_parallel",
+    "ring_attention",
+    ("if not (causal and source > r):", "if True:"),
+    ("if causal and source == r:", "if causal:"),
+).ring_attention
+MISSING_LAST_BLOCK = mutant(
+    "sequence_parallel", "ring_attention", ("for step in range(P):", "for step in range(P - 1):")
+).ring_attention
+NO_VALUE_ERROR = mutant(
+    "sequence_parallel", "ulysses_attention", ("if heads % P:", "if False:")
+).ulysses_attention
+
+
+def ring_to_everyone(q, k, v, causal=False):
+    """Right numbers, but every rank sends its K/V straight to every other rank."""
+    P, r = world_size(), rank()
+    blocks = {r: (k, v)}
+    sizes = {}
+    works = []
+    for other in range(P):
+        if other != r:
+            size = torch.empty(1, dtype=torch.long)
+            works += [dist.isend(torch.tensor([k.shape[1]]), other), dist.irecv(size, other)]
+            sizes[other] = size
+    for work in works:
+        work.wait()
+    works = []
+    for other, size in sizes.items():
+        into = torch.empty(2, k.shape[0], int(size), k.shape[2], dtype=k.dtype)
+        works += [dist.isend(torch.stack([k, v]), other), dist.irecv(into, other)]
+        blocks[other] = into
+    for work in works:
+        work.wait()
+    whole_k = torch.cat([blocks[s][0] for s in range(P)], dim=1)
+    whole_v = torch.cat([blocks[s][1] for s in range(P)], dim=1)
+    start = sum(int(sizes.get(s, torch.tensor([q.shape[1]]))) for s in range(r))
+    scores = q @ whole_k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    if causal:
+        positions = torch.arange(start, start + q.shape[1])
+        hidden = torch.arange(whole_k.shape[1])[None, :] > positions[:, None]
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ whole_v
+
+
+def ring_gather_then_attend(q, k, v, causal=False):
+    """Right numbers and a ring's messages, but every block is kept and joined: the whole
+    sequence's K and V on every rank, then attention over all of it."""
+    P, r = world_size(), rank()
+    right, left = (r + 1) % P, (r - 1) % P
+    blocks, current = {r: (k, v)}, (k, v)
+    for step in range(1, P):
+        n_in = torch.empty(1, dtype=torch.long)
+        for work in [
+            dist.isend(torch.tensor([current[0].shape[1]]), right),
+            dist.irecv(n_in, left),
+        ]:
+            work.wait()
+        into = torch.empty(2, k.shape[0], int(n_in), k.shape[2], dtype=k.dtype)
+        for work in [dist.isend(torch.stack(current), right), dist.irecv(into, left)]:
+            work.wait()
+        current = (into[0], into[1])
+        blocks[(r - step) % P] = current
+    whole_k = torch.cat([blocks[s][0] for s in range(P)], dim=1)
+    whole_v = torch.cat([blocks[s][1] for s in range(P)], dim=1)
+    start = sum(blocks[s][0].shape[1] for s in range(r))
+    scores = q @ whole_k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    if causal:
+        positions = torch.arange(start, start + q.shape[1])
+        hidden = torch.arange(whole_k.shape[1])[None, :] > positions[:, None]
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ whole_v
+
+
+def ulysses_all_gathered(q, k, v, causal=False):
+    """Right numbers and the ValueError, but all-gathers the whole q, k, v instead of swapping
+    shards for heads."""
+    P, r = world_size(), rank()
+    if q.shape[0] % P:
+        raise ValueError("heads must divide")
+    whole = []
+    for x in (q, k, v):
+        parts = [torch.empty_like(x) for _ in range(P)]
+        dist.all_gather(parts, x.contiguous())
+        whole.append(torch.cat(parts, dim=1))
+    scores = whole[0] @ whole[1].transpose(-2, -1) / q.shape[-1] ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
+    out = torch.softmax(scores, dim=-1) @ whole[2]
+    return out.tensor_split(P, dim=1)[r]
+
+
+CAUSAL_ONLY = {"causal": True}
+WRONG_RING = [
+    ("off-by-one block order", check_ring_attention, OFF_BY_ONE, CAUSAL_ONLY, "differs"),
+    ("missing softmax rescale", check_ring_attention, NO_RESCALE, {}, "rescale"),
+    ("causal mask per block", check_ring_attention, LOCAL_MASK, CAUSAL_ONLY, "diagonal block"),
+    ("a block never seen", check_ring_attention, MISSING_LAST_BLOCK, {}, "differs"),
+    # On 3 ranks every rank is a neighbour: 4 tell a ring from sending to everyone.
+    ("K/V to every rank", check_ring_traffic, ring_to_everyone, {"world_sizes": (4,)}, "rank 2"),
+    ("whole K/V kept", check_ring_traffic, ring_gather_then_attend, {}, "made a tensor of"),
+]
+
+
+@pytest.mark.parametrize(
+    "check, fn, options, message", [w[1:] for w in WRONG_RING], ids=[w[0] for w in WRONG_RING]
+)
+def test_ring_checks_reject_wrong_implementations(check, fn, options, message):
+    options = {"world_sizes": (3,), **options}
+    error = expect_failure(check, fn, message, **options)
+    assert error.score == 0
+    assert f"world size {options['world_sizes'][0]}" in str(error), "which case failed?"
+
+
+def test_block_order_matters_only_under_the_mask():
+    check_ring_attention(OFF_BY_ONE, world_sizes=(3,))
+
+
+def test_all_gathered_kv_is_right_but_fails_the_traffic_check():
+    sdpa = planted("sequence_parallel", "ring_attention", cheats.SDPA_ALL_GATHERED).ring_attention
+    check_ring_attention(sdpa, causal=True, world_sizes=(3,))
+    error = expect_failure(check_ring_traffic, sdpa, "called dist.all_gather", world_sizes=(3,))
+    assert error.score == 0 and error.failed == {"ring"}
+
+
+def test_ulysses_without_its_value_error_scores_nothing():
+    error = expect_failure(
+        check_ulysses_attention, NO_VALUE_ERROR, "expected a ValueError", world_sizes=(2,)
+    )
+    assert error.score == 0
+
+
+def test_ulysses_all_gathered_earns_half():
+    error = expect_failure(
+        check_ulysses_attention, ulysses_all_gathered, "dist.all_gather", world_sizes=(2,)
+    )
+    assert error.failed == {"all-to-all"} and error.score == 0.5
+
+
+@pytest.mark.parametrize(
+    "check, source",
+    [
+        (check_ring_traffic, cheats.LECTURE_RING),
+        (check_ring_attention, cheats.PASTED_MERGE),
+    ],
+    ids=["wrapped", "pasted"],
+)
+def test_the_lectures_ring_is_refused(check, source):
+    fn = planted("sequence_parallel", "ring_attention", source).ring_attention
+    expect_failure(check, fn, "the course's own implementation", world_sizes=(2,))
+
+
+def test_the_lectures_ulysses_is_refused():
+    fn = planted("sequence_parallel", "ulysses_attention", cheats.LECTURE_ULYSSES)
+    expect_failure(check_ulysses_attention, fn.ulysses_attention, "lecture", world_sizes=(2,))
