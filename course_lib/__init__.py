@@ -29,14 +29,16 @@ rank):
 The lectures' plumbing, one module each:
 - `processes` (1): message costs over pipes and gloo;
 - `collectives` (2): all-reduce algorithms and the ring's schedule;
-- `data_parallel` (3): host scheme, all-reduce DP, DDP timelines;
+- `data_parallel` (3): host scheme, all-reduce DP, DDP timelines, accumulation, local SGD;
 - `gossip` (4): topologies, gossip, push-sum, group all-reduce;
-- `compression` (5): 8-bit quantization, error feedback, PowerSGD via torch's hook;
+- `compression` (5): 8-bit quantization, error feedback, majority vote, PowerSGD's formulas;
 - `memory` (6): bytes of weights, gradients, optimizer state and activations; checkpointing;
 - `zero` (7): torch's ZeRO-1 and FSDP2 against the ZeRO formulas; sharded checkpoints;
 - `pipeline` (8): schedules and their bubble, a real GPipe/1F1B pipeline, stage partition;
-- `tensor_parallel` (9): Megatron layers, their traffic and activation memory.
-- `parallel_3d` (10): the grid of ranks and its groups, a TP x PP x DP planner.
+- `tensor_parallel` (9): Megatron layers, their traffic and activation memory;
+- `parallel_3d` (10): the grid of ranks and its groups, a TP x PP x DP planner;
+- `sequence_parallel` (11): ring attention, Ulysses, Megatron's sequence parallelism;
+- `expert_parallel` (12): a top-k router with capacity, experts on ranks via all-to-all.
 
 What a lecture measures and draws, where that is long, is in `measure/<topic>.py`.
 """
