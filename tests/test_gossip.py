@@ -33,6 +33,7 @@ from course_lib.gossip import (
     simulate_consensus,
 )
 from course_lib.measure.gossip import (
+    class_sharded_batches,
     contraction_by_size,
     parameter_server,
     plot_contraction,
@@ -363,3 +364,20 @@ def test_mixing_matrix_heatmaps_draw_the_matrices_given():
         assert len(ax.texts) == int((w > 0).sum())  # each nonzero entry written in
     lines = plot_contraction([4, 8], {"ring": [0.3, 0.8]}).axes[0].lines
     assert list(lines[0].get_ydata()) == [0.3, 0.8]
+
+
+def test_class_sharded_batches_give_rank_r_only_class_r():
+    x, y = data.classification(400, dim=3, classes=4, seed=5)
+    batches = class_sharded_batches(x, y, 8, 5, world_size=4)
+    assert len(batches) == 5
+    for xb, yb in batches:
+        assert xb.shape == (8, 3)
+        for r in range(4):  # the launcher's shard of rank r: its class only, and its own rows
+            shard_y = data.shard(yb, r, 4)
+            assert shard_y.tolist() == [r, r]
+            rows = data.shard(xb, r, 4)
+            assert all(any(torch.equal(row, xi) for xi in x[y == r]) for row in rows)
+    with pytest.raises(ValueError, match="one class per rank"):
+        class_sharded_batches(x, y, 8, 1, world_size=2)
+    with pytest.raises(ValueError, match="splits evenly"):
+        class_sharded_batches(x, y, 6, 1, world_size=4)

@@ -294,6 +294,31 @@ def _default_topology(method: str, p: int) -> Topology:
     return ExponentialGraph(p)
 
 
+# --- data that differ from rank to rank ---------------------------------------------------------
+
+
+def class_sharded_batches(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, steps: int, world_size: int, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches whose rank-r shard (`data.shard`, contiguous) holds only samples of class r:
+    non-IID data, each rank seeing one class, where the usual batches give every rank a
+    sample of all of them. Needs one class per rank and a batch that splits evenly."""
+    classes = int(y.max()) + 1
+    if classes != world_size or batch_size % world_size:
+        raise ValueError(
+            f"need one class per rank ({classes} classes, {world_size} ranks) and a batch "
+            f"that splits evenly ({batch_size} over {world_size})"
+        )
+    g = torch.Generator().manual_seed(seed)
+    members = [torch.nonzero(y == c).flatten() for c in range(classes)]
+    per_rank = batch_size // world_size
+    batches = []
+    for _ in range(steps):
+        idx = torch.cat([m[torch.randint(len(m), (per_rank,), generator=g)] for m in members])
+        batches.append((x[idx], y[idx]))
+    return batches
+
+
 # --- the mixing matrices and their contraction, drawn ------------------------------------------
 
 
