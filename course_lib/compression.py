@@ -17,6 +17,7 @@ emulated slow network (`SlowNetwork`).
 - "int8": `quantized_hook`, an all-reduce whose payloads are 8-bit (fp32 arithmetic).
 - "topk", "sign" and their "+ef" versions: `feedback_hook`, all-gathers of top-k or 1-bit
   compressed gradients, with or without error feedback.
+- "dgc": deep gradient compression's top-k with momentum correction (`dgc_hook`).
 - "vote": signSGD with majority vote (`majority_vote_hook`): 1-bit signs all-gathered, the
   sign of their sum applied (with `SGD`, a step of lr times +-1 per entry).
 - "powersgd": torch's `powerSGD_hook` with `PowerSGDState(use_error_feedback=True,
@@ -36,7 +37,7 @@ from course_lib.costs import all_gather_bytes, all_reduce_bytes, alpha_beta_time
 LEVELS = 127  # int8 values -127..127: symmetric, so 0 is exact and no value is wasted
 CHUNK = 256  # elements per scale: 4 scale bytes per 256 value bytes, a 1.6% overhead
 ONE_BUCKET_MB = 1024  # DDP bucket size larger than any model here
-METHODS = ("fp32", "fp16", "int8", "topk", "topk+ef", "sign", "sign+ef", "vote", "powersgd")
+METHODS = ("fp32", "fp16", "int8", "topk", "topk+ef", "dgc", "sign", "sign+ef", "vote", "powersgd")
 
 
 # --- 8-bit quantization -------------------------------------------------------------------
@@ -309,6 +310,36 @@ def majority_vote_hook(_state: None, bucket: dist.GradBucket) -> torch.futures.F
     return _done(grads)
 
 
+@dataclass
+class DGCState:
+    """State of `dgc_hook`: the top-k compressor, the momentum, and per bucket the local
+    velocity u and the accumulated update v that waits to be sent."""
+
+    compressor: TopK
+    momentum: float = 0.9
+    velocity: dict[int, torch.Tensor] = field(default_factory=dict)
+    accumulated: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook for deep gradient compression (Lin et al., 2018) with momentum
+    correction: momentum runs on each rank *before* compression (u = m u + g), the velocity
+    accumulates locally (v = v + u), the top-k of v is sent, and what was sent is cleared from
+    both u and v (momentum factor masking), so a stale velocity does not push it again. Use
+    it with plain SGD: the momentum is already in the update. (The paper's warm-up of the
+    sparsity and its gradient clipping are left out.)"""
+    grads, i = bucket.buffer(), bucket.index()
+    u = state.velocity.setdefault(i, torch.zeros_like(grads))
+    v = state.accumulated.setdefault(i, torch.zeros_like(grads))
+    u.mul_(state.momentum).add_(grads)
+    v.add_(u)
+    payload = state.compressor.compress(v)
+    sent = payload.view(2, -1)[1].view(torch.int32).long()  # the indices TopK sent
+    u[sent], v[sent] = 0.0, 0.0
+    grads.copy_(compressed_mean(payload, grads.numel(), state.compressor))
+    return _done(grads)
+
+
 class EFMomentumSGD(torch.optim.Optimizer):
     """SGD with momentum as error-feedback compression applies it (PowerSGD's paper,
     algorithm 2): on the decompressed average Delta' every rank received, m = lambda m + Delta'
@@ -382,7 +413,7 @@ def bytes_per_step(
         return all_reduce_bytes(2 * numel, world_size)
     if method == "int8":
         return quantized_bytes(numel, world_size, chunk_size)
-    if method.startswith("topk"):
+    if method.startswith("topk") or method == "dgc":
         return all_gather_bytes(TopK(topk_fraction).payload_bytes(numel), world_size)
     if method.startswith("sign") or method == "vote":
         return all_gather_bytes(Sign().payload_bytes(numel), world_size)

@@ -270,12 +270,28 @@ def test_fp16_compression_stays_within_fp16_rounding_of_fp32(pool4):
     assert 0 < worst < 1e-4  # lr x gradient x fp16's 2^-11 relative rounding, and not exact
 
 
+def _dgc_and_ef(momentum):
+    runs = [
+        train_compressed(m, batches(3), sizes=SIZES, topk_fraction=0.1, dgc_momentum=momentum)
+        for m in ("dgc", "topk+ef")
+    ]
+    return [run.params for run in runs]
+
+
+def test_dgc_without_momentum_is_error_feedback_and_with_it_is_not(pool4):
+    for r, (dgc, ef) in enumerate(pool4.launch(_dgc_and_ef, 0.0, timeout=60)):
+        for name, value in ef.items():
+            torch.testing.assert_close(dgc[name], value, rtol=0, atol=1e-7, msg=f"rank {r}")
+    dgc, ef = pool4.launch(_dgc_and_ef, 0.9, timeout=60)[0]
+    assert max((dgc[n] - ef[n]).abs().max().item() for n in ef) > 1e-3
+
+
 def _bytes_of(method):
     run = train_compressed(method, batches(3), sizes=SIZES, topk_fraction=0.1)
     return run.bytes_sent
 
 
-@pytest.mark.parametrize("method", ["fp32", "fp16", "int8", "topk+ef", "sign", "vote"])
+@pytest.mark.parametrize("method", ["fp32", "fp16", "int8", "topk+ef", "dgc", "sign", "vote"])
 def test_bytes_per_step_match_formula(pool4, method):
     shapes = [p.shape for p in models.MLP(SIZES).parameters()]
     expected = bytes_per_step(method, shapes, P, topk_fraction=0.1)

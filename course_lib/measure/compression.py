@@ -39,12 +39,14 @@ from course_lib.compression import (
     CHUNK,
     METHODS,
     ONE_BUCKET_MB,
+    DGCState,
     EFMomentumSGD,
     FeedbackState,
     QuantizeState,
     Sign,
     TopK,
     dequantize,
+    dgc_hook,
     error_bound,
     feedback_hook,
     majority_vote_hook,
@@ -68,6 +70,7 @@ def build_ddp(
     topk_fraction: float = 0.01,
     powersgd_rank: int = 4,
     start_powersgd_iter: int = 10,
+    dgc_momentum: float = 0.9,
 ) -> nn.Module:
     """Wrap `model` in DDP with the comm hook of `method` (one of `METHODS`)."""
     if method not in METHODS:
@@ -82,6 +85,8 @@ def build_ddp(
         ddp.register_comm_hook(None, fp16_compress_hook)  # torch's: cast, all-reduce, cast back
     elif method == "vote":
         ddp.register_comm_hook(None, majority_vote_hook)
+    elif method == "dgc":
+        ddp.register_comm_hook(DGCState(TopK(topk_fraction), dgc_momentum), dgc_hook)
     elif method == "int8":
         ddp.register_comm_hook(QuantizeState(chunk_size), quantized_hook)
     elif method == "powersgd":
