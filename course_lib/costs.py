@@ -309,6 +309,16 @@ def bubble_formula(n_stages: int, m: int, chunks: int = 1) -> float:
     return (n_stages - 1) / (chunks * m + n_stages - 1)
 
 
+def zero_bubble_formula(
+    n_stages: int, m: int, forward: float = 1.0, input_grad: float = 1.0, weight_grad: float = 1.0
+) -> float:
+    """Idle share of the ZB-H1 zero-bubble schedule (Qi et al., 2023): the backward split into
+    B (input gradient) and W (weight gradient), W's filling the drain, leaves (P-1)(F + B - W)
+    idle per stage beside m(F + B + W) of work; 1F1B leaves (P-1)(F + B + W)."""
+    idle = (n_stages - 1) * (forward + input_grad - weight_grad)
+    return idle / (m * (forward + input_grad + weight_grad) + idle)
+
+
 def interleaved_peak_chunks(n_stages: int, chunks: int) -> int:
     """Micro-batch chunks of activations the first stage holds at its peak under interleaved
     1F1B with `chunks` model chunks per stage (m a multiple of P): P * chunks + P - 1, each

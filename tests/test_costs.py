@@ -39,6 +39,7 @@ from course_lib.costs import (
     tp_layer_bytes,
     two_level_all_reduce_seconds,
     ulysses_bytes,
+    zero_bubble_formula,
     zero_bytes,
     zero_comm_bytes,
     zero_offload_bytes,
@@ -313,3 +314,11 @@ def test_zero_offload_keeps_16_bit_weights_on_the_gpu_and_the_rest_on_the_cpu():
     assert four == {"gpu": 26e9, "cpu": 52e9, "pcie_each_way": 6.5e9}
     with pytest.raises(ValueError, match="world_size"):
         zero_offload_bytes(1e9, 0)
+
+
+def test_zero_bubble_formula_is_a_third_of_1f1b_idle_time_for_equal_passes():
+    # F = B = W = 1: (P-1)(1) idle per stage against 1F1B's (P-1)(3), beside 3m of work.
+    assert zero_bubble_formula(4, 8) == pytest.approx(3 / 27, rel=1e-12)
+    assert bubble_formula(4, 8) == pytest.approx(9 / 33, rel=1e-12)  # the same with B + W = 2
+    # W as long as F + B: nothing left idle
+    assert zero_bubble_formula(4, 8, 1.0, 1.0, 2.0) == 0.0

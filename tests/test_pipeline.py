@@ -18,14 +18,17 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import RankError, WorkerPool, data, launch, models, pipeline, rank, world_size
-from course_lib.costs import bubble_formula
+from course_lib.costs import bubble_formula, zero_bubble_formula
 from course_lib.measure import pipeline as measure
 from course_lib.measure.pipeline import (
     PipelineWidget,
     brute_force_partition,
     measure_bubbles,
+    peak_activations,
+    pending_w_peak,
     plot_schedule,
     profile_layers,
+    simulate_zero_bubble,
     torch_pipeline_step,
 )
 from course_lib.pipeline import (
@@ -323,3 +326,38 @@ def test_profile_layers_measures_output_bytes_and_positive_times():
     assert all(t > 0 for t in times)
     d, vocab = models.GPTConfig().d_model, models.GPTConfig().vocab_size
     assert sizes == [2 * 16 * d * 4] * 3 + [2 * 16 * vocab * 4]  # fp32 outputs of each layer
+
+
+# --- the zero-bubble schedule (simulated) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("defer_w", [False, True])
+@pytest.mark.parametrize("p,m", [(2, 3), (4, 8), (4, 4), (8, 16)])
+def test_zero_bubble_runs_every_pass_once_after_what_it_needs(p, m, defer_w):
+    timeline = simulate_zero_bubble(p, m, defer_w=defer_w)
+    end = {(t.kind, t.micro, t.stage): t for t in timeline.tasks}
+    assert len(end) == len(timeline.tasks) == 3 * p * m  # F, B and W of every micro-batch
+    for (kind, i, s), t in end.items():
+        needs = {
+            "F": [("F", i, s - 1)] if s > 0 else [],
+            "B": [("F", i, s)] + ([("B", i, s + 1)] if s < p - 1 else []),
+            "W": [("B", i, s)],
+        }[kind]
+        assert all(end[n].end <= t.start for n in needs), (kind, i, s)
+    for s in range(p):  # one op at a time per stage
+        spans = sorted((t.start, t.end) for t in timeline.tasks if t.stage == s)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (4, 8), (4, 16), (8, 8)])
+def test_zero_bubble_with_deferred_ws_reaches_the_formula_and_1f1b_memory_costs_some(p, m):
+    deferred = simulate_zero_bubble(p, m, defer_w=True)
+    assert deferred.bubble == pytest.approx(zero_bubble_formula(p, m), rel=1e-12)
+    bounded = simulate_zero_bubble(p, m, defer_w=False)
+    one_f = simulate(p, m, "1f1b", forward_s=1, backward_s=2)
+    assert deferred.makespan <= bounded.makespan < one_f.makespan
+    for s in range(p):  # 1F1B's limit on activations, each schedule counted its own way
+        assert peak_activations(bounded, s, freed_by="W") <= p - s
+        assert peak_activations(deferred, s, freed_by="B") <= p - s
+        assert pending_w_peak(bounded, s) <= pending_w_peak(deferred, s)
+    assert pending_w_peak(deferred, p - 1) == m  # the last stage owes every W at the end

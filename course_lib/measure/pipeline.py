@@ -31,6 +31,7 @@ from course_lib.pipeline import (
     Partition,
     Stage,
     StageLog,
+    Task,
     Timeline,
     check_partition_input,
     link_times,
@@ -91,6 +92,7 @@ def torch_pipeline_step(
 
 _FORWARD_COLOURS = ["#9ecae1", "#c6dbef"]  # per chunk, light: forward
 _BACKWARD_COLOURS = ["#3182bd", "#6baed6"]  # per chunk, dark: backward
+_WEIGHT_COLOURS = ["#31a354", "#74c476"]  # green: the weight-gradient half (zero bubble)
 
 
 def draw_schedule(timeline: Timeline, ax: Any, title: str | None = None) -> None:
@@ -102,7 +104,9 @@ def draw_schedule(timeline: Timeline, ax: Any, title: str | None = None) -> None
     for s in range(timeline.n_stages):
         ax.barh(s, span * unit, left=0, height=0.8, color="#eeeeee")  # idle unless covered
     for t in timeline.tasks:
-        colours = _FORWARD_COLOURS if t.kind == FORWARD else _BACKWARD_COLOURS
+        colours = {FORWARD: _FORWARD_COLOURS, WEIGHT_GRAD: _WEIGHT_COLOURS}.get(
+            t.kind, _BACKWARD_COLOURS
+        )
         left, width = (t.start - origin) * unit, (t.end - t.start) * unit
         ax.barh(t.stage, width, left=left, height=0.8, color=colours[t.chunk % 2], ec="white")
         if width > 0.015 * span * unit:  # label boxes wide enough to read
@@ -237,3 +241,80 @@ def profile_layers(
             sizes[i] = out.numel() * out.element_size()
             inp = out
     return times, sizes
+
+
+# --- the zero-bubble schedule: backward split in two -------------------------------------------
+
+INPUT_GRAD, WEIGHT_GRAD = "B", "W"  # zero bubble: B (input gradient) and W (weight gradient)
+
+
+def simulate_zero_bubble(
+    n_stages: int,
+    m: int,
+    forward_s: float = 1.0,
+    input_grad_s: float = 1.0,
+    weight_grad_s: float = 1.0,
+    defer_w: bool = False,
+) -> Timeline:
+    """A zero-bubble schedule (Qi et al., 2023) on an idealised machine. A backward is two
+    passes: B, the gradient with respect to the stage's input, which the previous stage waits
+    for, and W, the gradient with respect to its weights, which nobody waits for. Whenever a
+    stage is free it runs the first that is ready of: the next B (on the critical path); the
+    next F, if fewer than P - s micro-batches hold activations (1F1B's limit); else a W left
+    pending, filling time 1F1B leaves idle.
+
+    defer_w=False: a micro-batch holds its activations until its W (1F1B's peak memory).
+    defer_w=True: they are freed after B except what W needs (each linear layer's input and
+    output gradient), so W's can wait for the end: ZB-H1's bubble, (P-1)(F + B - W), for
+    memory that grows with the W's left pending (`pending_w_peak`)."""
+    P = n_stages
+    done: dict[tuple[str, int, int], float] = {}
+    next_f, next_b, w_done = [0] * P, [0] * P, [0] * P
+    pending: list[list[int]] = [[] for _ in range(P)]
+    free, tasks, clock = [0.0] * P, [], 0.0
+
+    def ready(key: tuple[str, int, int]) -> bool:
+        return key in done and done[key] <= clock
+
+    while len(tasks) < 3 * P * m:
+        for s in range(P):
+            if free[s] > clock:
+                continue
+            f, b = next_f[s], next_b[s]
+            holding = f - (next_b[s] if defer_w else w_done[s])
+            if b < m and ready((FORWARD, b, s)) and (s == P - 1 or ready((INPUT_GRAD, b, s + 1))):
+                kind, micro, seconds = INPUT_GRAD, b, input_grad_s
+                next_b[s] += 1
+                pending[s].append(b)
+            elif f < m and holding < P - s and (s == 0 or ready((FORWARD, f, s - 1))):
+                kind, micro, seconds = FORWARD, f, forward_s
+                next_f[s] += 1
+            elif pending[s]:
+                kind, micro, seconds = WEIGHT_GRAD, pending[s].pop(0), weight_grad_s
+                w_done[s] += 1
+            else:
+                continue
+            done[(kind, micro, s)] = free[s] = clock + seconds
+            tasks.append(Task(s, kind, micro, 0, clock, clock + seconds))
+        clock = min((t for t in (*free, *done.values()) if t > clock), default=clock)
+    name = "zero bubble, W's deferred" if defer_w else "zero bubble, 1F1B's memory"
+    return Timeline(P, tasks, name)
+
+
+def pending_w_peak(timeline: Timeline, stage: int) -> int:
+    """Most W's owed at once on `stage`: B done, W not yet (each keeps what W needs)."""
+    owed = peak = 0
+    for t in sorted((t for t in timeline.tasks if t.stage == stage), key=lambda t: t.start):
+        owed += {INPUT_GRAD: 1, WEIGHT_GRAD: -1}.get(t.kind, 0)
+        peak = max(peak, owed)
+    return peak
+
+
+def peak_activations(timeline: Timeline, stage: int, freed_by: str = INPUT_GRAD) -> int:
+    """Most micro-batches holding activations on `stage` at once: from a forward to the op
+    that frees them, the backward (`"B"`, also 1F1B's whole backward) or the W."""
+    live = peak = 0
+    for t in sorted((t for t in timeline.tasks if t.stage == stage), key=lambda t: t.start):
+        live += 1 if t.kind == FORWARD else -1 if t.kind == freed_by else 0
+        peak = max(peak, live)
+    return peak
