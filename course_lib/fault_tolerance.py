@@ -210,7 +210,7 @@ def _kill_tree(pid: int) -> None:
     """SIGKILL `pid` and every process below it. torchrun starts each worker in a session of
     its own, so killing the agent's process group would leave the workers running."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
