@@ -40,9 +40,7 @@ def reference(tmp_path_factory):
         return pool.launch(train, str(tmp_path_factory.mktemp("ref")), STEPS, EVERY)[0]
 
 
-def test_a_killed_rank_is_restarted_and_the_losses_equal_an_uninterrupted_run(
-    tmp_path, reference
-):
+def test_a_killed_rank_is_restarted_and_the_losses_equal_an_uninterrupted_run(tmp_path, reference):
     args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
     result = run_torchrun(
         [*args, "--monitor-interval", "0.1"],
