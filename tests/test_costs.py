@@ -313,6 +313,8 @@ def test_zero_offload_keeps_16_bit_weights_on_the_gpu_and_the_rest_on_the_cpu():
     assert four == {"gpu": 26e9, "cpu": 52e9, "pcie_each_way": 6.5e9}
     with pytest.raises(ValueError, match="world_size"):
         zero_offload_bytes(1e9, 0)
+
+
 # --- utilisation and failures (lecture 13) ----------------------------------------------------
 
 
