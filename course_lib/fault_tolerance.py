@@ -6,7 +6,7 @@ without stopping, and name the rank that is slow or stuck.
                           "course_lib.fault_tolerance:train", directory, 24, 5, 13)
     loss_log(directory)                                 # (attempt, step, loss) rows of rank 0
     saver = AsyncCheckpointer(); saver.save(local_state(model, optimizer), path); saver.wait()
-    heartbeat(step); guarded_all_reduce(tensor, step, timeout_s=2.0)   # names a missing rank
+    guarded_all_reduce(tensor, step, timeout_s=2.0)  # heartbeat, then names a missing rank
     slowest_rank(compute_seconds)                       # the straggler, from per-rank timings
 
 A failed rank cannot be repaired in place: the job stops, torchrun's agent starts every
@@ -322,11 +322,14 @@ class HungRank(RuntimeError):
         self.ranks = ranks
 
 
-def guarded_all_reduce(tensor: torch.Tensor, step: int, timeout_s: float = 5.0) -> None:
-    """All-reduce `tensor` (sum), but give up after `timeout_s` seconds and raise `HungRank`
-    naming the ranks that never reached step `step` (from their heartbeats). A production
-    job would then exit, and torchrun would restart it without the bad node."""
-    heartbeat(step)
+def guarded_all_reduce(
+    tensor: torch.Tensor, step: int, timeout_s: float = 5.0, compute_s: float = 0.0
+) -> None:
+    """Send this rank's heartbeat (step `step`, `compute_s` seconds of work), then all-reduce
+    `tensor` (sum), but give up after `timeout_s` seconds and raise `HungRank` naming the ranks
+    that never reached step `step` (from their heartbeats). A production job would then exit,
+    and torchrun would restart it without the bad node."""
+    heartbeat(step, compute_s)
     work = dist.all_reduce(tensor, async_op=True)
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))

@@ -24,7 +24,6 @@ from course_lib.costs import mfu, training_flops
 from course_lib.fault_tolerance import (
     AsyncCheckpointer,
     guarded_all_reduce,
-    heartbeat,
     local_state,
     save_file,
 )
@@ -142,8 +141,7 @@ def watched_steps(
         if rank() == hang_rank and step == hang_at:
             time.sleep(3600)  # a dead-locked data loader, a GPU that stopped answering
         compute.append(time.perf_counter() - start)
-        heartbeat(step, compute[-1])
-        guarded_all_reduce(a, step, timeout_s)
+        guarded_all_reduce(a, step, timeout_s, compute_s=compute[-1])
     return compute
 
 
