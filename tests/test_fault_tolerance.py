@@ -148,3 +148,42 @@ def test_kill_tree_kills_children_in_sessions_of_their_own():
         time.sleep(0.05)
     else:
         pytest.fail(f"the grandchild {child} survived")
+
+
+def async_save_then_train_then_load(directory: str) -> float:
+    """On each rank: dcp.async_save a ZeRO-3 model on a group of its own, take a training step
+    while it flushes, then load the checkpoint into a fresh model; the largest difference
+    from the parameters at the time of saving."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from course_lib import models
+    from course_lib.zero import build, full_parameters, load_sharded
+
+    def fresh():
+        return build("zero3", models.MLP((8, 64, 64, 4), seed=0).layers, lr=1e-2)
+
+    model, optimizer = fresh()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    saved = full_parameters(model)
+    future = dcp.async_save(
+        {"model": model_state, "optimizer": optimizer_state},
+        checkpoint_id=directory,
+        process_group=dist.new_group(backend="gloo"),
+    )
+    model(torch.randn(4, 8)).sum().backward()  # training goes on while the shards flush
+    optimizer.step()
+    future.result()
+    other, other_optimizer = fresh()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    load_sharded(other, other_optimizer, directory)
+    loaded = full_parameters(other)
+    return max((loaded[k] - saved[k]).abs().max().item() for k in saved)
+
+
+def test_dcp_async_save_loads_back_the_state_it_was_given(tmp_path):
+    with WorkerPool(2) as pool:
+        assert pool.launch(async_save_then_train_then_load, str(tmp_path), timeout=120) == [0, 0]
