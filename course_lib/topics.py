@@ -135,6 +135,7 @@ TOPICS = (
         assignment="ring attention and Ulysses",
     ),
     Topic(12, "expert_parallel", "Mixture of experts: experts on different ranks"),
+    Topic(13, "fault_tolerance", "Training that survives failures"),
 )
 
 # course_lib's machinery, used by every topic: not topics themselves.

@@ -61,13 +61,31 @@ def init_from_env(backend: str = "auto") -> str:
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = choose_backend(backend, local_world_size, gpus)
+    where = attempt_store()
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, **where)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **where)
     return backend
+
+
+def attempt_store() -> dict:
+    """init_process_group's store arguments for this attempt of a restarted job ({} for the
+    default env:// rendezvous). torchrun's agent keeps one store across restarts, so the
+    addresses the dead attempt's ranks published are still in it under the same keys: a rank
+    that reads a dead peer's address before the live one overwrote it connects to nothing and
+    hangs in gloo's connectFullMesh. Keys under a prefix of the attempt's own avoid that."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    return {
+        "store": dist.PrefixStore(f"attempt_{attempt}", agent),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
 
 
 def _literal(text: str) -> object:

@@ -322,3 +322,44 @@ def test_zero_bubble_formula_is_a_third_of_1f1b_idle_time_for_equal_passes():
     assert bubble_formula(4, 8) == pytest.approx(9 / 33, rel=1e-12)  # the same with B + W = 2
     # W as long as F + B: nothing left idle
     assert zero_bubble_formula(4, 8, 1.0, 1.0, 2.0) == 0.0
+
+
+# --- utilisation and failures (lecture 13) ----------------------------------------------------
+
+
+def test_6nd_is_the_matmul_part_of_compute_seconds():
+    """An independent count: compute_seconds prices forward + backward as 3 x (24bsh^2 +
+    4bs^2h) FLOPs per layer. A layer's matmul weights are 12h^2 (QKV and output 4h^2, the MLP
+    8h^2), so 6ND with N = 12Lh^2 and D = bs tokens is exactly its h^2 part; the rest is the
+    attention scores, 12 L s h per token."""
+    from course_lib.costs import TransformerShape, compute_seconds, training_flops
+
+    shape = TransformerShape(layers=4, hidden=256, heads=4, seq=128, batch=3)
+    L, h, s, b = shape.layers, shape.hidden, shape.seq, shape.batch
+    flops = compute_seconds(shape, t=1, p=1, flops_per_s=1.0)
+    attention = 12 * L * s * h * (b * s)
+    assert training_flops(12 * L * h * h, b * s) + attention == pytest.approx(flops, rel=1e-12)
+
+
+def test_mfu_by_hand():
+    from course_lib.costs import mfu, training_flops
+
+    # 7e9 parameters, 1M tokens per step, 100 s per step on 256 GPUs of 312 TFLOP/s peak:
+    # 4.2e16 FLOPs over 256 * 312e12 * 100 = 7.99e18 FLOP-seconds available: 0.526.
+    assert mfu(training_flops(7e9, 1e6) * 100, 100.0, 312e12, devices=256) == pytest.approx(
+        4.2e18 / (256 * 312e12 * 100), rel=1e-12
+    )
+    assert mfu(1e12, 1.0, 1e12) == 1.0
+    assert mfu(1e12, 2.0, 1e12) == 0.5  # twice the time: half the utilisation
+
+
+def test_checkpoint_interval_minimises_the_time_lost():
+    """Young's interval against a brute-force minimum of the time lost per second of work:
+    C / T for checkpointing plus (T / 2) / M for the work a failure throws away."""
+    from course_lib.costs import checkpoint_interval
+
+    C, M = 30.0, 3 * 3600.0
+    intervals = np.linspace(10, 5000, 200_000)
+    lost = C / intervals + intervals / 2 / M
+    assert checkpoint_interval(C, M) == pytest.approx(intervals[lost.argmin()], rel=1e-3)
+    assert checkpoint_interval(30.0, 3 * 3600.0) == pytest.approx(math.sqrt(2 * 30 * 10800))

@@ -1,0 +1,247 @@
+"""What lecture 13 measures and draws: the loss curve of a restarted run against an
+uninterrupted one, the stall of blocking against asynchronous checkpoints, a straggler and a
+hung rank found by the watchdog, and MFU on this CPU and in the planner's plans.
+
+Functions whose docstring says "on each rank" run inside `launch`; the others in the notebook.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from datetime import timedelta
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from course_lib import data, models
+from course_lib.costs import mfu, training_flops
+from course_lib.fault_tolerance import (
+    AsyncCheckpointer,
+    guarded_all_reduce,
+    local_state,
+    save_file,
+)
+from course_lib.parallel_3d import LLAMA_7B, LLAMA_70B, Cluster, best
+from course_lib.runtime import rank
+from course_lib.zero import build
+
+# --- 1. the restart --------------------------------------------------------------------------
+
+
+def plot_restart(log: list[dict], reference: list[float], kill_at: int):
+    """The restarted run's losses (each attempt in its own colour) over the uninterrupted
+    run's, the failure marked."""
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot(reference, color="lightgray", lw=6, label="uninterrupted run")
+    for attempt in sorted({row["attempt"] for row in log}):
+        rows = [row for row in log if row["attempt"] == attempt]
+        steps = [row["step"] for row in rows]
+        ax.plot(steps, [row["loss"] for row in rows], "o-", ms=3, label=f"attempt {attempt}")
+    ax.axvline(kill_at, color="red", ls="--", label=f"rank 1 dies (step {kill_at})")
+    ax.set(xlabel="step", ylabel="loss", title="A rank killed, the job restarted by torchrun")
+    ax.legend()
+    return fig
+
+
+# --- 2. checkpoint stalls ----------------------------------------------------------------------
+
+STALL_MODES = ("no checkpoint", "blocking (ours)", "async (ours)", "dcp.save", "dcp.async_save")
+
+
+def checkpoint_stall(
+    mode: str, steps: int = 7, every: int = 2, width: int = 1536, batch: int = 4
+) -> dict[str, list[float]]:
+    """On each rank: train an MLP with ZeRO-3 (about 3 x 4 x width^2 bytes of parameters and
+    AdamW state, split over the ranks) and save a sharded checkpoint after every `every` steps
+    by `mode` (one of `STALL_MODES`). Returns {"stall": seconds the training loop was held by
+    each save call, "step": seconds of each step, its save included}."""
+    if mode not in STALL_MODES:
+        raise ValueError(f"mode must be one of {STALL_MODES}, got {mode!r}")
+    mlp = models.MLP((256, width, width, 256), seed=0).layers  # a Sequential: FSDP shards each
+    model, optimizer = build("zero3", mlp, lr=1e-3)
+    x, y = data.regression(batch, 256, 256, seed=rank())
+    saver, pending, group = AsyncCheckpointer(), None, None
+    box = [tempfile.mkdtemp() if rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)  # one folder for all ranks, as DCP needs
+    folder, times, stalls = box[0], [], []
+    for step in range(steps):
+        start = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if (step + 1) % every == 0 and mode != "no checkpoint":
+            path = os.path.join(folder, f"step_{step}")
+            held = time.perf_counter()
+            if mode == "blocking (ours)":
+                save_file(local_state(model, optimizer), f"{path}.rank{rank()}")
+            elif mode == "async (ours)":
+                saver.save(local_state(model, optimizer), f"{path}.rank{rank()}")
+            else:
+                model_state, optimizer_state = get_state_dict(model, optimizer)
+                state = {"model": model_state, "optimizer": optimizer_state}
+                if mode == "dcp.save":
+                    dcp.save(state, checkpoint_id=path)
+                else:
+                    if pending is not None:
+                        pending.result()  # one save in flight at a time, as ours
+                    # Its own group: the saving thread's collectives must not interleave with
+                    # the training loop's on the same group (gloo would pair them wrongly).
+                    group = group or dist.new_group(backend="gloo")
+                    pending = dcp.async_save(state, checkpoint_id=path, process_group=group)
+            stalls.append(time.perf_counter() - held)
+        times.append(time.perf_counter() - start)
+    saver.wait()
+    if pending is not None:
+        pending.result()
+    dist.barrier()  # no rank deletes the folder while another still writes to it
+    if rank() == 0:
+        shutil.rmtree(folder)
+    return {"stall": stalls or [0.0], "step": times}
+
+
+def plot_stall(runs: dict[str, dict[str, list[float]]]):
+    """The mean stall per checkpoint of each mode, a bar each."""
+    fig, ax = plt.subplots(figsize=(8, 3))
+    means = {mode: sum(r["stall"]) / len(r["stall"]) * 1e3 for mode, r in runs.items()}
+    bars = ax.bar(list(means), list(means.values()), color="tab:blue")
+    ax.bar_label(bars, fmt="%.0f ms")
+    ax.set(ylabel="ms the loop is held", title="What a checkpoint costs the training loop")
+    return fig
+
+
+# --- 3. the watchdog ------------------------------------------------------------------------
+
+
+def watched_steps(
+    steps: int = 8,
+    slow_rank: int | None = None,
+    delay_s: float = 0.05,
+    hang_rank: int | None = None,
+    hang_at: int = 3,
+    timeout_s: float = 2.0,
+) -> list[float]:
+    """On each rank: `steps` steps of some work and an all-reduce with a deadline
+    (`guarded_all_reduce`); rank `slow_rank` sleeps `delay_s` more per step, rank `hang_rank`
+    stops for good at step `hang_at`. Returns this rank's compute seconds per step."""
+    a = torch.randn(192, 192, generator=torch.Generator().manual_seed(rank()))
+    compute = []
+    for step in range(steps):
+        start = time.perf_counter()
+        for _ in range(4):
+            a = torch.tanh(a @ a) / 2  # the step's own work
+        if rank() == slow_rank:
+            time.sleep(delay_s)  # a slower GPU, a noisy neighbour, a throttled CPU
+        if rank() == hang_rank and step == hang_at:
+            time.sleep(3600)  # a dead-locked data loader, a GPU that stopped answering
+        compute.append(time.perf_counter() - start)
+        guarded_all_reduce(a, step, timeout_s, compute_s=compute[-1])
+    return compute
+
+
+def monitored_barrier_report(hang_rank: int = 1, timeout_s: float = 1.0) -> str:
+    """On each rank: torch's own check, `dist.monitored_barrier` (gloo only): rank 0 waits for
+    every other rank and names those that did not come. Rank `hang_rank` never calls it."""
+    if rank() == hang_rank:
+        time.sleep(3 * timeout_s)  # late: the barrier has given up by then
+        return "(this rank never arrived)"
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    return "every rank arrived"
+
+
+def plot_compute(compute: list[list[float]], straggler: int | None):
+    """Each rank's median compute seconds per step, the straggler in red."""
+    fig, ax = plt.subplots(figsize=(6, 2.8))
+    medians = [torch.tensor(t).median().item() * 1e3 for t in compute]
+    colors = ["tab:red" if r == straggler else "tab:blue" for r in range(len(compute))]
+    ax.bar([f"rank {r}" for r in range(len(compute))], medians, color=colors)
+    ax.set(ylabel="ms of compute per step (median)", title="Who makes everyone wait")
+    return fig
+
+
+# --- 4. MFU ---------------------------------------------------------------------------------
+
+MFU_CONFIG = models.GPTConfig(vocab_size=256, seq_len=128, d_model=256, n_heads=4, n_layers=4)
+
+
+def matmul_peak(n: int = 1024, repeats: int = 10) -> float:
+    """FLOP/s of this process's best n x n float32 matmul (2n^3 FLOPs): the practical peak
+    of this CPU, the number MFU is measured against."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best_s = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best_s = min(best_s, time.perf_counter() - start)
+    return 2 * n**3 / best_s
+
+
+def matmul_parameters(model: models.TinyGPT) -> int:
+    """N of 6ND: every parameter but the embedding tables (looked up, not multiplied)."""
+    return models.count_parameters(model) - models.count_parameters(model.embed)
+
+
+def gpt_step_seconds(batch: int = 4, steps: int = 3, config=MFU_CONFIG) -> tuple[float, int, int]:
+    """(best seconds per training step, N, tokens per step) of the course's GPT trained by
+    AdamW in this process."""
+    model = models.TinyGPT(config, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = data.tokens(batch, config.seq_len, config.vocab_size, seed=0)
+    best_s = float("inf")
+    for _ in range(steps):
+        start = time.perf_counter()
+        models.lm_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        best_s = min(best_s, time.perf_counter() - start)
+    return best_s, matmul_parameters(model), batch * config.seq_len
+
+
+def planner_mfu() -> dict[str, dict]:
+    """MFU of the planner's best plan for 7B on 64 GPUs and 70B on 512 (lecture 10), by 6ND
+    against the GPUs' peak (`Cluster.peak_flops_per_s`), beside the planner's own MFU (which
+    counts attention's FLOPs too), with the step's seconds by kind."""
+    rows = {}
+    for model, gpus in ((LLAMA_7B, 64), (LLAMA_70B, 512)):
+        cluster = Cluster(gpus)
+        plan = best(model, cluster)
+        tokens = model.global_batch * model.shape.seq
+        rows[model.name] = {
+            "plan": str(plan.plan),
+            "gpus": gpus,
+            "step_seconds": plan.step_seconds,
+            "mfu": mfu(
+                training_flops(model.params, tokens),
+                plan.step_seconds,
+                cluster.peak_flops_per_s,
+                gpus,
+            ),
+            "planner_mfu": plan.mfu,
+            "seconds": plan.seconds,
+            "assumed": cluster.flops_per_s / cluster.peak_flops_per_s,
+        }
+    return rows
+
+
+def plot_planner_mfu(rows: dict[str, dict]):
+    """Each plan's step as stacked seconds: the model's math, then what it waits for."""
+    fig, ax = plt.subplots(figsize=(8, 2.8))
+    for i, row in enumerate(rows.values()):
+        left = 0.0
+        for kind, seconds in row["seconds"].items():
+            share = seconds / row["step_seconds"]
+            ax.barh(i, share, left=left, label=kind if i == 0 else None)
+            left += share
+    ax.set_yticks(range(len(rows)), [f"{n}: {r['plan']}" for n, r in rows.items()])
+    ax.set(xlabel="share of the step", title="Where a planned step goes")
+    ax.legend(ncol=6, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    return fig

@@ -1,0 +1,189 @@
+"""course_lib.fault_tolerance: a rank killed under torchrun and the job resumed with the losses
+of an uninterrupted run, asynchronous checkpoints that load back equal, a watchdog that names
+the hung rank and the straggler, two torchrun agents as two nodes. Every subprocess runs under
+a timeout, and none outlives its test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from course_lib import RankError, WorkerPool
+from course_lib.fault_tolerance import (
+    AsyncCheckpointer,
+    _kill_tree,
+    free_port,
+    latest_checkpoint,
+    local_state,
+    loss_log,
+    missing_ranks,
+    run_agents,
+    run_torchrun,
+    slowest_rank,
+    train,
+    two_node_args,
+)
+from course_lib.measure.fault_tolerance import watched_steps
+
+STEPS, EVERY, KILL_AT = 8, 3, 7  # checkpoints after steps 2 and 5; rank 1 dies at step 7
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The losses of a run that never fails, under the course's launcher (not torchrun)."""
+    with WorkerPool(2) as pool:
+        return pool.launch(train, str(tmp_path_factory.mktemp("ref")), STEPS, EVERY)[0]
+
+
+def test_a_killed_rank_is_restarted_and_the_losses_equal_an_uninterrupted_run(tmp_path, reference):
+    args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    result = run_torchrun(
+        [*args, "--monitor-interval", "0.1"],
+        "course_lib.fault_tolerance:train",
+        tmp_path,
+        STEPS,
+        EVERY,
+        KILL_AT,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.output[-3000:]
+    log = loss_log(tmp_path)
+    first = [row["step"] for row in log if row["attempt"] == 0]
+    second = [row["step"] for row in log if row["attempt"] == 1]
+    assert first == list(range(KILL_AT)), "attempt 0 should run until rank 1 dies"
+    assert second == list(range(6, STEPS)), "attempt 1 should resume after the step-5 checkpoint"
+    final = {row["step"]: row["loss"] for row in log}
+    # Same data, same state, same order of operations: bit for bit, no tolerance.
+    assert [final[s] for s in range(STEPS)] == reference
+
+
+def test_two_torchrun_agents_train_as_two_nodes(tmp_path, reference):
+    results = run_agents(
+        two_node_args(free_port()), "course_lib.fault_tolerance:train", tmp_path, 4, 5, timeout=240
+    )
+    assert [r.returncode for r in results] == [0, 0], results[0].output[-3000:]
+    assert [row["loss"] for row in loss_log(tmp_path)] == reference[:4]
+
+
+def test_the_async_checkpoint_is_the_state_when_save_was_called(tmp_path):
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 64)).sum().backward()
+    optimizer.step()
+    state = local_state(model, optimizer)
+    expected = {name: t.clone() for name, t in state.items()}
+    saver = AsyncCheckpointer()
+    saver.save(state, str(tmp_path / "shard.pt"))
+    with torch.no_grad():  # training goes on while the file is written
+        for p in model.parameters():
+            p.add_(1.0)
+    saver.wait()
+    loaded = torch.load(tmp_path / "shard.pt")
+    assert set(loaded) == set(expected) and any(k.startswith("optimizer.") for k in loaded)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), f"{name} was not saved as it was"
+    assert not (tmp_path / "shard.pt.partial").exists()
+
+
+def test_a_failed_async_write_is_raised_by_the_next_wait(tmp_path):
+    saver = AsyncCheckpointer()
+    saver.save({"w": torch.ones(2)}, str(tmp_path / "no such folder" / "shard.pt"))
+    with pytest.raises(RuntimeError, match="writing a checkpoint failed"):
+        saver.wait()
+
+
+def test_an_incomplete_checkpoint_is_skipped(tmp_path):
+    assert latest_checkpoint(str(tmp_path)) is None
+    for step, complete in ((4, True), (9, False)):
+        (tmp_path / f"step_{step:05d}").mkdir()
+        if complete:
+            (tmp_path / f"step_{step:05d}" / ".metadata").write_bytes(b"")
+    assert latest_checkpoint(str(tmp_path)) == (4, str(tmp_path / "step_00004"))
+
+
+def test_the_watchdog_names_the_hung_rank():
+    with WorkerPool(3) as pool, pytest.raises(RankError) as error:
+        pool.launch(watched_steps, 6, hang_rank=2, hang_at=2, timeout_s=1.0, timeout=60)
+    message = str(error.value)
+    assert "rank 2 never arrived (last heartbeat: step 1)" in message
+    assert "rank 0 never" not in message and "rank 1 never" not in message
+
+
+def test_the_watchdog_names_the_straggler():
+    with WorkerPool(3) as pool:
+        compute = pool.launch(watched_steps, 6, slow_rank=1, delay_s=0.05, timeout=60)
+    assert slowest_rank(compute) == 1
+
+
+def test_slowest_rank_and_missing_ranks_by_hand():
+    assert slowest_rank([[1, 1, 1], [1, 1, 1], [3, 3, 3]]) == 2
+    assert slowest_rank([[1, 1, 1], [1, 90, 1]]) is None  # one slow step is not a straggler
+    assert slowest_rank([[2, 2], [2, 2]]) is None
+    beats = {0: (4, 0.1, 0.0), 2: (4, 0.1, 0.0), 3: (3, 0.1, 0.0)}
+    assert missing_ranks(beats, 4, 4) == [1, 3]  # 1 never beat, 3 is a step behind
+
+
+def test_kill_tree_kills_children_in_sessions_of_their_own():
+    """torchrun's workers are session leaders: killing the agent's group would miss them."""
+    code = (
+        "import subprocess, sys, time\n"
+        "c = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    _kill_tree(parent.pid)
+    parent.wait(timeout=10)
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the grandchild {child} survived")
+
+
+def async_save_then_train_then_load(directory: str) -> float:
+    """On each rank: dcp.async_save a ZeRO-3 model on a group of its own, take a training step
+    while it flushes, then load the checkpoint into a fresh model; the largest difference
+    from the parameters at the time of saving."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from course_lib import models
+    from course_lib.zero import build, full_parameters, load_sharded
+
+    def fresh():
+        return build("zero3", models.MLP((8, 64, 64, 4), seed=0).layers, lr=1e-2)
+
+    model, optimizer = fresh()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    saved = full_parameters(model)
+    future = dcp.async_save(
+        {"model": model_state, "optimizer": optimizer_state},
+        checkpoint_id=directory,
+        process_group=dist.new_group(backend="gloo"),
+    )
+    model(torch.randn(4, 8)).sum().backward()  # training goes on while the shards flush
+    optimizer.step()
+    future.result()
+    other, other_optimizer = fresh()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    load_sharded(other, other_optimizer, directory)
+    loaded = full_parameters(other)
+    return max((loaded[k] - saved[k]).abs().max().item() for k in saved)
+
+
+def test_dcp_async_save_loads_back_the_state_it_was_given(tmp_path):
+    with WorkerPool(2) as pool:
+        assert pool.launch(async_save_then_train_then_load, str(tmp_path), timeout=120) == [0, 0]
