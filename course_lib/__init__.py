@@ -38,7 +38,8 @@ The lectures' plumbing, one module each:
 - `tensor_parallel` (9): Megatron layers, their traffic and activation memory;
 - `parallel_3d` (10): the grid of ranks and its groups, a TP x PP x DP planner;
 - `sequence_parallel` (11): ring attention, Ulysses, Megatron's sequence parallelism;
-- `expert_parallel` (12): a top-k router with capacity, experts on ranks via all-to-all.
+- `expert_parallel` (12): a top-k router with capacity, experts on ranks via all-to-all;
+- `fault_tolerance` (13): restarts from sharded checkpoints, async saves, a watchdog.
 
 What a lecture measures and draws, where that is long, is in `measure/<topic>.py`.
 """
