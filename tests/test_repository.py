@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import nbformat
@@ -23,6 +24,11 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_notebooks_are_committed_without_outputs(path):
+    # Cell ids as written in the file: nbformat.read would add missing ones (with a warning
+    # that says it will become an error), so look at the raw JSON.
+    ids = [cell.get("id") for cell in json.loads(path.read_text())["cells"]]
+    assert None not in ids, f"{path.name}: cell {ids.index(None)} has no id"
+    assert len(set(ids)) == len(ids), f"{path.name}: cell ids repeat"
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     for i, cell in enumerate(nb.cells):
