@@ -1,5 +1,7 @@
-"""Large batches and fewer all-reduces (lecture 3, sections 5 and 6): steps to a target loss
-against the batch size, and local SGD's loss against the bytes it sends.
+"""What lecture 3 measures beyond the data-parallel loop itself: the two tools DDP is built
+from (section 3: the order gradients become ready, an all-reduce that overlaps compute),
+large batches (section 5: steps to a target loss against the batch size, the gradient noise
+scale) and fewer all-reduces (section 6: local SGD's loss against the bytes it sends).
 
 Data parallelism over P ranks with B/P samples each is, step for step, single-process
 training with batch B (lecture 3, section 2 shows the parameters equal to rounding). So the
