@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from course_lib import costs
 from course_lib.costs import (
     GPT3_175B,
     MIXED_ADAMW,
@@ -424,8 +425,9 @@ def estimate(model: Model, cluster: Cluster, plan: Plan) -> Estimate:
         links=link,
         seconds=seconds,
         useful_seconds=m * exact,
-        # The model's FLOPs run at flops_per_s during useful_seconds: over the step, at peak.
-        mfu=m * exact * cluster.flops_per_s / (step * cluster.peak_flops_per_s),
+        # The model's FLOPs ran at flops_per_s during useful_seconds; MFU sets them against
+        # what the GPU could do at its peak during the whole step.
+        mfu=costs.mfu(m * exact * cluster.flops_per_s, step, cluster.peak_flops_per_s),
         free_memory=free,
         flags=plan_flags(plan, free, cluster),
     )
