@@ -2,7 +2,9 @@
 
     logs = launch(measure_bubbles, make_stage, x, y, loss_fn, schedules, ms, fwd, bwd, ...)
     plot_schedule(timeline); PipelineWidget()           # Gantt chart; sliders for P and m
+    plot_side_by_side(simulated, measured)              # the same schedules, simulated | measured
     torch_pipeline_step(stage, x, y, loss_fn, m, "1f1b")  # torch.distributed.pipelining
+    zero_bubble_step(stage, x, y, loss_fn, m, defer_w=True)  # backward split into B and W
     brute_force_partition(layer_times, activation_sizes, n_machines)  # every cut, to check
     profile_layers(layers, x)                           # each layer's seconds and output bytes
 
@@ -19,20 +21,26 @@ from typing import Any
 
 import ipywidgets as widgets
 import torch
+import torch.distributed as dist
 from IPython.display import display
 from matplotlib.figure import Figure
 from torch import nn
 
 from course_lib.costs import bubble_formula
+from course_lib.memory import SavedTensors
 from course_lib.pipeline import (
     FORWARD,
     SCHEDULES,
+    EmulatedDevice,
     LossFn,
+    Op,
     Partition,
     Stage,
     StageLog,
     Task,
     Timeline,
+    _recv,
+    _send,
     check_partition_input,
     link_times,
     pipeline_step,
@@ -137,6 +145,17 @@ def plot_schedule(*timelines: Timeline, titles: Sequence[str] | None = None) -> 
     axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False)[:, 0]
     for i, (timeline, ax) in enumerate(zip(timelines, axes, strict=True)):
         draw_schedule(timeline, ax, titles[i] if titles else None)
+    return fig
+
+
+def plot_side_by_side(simulated: Sequence[Timeline], measured: Sequence[Timeline]) -> Figure:
+    """Simulated schedules on the left (units), the same schedules measured on the right (ms)."""
+    rows = max(t.n_stages for t in (*simulated, *measured)) * 0.32 + 0.5
+    fig = NotebookFigure(figsize=(12, 0.9 + rows * len(simulated)), layout="constrained")
+    axes = fig.subplots(len(simulated), 2, squeeze=False)
+    for row, (sim, real) in enumerate(zip(simulated, measured, strict=True)):
+        draw_schedule(sim, axes[row, 0], f"simulated {sim.schedule}: bubble {sim.bubble:.1%}")
+        draw_schedule(real, axes[row, 1], f"measured {real.schedule}: bubble {real.bubble:.1%}")
     return fig
 
 
@@ -297,8 +316,11 @@ def simulate_zero_bubble(
             done[(kind, micro, s)] = free[s] = clock + seconds
             tasks.append(Task(s, kind, micro, 0, clock, clock + seconds))
         clock = min((t for t in (*free, *done.values()) if t > clock), default=clock)
-    name = "zero bubble, W's deferred" if defer_w else "zero bubble, 1F1B's memory"
-    return Timeline(P, tasks, name)
+    return Timeline(P, tasks, zero_bubble_name(defer_w))
+
+
+def zero_bubble_name(defer_w: bool) -> str:
+    return "zero bubble, " + ("W's deferred" if defer_w else "1F1B's memory")
 
 
 def pending_w_peak(timeline: Timeline, stage: int) -> int:
@@ -318,3 +340,133 @@ def peak_activations(timeline: Timeline, stage: int, freed_by: str = INPUT_GRAD)
         live += 1 if t.kind == FORWARD else -1 if t.kind == freed_by else 0
         peak = max(peak, live)
     return peak
+
+
+# --- the zero-bubble schedule, run for real --------------------------------------------------
+
+
+def zero_bubble_order(
+    n_stages: int, m: int, defer_w: bool = False, times: Sequence[float] = (1.0, 1.0, 1.0)
+) -> list[list[Op]]:
+    """Each stage's F, B and W ops in the order `simulate_zero_bubble` ran them with
+    `times` = (F, B, W): the runtime plays the simulator's schedule, not one of its own."""
+    timeline = simulate_zero_bubble(n_stages, m, *times, defer_w=defer_w)
+    tasks = sorted(timeline.tasks, key=lambda t: (t.stage, t.start))
+    return [[Op(t.kind, t.micro) for t in tasks if t.stage == s] for s in range(n_stages)]
+
+
+class VirtualDevice(EmulatedDevice):
+    """An emulated device on a logical clock: an op starts when its input is ready (the
+    sender's clock, in the message) and the device is free, and lasts exactly `op_s`; nobody
+    sleeps. The real messages still decide what waits for what, so the timeline is counted,
+    not timed: the same on a busy machine as on an idle one (for tests)."""
+
+    def start(self, ready: float | None) -> float:
+        self.lateness.append(0.0)
+        return max((t for t in (ready, self.free_at) if t is not None), default=0.0)
+
+    def finish(self, start: float, op_s: float) -> float:
+        self.free_at = start + op_s
+        return self.free_at
+
+
+def zero_bubble_step(
+    stage: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: LossFn,
+    m: int,
+    defer_w: bool = False,
+    times: Sequence[float] = (0.0, 0.0, 0.0),
+    clock: type[EmulatedDevice] = EmulatedDevice,
+) -> StageLog:
+    """One step of the zero-bubble pipeline on rank r = stage index, in `zero_bubble_order`.
+
+    F as in `pipeline_step`; B: the gradient of the stage's input only, sent upstream at
+    once; W: the weights' gradients, later. `times` = (F, B, W) seconds on the rank's
+    emulated device (0: real compute only; the order then comes from F = B = W).
+    """
+    P, r = world_size(), rank()
+    if x.shape[0] % m:
+        raise ValueError(f"a batch of {x.shape[0]} samples does not split into m={m} equal parts")
+    order = zero_bubble_order(P, m, defer_w, times if all(t > 0 for t in times) else (1, 1, 1))
+    stage.to(device())
+    xs, ys = ([c.to(device(), copy=True) for c in t.chunk(m)] for t in (x, y))
+    log, dev = StageLog(r, zero_bubble_name(defer_w)), clock()
+    params = list(stage.parameters())
+    weight_grads = [torch.zeros_like(p) for p in params]
+    inputs: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}  # micro-batch -> output, its graph kept until W
+    grads_out: dict[int, torch.Tensor | None] = {}  # micro-batch -> gradient W starts from
+    pending: list[Any] = []
+    total_loss = 0.0
+    # W from the graph B kept (retain_graph=True), not by saving each linear layer's input and
+    # recomputing: it works for any stage (embedding, layer norm, attention) and is exact. The
+    # price: a micro-batch holds all its activations until its W, and W walks the chain of
+    # activation gradients again. Both cost real memory and compute, not the emulated time.
+    with SavedTensors(exclude=params) as saved:
+        for op in order[r]:
+            i = op.micro
+            if op.kind == FORWARD:
+                inp, ready = (xs[i], None) if r == 0 else _recv(r - 1)
+                start, before = dev.start(ready), saved.live_bytes
+                out = stage(inp.requires_grad_() if r > 0 else inp)
+                if r == P - 1:
+                    out = loss_fn(out, ys[i]) / m  # mean over micro-batches
+                    total_loss += out.item()
+                end = dev.finish(start, times[0])
+                if r < P - 1:
+                    pending += _send(out, r + 1, ready=end)
+                log.activation_bytes.append(saved.live_bytes - before)
+                inputs[i], outputs[i] = inp, out
+                log.peak_in_flight = max(log.peak_in_flight, len(outputs))
+            elif op.kind == INPUT_GRAD:
+                grad, ready = (None, None) if r == P - 1 else _recv(r + 1)
+                start, inp = dev.start(ready), inputs.pop(i)
+                if r > 0:  # stage 0's input is data: no gradient to send
+                    (grad_in,) = torch.autograd.grad(outputs[i], [inp], grad, retain_graph=True)
+                end = dev.finish(start, times[1])
+                if r > 0:
+                    pending += _send(grad_in, r - 1, ready=end)
+                grads_out[i] = grad
+            else:  # WEIGHT_GRAD: nobody waits for it
+                start = dev.start(None)
+                got = torch.autograd.grad(
+                    outputs.pop(i), params, grads_out.pop(i), allow_unused=True
+                )
+                for total, g in zip(weight_grads, got, strict=True):
+                    if g is not None:
+                        total += g
+                end = dev.finish(start, times[2])
+            log.tasks.append(Task(r, op.kind, i, 0, start, end))
+        log.peak_activation_bytes = saved.peak_bytes
+    for work in pending:
+        if isinstance(work, dist.Work):
+            work.wait()
+    for p, g in zip(params, weight_grads, strict=True):
+        p.grad = g
+    log.loss = total_loss if r == P - 1 else None
+    log.lateness = dev.lateness
+    log.grads = [g.detach().clone() for g in weight_grads]
+    return log
+
+
+def measure_zero_bubble(
+    make_stage: Callable[[], nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: LossFn,
+    m: int,
+    times: Sequence[float],
+) -> dict[str, StageLog]:
+    """Run on every rank: 1F1B (backward = B + W in one op) and both zero-bubble variants,
+    F, B, W lasting `times`, after a warm-up step that opens the links."""
+    pipeline_step(make_stage(), x, y, loss_fn, m=1, schedule="gpipe")
+    f, b, w = times
+    return {
+        "1f1b": pipeline_step(make_stage(), x, y, loss_fn, m, "1f1b", f, b + w),
+        **{
+            zero_bubble_name(defer): zero_bubble_step(make_stage(), x, y, loss_fn, m, defer, times)
+            for defer in (False, True)
+        },
+    }
