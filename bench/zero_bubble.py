@@ -30,7 +30,7 @@ def main() -> None:
         logs = launch(measure_zero_bubble, stage, x, y, models.lm_loss, m, TIMES, world_size=P)
         simulated = {
             "1f1b": (simulate(P, m, "1f1b", 1, 2).bubble, bubble_formula(P, m)),
-            "zero bubble, 1F1B's memory": (simulate_zero_bubble(P, m).bubble, float("nan")),
+            "zero bubble, 1F1B's memory": (simulate_zero_bubble(P, m).bubble, None),
             "zero bubble, W's deferred": (
                 simulate_zero_bubble(P, m, defer_w=True).bubble,
                 zero_bubble_formula(P, m),
@@ -40,7 +40,8 @@ def main() -> None:
         for name, (sim, formula) in simulated.items():
             measured = Timeline.from_logs([log[name] for log in logs]).bubble
             print(
-                f"{m:>3} {name:<27}{measured:>9.1%}{sim:>10.1%}{formula:>8.1%}"
+                f"{m:>3} {name:<27}{measured:>9.1%}{sim:>10.1%}"
+                f"{'-' if formula is None else f'{formula:.1%}':>8}"
                 f"{measured / reference:>8.2f}"
             )
 
