@@ -2,8 +2,8 @@
 
     python bench/zero_bubble.py
 
-4 ranks hold TinyGPT's 4 stages; on the emulated devices F = B = W = 30 ms (1F1B's backward is
-B + W = 60 ms in one op). For m = 4, 8 and 16 each schedule runs one step
+4 ranks hold TinyGPT's 4 stages; on the emulated devices F = B = W = 40 ms (1F1B's backward is
+B + W = 80 ms in one op). For m = 4, 8 and 16 each schedule runs one step
 (`measure_zero_bubble`) and its bubble is read from the ranks' timestamps, next to the
 simulator's and the formulas. Target: zero bubble with W's deferred / 1F1B near the formulas'
 ratio (0.41 for m = 8), and at most 0.6; the 1F1B-memory variant in between.
@@ -16,7 +16,7 @@ from course_lib.costs import bubble_formula, zero_bubble_formula
 from course_lib.measure.pipeline import measure_zero_bubble, simulate_zero_bubble
 from course_lib.pipeline import Timeline, simulate
 
-P, TIMES = 4, (0.03, 0.03, 0.03)
+P, TIMES = 4, (0.04, 0.04, 0.04)
 
 
 def stage():
