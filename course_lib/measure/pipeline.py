@@ -460,8 +460,9 @@ def measure_zero_bubble(
     times: Sequence[float],
 ) -> dict[str, StageLog]:
     """Run on every rank: 1F1B (backward = B + W in one op) and both zero-bubble variants,
-    F, B, W lasting `times`, after a warm-up step that opens the links."""
+    F, B, W lasting `times`, after warm-up steps that open the links and make the first calls."""
     pipeline_step(make_stage(), x, y, loss_fn, m=1, schedule="gpipe")
+    zero_bubble_step(make_stage(), x, y, loss_fn, m=1)
     f, b, w = times
     return {
         "1f1b": pipeline_step(make_stage(), x, y, loss_fn, m, "1f1b", f, b + w),
