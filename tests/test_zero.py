@@ -356,3 +356,9 @@ def test_prefetch_holds_one_more_unit(prefetch_runs):
         pairs = [a + b for a, b in zip(on.unit_bytes[:-1], on.unit_bytes[1:], strict=True)]
         assert off.gathered_peak == max(on.unit_bytes)
         assert on.gathered_peak == max(pairs)
+
+
+def test_exposed_time_is_every_gather_without_prefetch_and_at_most_that_with_it(prefetch_runs):
+    for off, on in prefetch_runs:
+        assert off.exposed_seconds == pytest.approx(off.gather_seconds, rel=1e-9)
+        assert 0 <= on.exposed_seconds <= on.gather_seconds

@@ -211,8 +211,23 @@ class Timeline:
 
     @property
     def exposed_seconds(self) -> float:
-        """Step time not spent computing: waiting for all-gathers (and FSDP's bookkeeping)."""
-        return self.step_seconds - self.compute_seconds
+        """Seconds the rank waited for all-gathers with no compute to do: for each compute
+        bar, the part of its unit's all-gather that ran after the previous compute bar ended.
+        Without prefetching that is every all-gather whole; prefetching hides the part that
+        ran under the previous unit's compute."""
+        exposed, previous_end = 0.0, 0.0
+        computes = sorted((e for e in self.events if e.kind != "all_gather"), key=lambda e: e.start)
+        for c in computes:
+            gathers = [e for e in self.of("all_gather", c.unit) if e.start <= c.start]
+            if gathers:
+                g = max(gathers, key=lambda e: e.start)
+                exposed += max(0.0, g.end - max(previous_end, g.start))
+            previous_end = c.end
+        return exposed
+
+    @property
+    def gather_seconds(self) -> float:
+        return sum(e.end - e.start for e in self.events if e.kind == "all_gather")
 
 
 class _DelayedWork(dist.Work):
@@ -420,12 +435,16 @@ def plot_timeline(*runs: Sequence[Timeline], titles: Sequence[str] = ()):
 
 
 def timeline_summary(runs: Mapping[str, Sequence[Timeline]]) -> str:
-    """Step time, compute time and exposed time (slowest rank), and the gathered peak."""
-    lines = [f"{'':<12}{'step ms':>9}{'compute ms':>12}{'exposed ms':>12}{'gathered peak B':>17}"]
+    """Per rank: step time (the slowest rank's), compute, all-gather and exposed all-gather
+    time, and the gathered peak."""
+    head = ["step ms", "compute ms", "gathers ms", "exposed ms", "gathered peak B"]
+    lines = [f"{'':<20}" + "".join(f"{h:>12}" for h in head[:-1]) + f"{head[-1]:>17}"]
     for name, ranks in runs.items():
-        worst = max(ranks, key=lambda t: t.step_seconds)
-        lines.append(
-            f"{name:<12}{worst.step_seconds * 1e3:>9.1f}{worst.compute_seconds * 1e3:>12.1f}"
-            f"{worst.exposed_seconds * 1e3:>12.1f}{max(t.gathered_peak for t in ranks):>17,}"
-        )
+        for r, t in enumerate(ranks):
+            cells = (t.step_seconds, t.compute_seconds, t.gather_seconds, t.exposed_seconds)
+            lines.append(
+                f"{f'{name}, rank {r}':<20}"
+                + "".join(f"{v * 1e3:>12.1f}" for v in cells)
+                + f"{t.gathered_peak:>17,}"
+            )
     return "\n".join(lines)
