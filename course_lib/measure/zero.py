@@ -414,7 +414,13 @@ def plot_timeline(*runs: Sequence[Timeline], titles: Sequence[str] = ()):
                 for e in timeline.events:
                     if e.kind in kinds:
                         width = (e.end - e.start) * 1e3
-                        ax.broken_barh([(e.start * 1e3, width)], (y, 0.8), color=colours[e.kind])
+                        ax.broken_barh(
+                            [(e.start * 1e3, width)],
+                            (y, 0.8),
+                            color=colours[e.kind],
+                            edgecolor="white",
+                            linewidth=0.6,
+                        )
                         ax.text(
                             e.start * 1e3 + width / 2,
                             y + 0.4,
