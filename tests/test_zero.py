@@ -4,6 +4,8 @@ their training against single-process AdamW, the traffic per step, and sharded c
 Tolerances: distributed AdamW differs from single-process AdamW by
 rounding only; in fp64 that is ~1e-14, so atol 1e-10. (In fp32 TinyGPT's key biases, whose
 true gradient is exactly zero, get Adam-amplified rounding noise of ~1e-4: fp64 avoids it.)
+Mixed precision (bf16 compute, fp32 master): losses within 2e-2 of fp32 (measured ~6e-4).
+Prefetching changes when all-gathers run, not the arithmetic: float64, atol 1e-12, rtol 0.
 """
 
 from __future__ import annotations
