@@ -448,3 +448,29 @@ def checkpoint_interval(checkpoint_seconds: float, mtbf_seconds: float) -> float
     1974): more often and the checkpoints cost more, less often and each failure throws more
     work away (on average half an interval)."""
     return math.sqrt(2 * checkpoint_seconds * mtbf_seconds)
+
+
+# --- lecture 7: ZeRO in mixed precision, kind by kind ------------------------------------------
+
+# Which ZeRO stage first shards each entry of BYTES_PER_PARAMETER: the optimizer's part (master
+# weights and moments) at stage 1, the bf16 gradients at stage 2, the bf16 weights at stage 3.
+MIXED_KIND_GROUP = {
+    "weights": "params",
+    "gradients": "grads",
+    "master weights": "optimizer_state",
+    "optimizer: exp_avg": "optimizer_state",
+    "optimizer: exp_avg_sq": "optimizer_state",
+}
+
+
+def zero_mixed_bytes(stage: str, n_params: float, world_size: int) -> dict[str, float]:
+    """Bytes of each entry of the mixed-precision budget (bf16 weights and gradients, fp32
+    master weights and Adam moments: 2 + 2 + 4 + 4 + 4 per parameter) one rank holds under ZeRO
+    `stage` with `world_size` ranks: the finer split of `zero_bytes(..., MIXED_ADAMW)`."""
+    _check_stage(stage)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return {
+        kind: b * n_params / (world_size if MIXED_KIND_GROUP[kind] in ZERO_SHARDED[stage] else 1)
+        for kind, b in BYTES_PER_PARAMETER.items()
+    }

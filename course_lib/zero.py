@@ -117,12 +117,14 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The pieces FSDP gathers one at a time: TinyGPT's `layers()`, else every submodule
-    with parameters of its own (the Linear layers of an MLP)."""
+    """The pieces FSDP gathers one at a time: TinyGPT's `layers()` method, else every
+    submodule with parameters of its own (the Linear layers of an MLP, whose `layers` is an
+    nn.Sequential attribute, not a method)."""
     if isinstance(model, DistributedDataParallel):
         model = model.module
-    if callable(getattr(model, "layers", None)):
-        return list(model.layers())
+    layers = getattr(model, "layers", None)
+    if callable(layers) and not isinstance(layers, nn.Module):
+        return list(layers())
     return [
         m
         for m in model.modules()

@@ -363,3 +363,32 @@ def test_checkpoint_interval_minimises_the_time_lost():
     lost = C / intervals + intervals / 2 / M
     assert checkpoint_interval(C, M) == pytest.approx(intervals[lost.argmin()], rel=1e-3)
     assert checkpoint_interval(30.0, 3 * 3600.0) == pytest.approx(math.sqrt(2 * 30 * 10800))
+
+
+# --- lecture 7: ZeRO in mixed precision, kind by kind ------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])
+def test_zero_mixed_bytes_refines_zero_bytes_in_mixed_precision(stage):
+    from course_lib.costs import MIXED_ADAMW, MIXED_KIND_GROUP, zero_bytes, zero_mixed_bytes
+
+    n, p = 1000, 4
+    fine = zero_mixed_bytes(stage, n, p)
+    coarse = zero_bytes(stage, n, p, MIXED_ADAMW)
+    for group, total in coarse.items():
+        assert sum(b for k, b in fine.items() if MIXED_KIND_GROUP[k] == group) == total
+
+
+def test_zero_mixed_bytes_stage2_on_4_ranks_by_hand():
+    from course_lib.costs import zero_mixed_bytes
+
+    got = zero_mixed_bytes("zero2", 1000, 4)
+    # bf16 weights whole (2N); bf16 gradients, fp32 master and moments a quarter each.
+    assert got == {
+        "weights": 2000,
+        "gradients": 500,
+        "master weights": 1000,
+        "optimizer: exp_avg": 1000,
+        "optimizer: exp_avg_sq": 1000,
+    }
+    assert sum(got.values()) / 1000 == 5.5  # 2 + 14/4 bytes per parameter

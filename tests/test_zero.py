@@ -4,6 +4,8 @@ their training against single-process AdamW, the traffic per step, and sharded c
 Tolerances: distributed AdamW differs from single-process AdamW by
 rounding only; in fp64 that is ~1e-14, so atol 1e-10. (In fp32 TinyGPT's key biases, whose
 true gradient is exactly zero, get Adam-amplified rounding noise of ~1e-4: fp64 avoids it.)
+Mixed precision (bf16 compute, fp32 master): losses within 2e-2 of fp32 (measured ~6e-4).
+Prefetching changes when all-gathers run, not the arithmetic: float64, atol 1e-12, rtol 0.
 """
 
 from __future__ import annotations
@@ -232,3 +234,133 @@ def test_a_training_step_keeps_everything_on_the_ranks_device(monkeypatch):
     x, y = data.tokens(8, seed=3)
     zero.train_step(model, optimizer, x, y)
     assert all(p.is_meta and p.grad is None for p in model.parameters())
+
+
+# --- shard_units on an MLP ---------------------------------------------------------------------
+
+
+def test_shard_units_takes_an_mlps_linear_layers():
+    """MLP's `layers` is an nn.Sequential attribute, not TinyGPT's `layers()` method."""
+    mlp = models.MLP((8, 16, 16, 4))
+    assert shard_units(mlp) == [m for m in mlp.modules() if isinstance(m, torch.nn.Linear)]
+    gpt = models.TinyGPT()
+    assert shard_units(gpt) == gpt.layers()
+
+
+# --- ZeRO in mixed precision: bytes against (2 + 2 + 12)N ------------------------------------
+# Tolerance on the losses: bf16 keeps 8 significant bits (relative rounding 2^-9 = 2e-3), so
+# a loss near 3.5 computed in bf16 may differ from fp32's by ~1e-2; we allow 2e-2 absolute.
+LOSS_ATOL = 2e-2
+
+
+def measure_mixed(batches):
+    from course_lib.measure.zero import train_mixed
+
+    return [train_mixed(stage, batches, lr=LR) for stage in STAGES], train_stage(
+        "ddp", batches, lr=LR
+    ).losses
+
+
+@pytest.fixture(scope="module")
+def mixed(pool4):
+    return pool4.launch(measure_mixed, make_batches(), timeout=180)
+
+
+def test_mixed_ddp_holds_exactly_2_2_4_4_4_bytes_per_parameter(mixed):
+    from course_lib.costs import zero_mixed_bytes
+
+    for runs, _ in mixed:
+        run = runs[STAGES.index("ddp")]
+        assert run.kinds == zero_mixed_bytes("ddp", run.n_params, P)
+
+
+def test_mixed_zero1_shards_the_moments_but_not_torchs_master_copy(mixed):
+    n = mixed[0][0][0].n_params
+    runs = [per_rank[STAGES.index("zero1")] for per_rank, _ in mixed]
+    for run in runs:
+        assert (run.kinds["weights"], run.kinds["gradients"]) == (2 * n, 2 * n)
+        assert run.kinds["master weights"] == 4 * n  # ZeroRedundancyOptimizer: replicated
+    assert sum(r.kinds["optimizer: exp_avg"] + r.kinds["optimizer: exp_avg_sq"] for r in runs) == (
+        8 * n
+    )
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_mixed_fsdp_shards_add_up_to_the_formula(mixed, stage):
+    """Over the 4 ranks: fp32 master and moments exactly 4N and 8N (FSDP2's shards), the
+    gradient shards 4N (fp32: FSDP2 casts the reduced gradient to the master's dtype, twice
+    the formula's bf16 2N); bf16 weights 2N on every rank for ZeRO-2 (kept from forward to the
+    end of backward) and none for ZeRO-3 after forward (each unit freed after its forward)."""
+    from course_lib.costs import zero_mixed_bytes
+
+    runs = [per_rank[STAGES.index(stage)] for per_rank, _ in mixed]
+    n = runs[0].n_params
+
+    def total(kind):
+        return sum(r.kinds[kind] for r in runs)
+
+    assert total("master weights") == 4 * n
+    assert total("optimizer: exp_avg") == total("optimizer: exp_avg_sq") == 4 * n
+    assert total("gradients") == 4 * n
+    assert all(r.kinds["weights"] == (2 * n if stage == "zero2" else 0) for r in runs)
+    if stage == "zero3":  # what FSDP2 saves on bf16 shards it spends on fp32 gradient shards
+        assert sum(r.total for r in runs) == P * sum(zero_mixed_bytes(stage, n, P).values())
+
+
+def test_mixed_losses_follow_fp32_within_tolerance(mixed):
+    for runs, fp32_losses in mixed:
+        for run in runs:
+            assert len(run.losses) == len(fp32_losses)
+            for got, want in zip(run.losses, fp32_losses, strict=True):
+                assert abs(got - want) < LOSS_ATOL, (run.stage, run.losses, fp32_losses)
+
+
+# --- FSDP2 prefetching on a timeline ---------------------------------------------------------
+
+
+def timelines(batches):
+    from course_lib.measure.zero import prefetch_timeline
+
+    return [
+        prefetch_timeline(batches, prefetch=p, dtype=torch.float64, bandwidth=20e6, latency=2e-3)
+        for p in (False, True)
+    ]
+
+
+@pytest.fixture(scope="module")
+def prefetch_runs():
+    with WorkerPool(2) as pool:
+        yield pool.launch(timelines, make_batches(), timeout=180)
+
+
+def test_prefetch_changes_when_not_what_the_parameters_become(prefetch_runs):
+    """Prefetching moves all-gathers earlier; the arithmetic is the same (float64, atol 1e-12,
+    rtol 0; measured: identical)."""
+    for off, on in prefetch_runs:
+        for name, want in off.params.items():
+            torch.testing.assert_close(on.params[name], want, rtol=0, atol=1e-12)
+
+
+def test_next_units_all_gather_starts_before_the_current_forward_ends_only_with_prefetch(
+    prefetch_runs,
+):
+    for off, on in prefetch_runs:
+        n_units = len(on.unit_bytes)
+        for i in range(n_units - 1):
+            (compute_on,) = on.of("forward", i)
+            (compute_off,) = off.of("forward", i)
+            assert on.of("all_gather", i + 1)[0].start < compute_on.end, on.events
+            assert off.of("all_gather", i + 1)[0].start >= compute_off.end, off.events
+
+
+def test_prefetch_holds_one_more_unit(prefetch_runs):
+    for off, on in prefetch_runs:
+        pairs = [a + b for a, b in zip(on.unit_bytes[:-1], on.unit_bytes[1:], strict=True)]
+        assert off.gathered_peak == max(on.unit_bytes)
+        assert on.gathered_peak == max(pairs)
+
+
+def test_exposed_time_is_every_gather_without_prefetch_and_at_most_that_with_it(prefetch_runs):
+    for off, on in prefetch_runs:
+        assert off.exposed_seconds == pytest.approx(off.gather_seconds, rel=1e-9)
+        assert 0 <= on.exposed_seconds <= on.gather_seconds
