@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import rank, world_size
-from course_lib.grading import CheckFailed, check_zero1, check_zero2, check_zero3
+from course_lib.grading import CheckFailed, check_zero1, check_zero2, check_zero3, check_zero3_peak
 from course_lib.grading.zero import (
     SMALL,
     chunk_of,
@@ -20,6 +20,7 @@ from course_lib.grading.zero import (
     optimizer_state_bytes,
     shard_bytes,
 )
+from course_lib.grading.zero_peak import LAYERS_ALLOWED, budget, largest_layer_bytes
 from course_lib.models import TinyGPT, count_parameters
 from tests.adapters import mutant, planted, solution
 from tests.cheats.a07_zero import FULL_STATE_ZERO1
@@ -399,3 +400,65 @@ def test_measured_memory_follows_the_zero_formulas():
     for stage, impl in impls.items():
         measured = measure_memory(impl, stage, world_size=p)
         assert measured == [expected[stage]] * p, stage
+
+
+# --- Part 4: ZeRO-3 at its peak -------------------------------------------------------------
+
+# ZeRO-3 that keeps forward's full weights for backward as numpy arrays, out of torch's sight.
+numpy_saved = mutant(
+    "zero",
+    "zero3",
+    (
+        "return module, name, tensor.size(), tensor.stride(), tensor.storage_offset()",
+        "return __import__('numpy').array(tensor.detach().numpy())",
+    ),
+    (
+        "    if isinstance(saved, torch.Tensor):\n        return saved\n",
+        "    if isinstance(saved, torch.Tensor):\n        return saved\n"
+        "    if not isinstance(saved, tuple):\n        return torch.from_numpy(saved)\n",
+    ),
+).shard_module
+# ZeRO-3 whose full weights stay in autograd's saved tensors, with the memory meter taken off
+# torch's dispatch stack from each layer's pre-hook to its forward hook.
+POP = "torch.utils._python_dispatch._pop_mode() if torch._C._len_torch_dispatch_stack() else None"
+meter_off = mutant(
+    "zero",
+    "zero3",
+    ("    module.saving.__enter__()\n", f"    module.meter = {POP}\n"),
+    (
+        "    module.saving.__exit__(None, None, None)\n",
+        "    if module.meter is not None:\n"
+        "        torch.utils._python_dispatch._push_mode(module.meter)\n",
+    ),
+).shard_module
+
+
+@pytest.mark.parametrize("world", [4, 3, 2, 1])
+def test_check_zero3_peak_accepts_the_solution(world, capsys):
+    check_zero3_peak(shard_module, world_size=world, seed=world, steps=1)
+    out = capsys.readouterr().out
+    assert out.startswith("check_zero3_peak: passed. Verified 1 steps"), out
+    assert "peaked at most at" in out and "of its budget" in out
+
+
+@pytest.mark.parametrize(
+    "impl, message",
+    [
+        (no_regather, "gradient shards and 3 x 12,144 for the largest layer's full parameters"),
+        (numpy_saved, "of them outside torch); at most"),
+        (meter_off, "the memory meter was switched off during the step"),
+    ],
+)
+def test_check_zero3_peak_rejects(impl, message):
+    with pytest.raises(CheckFailed) as info:
+        check_zero3_peak(impl, steps=1)
+    assert str(info.value).startswith("check_zero3_peak: ")
+    assert message in str(info.value)
+    assert "(0 of them outside torch)" not in str(info.value) or impl is not numpy_saved
+
+
+def test_the_peak_budget_is_the_unsharded_need_plus_shards_plus_three_layers():
+    model = TinyGPT(SMALL, dtype=torch.float64)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) * 8 for m in model.modules())
+    assert largest_layer_bytes(model) == largest == 12_144  # the attention's qkv: 22 x 66 + 66
+    assert budget(1000, model, 4) == 1000 + shard_bytes(model, 4) + LAYERS_ALLOWED * largest

@@ -40,7 +40,7 @@ from course_lib.grading.tensor_parallel import (
     check_parallel_mlp,
     check_row_parallel_linear,
 )
-from course_lib.grading.zero import check_zero1, check_zero2, check_zero3
+from course_lib.grading.zero import check_zero1, check_zero2, check_zero3, check_zero3_peak
 
 __all__ = [
     "CheckFailed",
@@ -73,6 +73,7 @@ __all__ = [
     "check_zero1",
     "check_zero2",
     "check_zero3",
+    "check_zero3_peak",
 ]
 
 install_ipython_display()

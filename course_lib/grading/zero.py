@@ -3,6 +3,7 @@
     check_zero1(ShardedOptimizer)      optimizer state sharded; parameters all-gathered after step
     check_zero2(ShardedGradOptimizer)  gradients reduce-scattered during backward as well
     check_zero3(shard_module)          parameters sharded, gathered per layer just in time
+    check_zero3_peak(shard_module)     ZeRO-3's forward and backward, measured at their peak
 
 The sharding rule, the same for every stage (as in FSDP): each parameter is flattened and
 padded with zeros to a multiple of P; rank r owns the r-th of P equal chunks, which holds
@@ -18,9 +19,10 @@ tensors the model holds at rest (stage 3) may not exceed `shard_bytes`: per tens
 one element more than numel / P (c elements), summed over the tensors. Bytes are counted per
 storage, so a view that keeps a whole tensor alive counts as the whole tensor.
 
-The checks stand on four parts: `zero_memory` (the sharding rule, how bytes are counted),
+The checks stand on five parts: `zero_memory` (the sharding rule, how bytes are counted),
 `zero_ranks` (what runs on each rank, the single-process reference, `measure_memory`),
-`zero_judge` (judging stages 1 and 2, `TOLERANCE`) and `zero_judge3` (judging stage 3).
+`zero_judge` (judging stages 1 and 2, `TOLERANCE`), `zero_judge3` (judging stage 3) and
+`zero_peak` (stage 3's memory at its peak, against the unsharded step's on the same rank).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from course_lib.grading._harness import Verdict, run_on_ranks
+from course_lib.grading._harness import Verdict, passed, run_on_ranks
 from course_lib.grading.training import ADAMW
 from course_lib.grading.zero_judge import (
     _check_param_groups,
@@ -59,6 +61,7 @@ from course_lib.grading.zero_memory import (
     shard_bytes,
     shard_numel,
 )
+from course_lib.grading.zero_peak import LAYERS_ALLOWED, _judge_peak, _peak_stage3
 from course_lib.grading.zero_ranks import (
     SMALL,
     ZeroRun,
@@ -188,6 +191,31 @@ def check_zero3(
     verdict.conclude(_verified_stage3(results, shard_bytes(model, ranks), where))
 
 
+def check_zero3_peak(
+    shard_module: Callable[[nn.Module], nn.Module | None],
+    *,
+    world_size: int = 4,
+    seed: int = 0,
+    steps: int = 2,
+    batch_size: int = 12,
+    timeout: float = 60.0,
+) -> None:
+    """ZeRO-3 at its peak. On each rank and step, forward and backward of the model sharded by
+    `shard_module` may peak at most at what the unsharded step needs on the same share of the
+    batch (its peak without its full gradients), plus this rank's gradient shards, plus
+    LAYERS_ALLOWED times the largest layer's full parameters. Measured: the bytes of the
+    tensors the step creates and of Python's allocations meanwhile."""
+    __tracebackhide__ = True
+    check = "check_zero3_peak"
+    run = ZeroRun(seed=seed, steps=steps, batch_size=batch_size)
+    _validate(world_size, run)
+    results = run_on_ranks(
+        check, _peak_stage3, shard_module, run, world_size=world_size, timeout=timeout,
+        what="your shard_module",
+    )  # fmt: skip
+    passed(check, _judge_peak(check, results, build_model(run), run.describe(world_size)))
+
+
 __all__ = [
     "ADAMW",
     "SMALL",
@@ -195,6 +223,8 @@ __all__ = [
     "check_zero1",
     "check_zero2",
     "check_zero3",
+    "check_zero3_peak",
+    "LAYERS_ALLOWED",
     "chunk_of",
     "global_batches",
     "gradient_bytes",
