@@ -448,3 +448,33 @@ def checkpoint_interval(checkpoint_seconds: float, mtbf_seconds: float) -> float
     1974): more often and the checkpoints cost more, less often and each failure throws more
     work away (on average half an interval)."""
     return math.sqrt(2 * checkpoint_seconds * mtbf_seconds)
+
+
+# --- lecture 10: the planner's float64 run, context and expert parallelism ---------------------
+
+# AdamW in float64, as lecture 10's real step runs it: 8-byte parameters and gradients, two
+# 8-byte moments, no master copy (the parameters are the weights AdamW updates).
+FP64_ADAMW = {"params": 8, "grads": 8, "optimizer_state": 16}
+
+
+def cp_layer_bytes(kv_bytes, world_size: int):
+    """Bytes one rank sends per transformer layer and micro-batch under ring attention over P
+    context-parallel ranks: forward passes K and V around the ring once (`ring_attention_bytes`
+    of `kv_bytes`, the whole sequence's K and V); backward passes them again, and their
+    gradients dK, dV the same way: 3 (P-1)/P of `kv_bytes`."""
+    return 3 * ring_attention_bytes(kv_bytes, world_size)
+
+
+def ep_layer_bytes(token_bytes, world_size: int):
+    """Bytes one rank sends per MoE layer and micro-batch under expert parallelism over P
+    ranks: `ep_bytes` (dispatch and combine) in forward, and again in backward."""
+    return 2 * ep_bytes(token_bytes, world_size)
+
+
+def moe_compute_factor(params: float, expert_params: float, n_experts: int, k: int) -> float:
+    """FLOPs of a mixture of experts per token over those of the dense model of one expert per
+    layer, the shape `compute_seconds` prices: each token runs k of E experts, so the active
+    parameters are the shared ones plus k/E of the experts' (Mixtral 8x7B: 12.9B of 46.7B,
+    against 7.3B for one expert)."""
+    shared = params - expert_params
+    return (shared + k * expert_params / n_experts) / (shared + expert_params / n_experts)
