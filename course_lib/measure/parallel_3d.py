@@ -1,13 +1,18 @@
-"""How lecture 10 shows the planner: its best plan in one line, the candidates as a table, a
-figure of each plan's step time by cause, and a form (widget) that re-plans as the model and
-the cluster change.
+"""How lecture 10 shows the planner, and the one real DP x TP x PP step it runs beside it:
+the best plan in one line, the candidates as a table, a figure of each plan's step time by
+cause, a form (widget) that re-plans, the plans too close to call, and the grid as a table.
 
     print(summary(MODELS["70B"], cluster))
     print(candidate_table(candidates(MODELS["70B"], cluster)[:10]))
     plot_step_times(candidates(MODELS["70B"], cluster)[:12])
     PlannerWidget(model="70B", gpus=512)
+    run = launch(train_3d, ProcessGrid(2, 2, 2), world_size=8)   # on each rank: 2 steps
+    gather_dense(run, grid) vs reference_3d()                    # the same, in one process
+    print(comparison_table(predicted_vs_measured(run, grid)))    # planner beside measured
 
-The grid of ranks and the planner are in `course_lib.parallel_3d`.
+The real step (`train_3d`, `step_3d`) is built from lecture 9's TP layers, lecture 8's 1F1B
+schedule and send/recv, and a DP all-reduce; the grid and the planner are in
+`course_lib.parallel_3d`.
 """
 
 from __future__ import annotations
