@@ -376,15 +376,11 @@ def test_dp_tp_pp_step_on_8_ranks_equals_one_process(run_8_ranks):
     assert_equals_one_process(grid, results)
     # the last stages' loss: the same on TP partners; the replicas' mean is the whole batch's
     assert all(r["losses"] == [None, None] for r in results if r["coords"]["pp"] == 0)
-    assert (
-        results[2]["losses"] == results[3]["losses"]
-        and results[6]["losses"] == results[7]["losses"]
-    )
+    last = [results[r]["losses"] for r in (2, 3, 6, 7)]
+    assert last[0] == last[1] and last[2] == last[3]
     x, y = step_batches(2, 8)[0]
-    model = models.TinyGPT(STEP_CONFIG, seed=0, dtype=torch.float64)
-    whole = models.lm_loss(model(x), y).item()
-    mean = (results[2]["losses"][0] + results[6]["losses"][0]) / 2
-    assert mean == pytest.approx(whole, rel=1e-12)
+    whole = models.lm_loss(models.TinyGPT(STEP_CONFIG, dtype=torch.float64)(x), y).item()
+    assert (last[0][0] + last[2][0]) / 2 == pytest.approx(whole, rel=1e-12)
 
 
 def test_a_second_grid_pp2_dp2_with_four_micro_batches_equals_one_process():
@@ -395,14 +391,9 @@ def test_a_second_grid_pp2_dp2_with_four_micro_batches_equals_one_process():
 
 def test_planner_predicts_the_measured_bytes_where_its_model_is_exact(run_8_ranks):
     grid, results = run_8_ranks
-    rows = {
-        what: (predicted, measured)
-        for what, predicted, measured in predicted_vs_measured(results, grid)
-    }
-    n = EMBED + 2 * BLOCK + HEAD
-    stage = [
-        EMBED + BLOCK_SHARE if grid.coords(r)["pp"] == 0 else BLOCK_SHARE + HEAD for r in range(8)
-    ]
+    rows = {row[0]: row[1:] for row in predicted_vs_measured(results, grid)}
+    n, first, last = EMBED + 2 * BLOCK + HEAD, EMBED + BLOCK_SHARE, BLOCK_SHARE + HEAD
+    stage = [last if grid.coords(r)["pp"] else first for r in range(8)]
     # the planner spreads every parameter evenly: n / (tp pp); the embedding, the head and
     # the replicated layer norms and biases make the real ranks hold more
     assert rows["parameters (count)"] == (pytest.approx(n / 4, rel=RTOL), stage)
@@ -495,3 +486,15 @@ def test_cp_pays_for_long_sequences_and_ep_for_mixtures_of_experts():
     without, with_ep = best(moe, slow), best(moe, slow, ep=(1, 2, 4, 8))
     assert without.plan.ep == 1 and with_ep.plan.ep > 1
     assert with_ep.step_seconds < 0.9 * without.step_seconds
+
+
+def test_table_and_chart_show_the_cp_seconds_in_the_step():
+    long = replace(LLAMA_7B, shape=replace(LLAMA_7B.shape, seq=131072), global_batch=16)
+    shown = [e for e in candidates(long, Cluster(256), cp=(1, 2)) if e.fits][:3]
+    header, first = candidate_table(shown).splitlines()[:2]
+    assert header.split()[:4] == ["tp", "pp", "dp", "cp"] and "CP" in header.split()
+    assert f"{shown[0].seconds['cp']:.2f}" in first and shown[0].plan.cp == 2
+    ax = plot_step_times(shown).axes[0]
+    assert sum(p.get_width() for p in ax.patches) == pytest.approx(
+        sum(e.step_seconds for e in shown), rel=RTOL
+    )

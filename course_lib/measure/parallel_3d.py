@@ -106,21 +106,30 @@ def explain_none(model: Model, cluster: Cluster, **options: Any) -> str:
 
 def candidate_table(estimates: Sequence[Estimate]) -> str:
     """One row per plan: memory per GPU (GB), whether it fits, bubble, seconds per step
-    by cause, and utilisation."""
+    by cause, and utilisation; with CP or EP in any plan, their degrees and seconds too."""
+    extra = [k for k in ("cp", "ep") if any(k in e.seconds for e in estimates)]
     header = (
         f"{'tp':>3}{'pp':>4}{'dp':>5} {'zero':<6}{'ckpt':<10}{'m':>5}{'state GB':>9}{'act GB':>8}"
         f"{'total':>7} {'fits':<5}{'bubble':>7}{'compute':>8}{'recomp':>7}{'TP':>6}{'PP':>6}"
         f"{'bubble':>7}{'DP':>7}{'step s':>8}{'util':>6}{'MFU':>5} flags"
     )
+    if extra:  # the degrees after dp, the seconds after PP
+        names = "".join(f"{k:>4}" for k in extra)
+        header = header[:12] + names + header[12:]
+        at = header.index("bubble", header.index("PP"))
+        header = header[: at - 1] + "".join(f"{k.upper():>6}" for k in extra) + header[at - 1 :]
     rows = [header]
     for e in estimates:
         p, s = e.plan, e.seconds
         state = e.total_memory - e.memory["activations"]
+        degrees = "".join(f"{getattr(p, k):>4}" for k in extra)
+        more = "".join(f"{s.get(k, 0.0):>6.2f}" for k in extra)
         rows.append(
-            f"{p.tp:>3}{p.pp:>4}{p.dp:>5} {p.zero:<6}{p.checkpointing:<10}{e.micro_batches:>5}"
+            f"{p.tp:>3}{p.pp:>4}{p.dp:>5}{degrees} {p.zero:<6}{p.checkpointing:<10}"
+            f"{e.micro_batches:>5}"
             f"{state / GB:>9.1f}{e.memory['activations'] / GB:>8.1f}{e.total_memory / GB:>7.1f}"
             f" {'yes' if e.fits else 'no':<5}{e.bubble:>7.1%}{s['compute']:>8.2f}"
-            f"{s['recompute']:>7.2f}{s['tp']:>6.2f}{s['pp']:>6.2f}{s['bubble']:>7.2f}"
+            f"{s['recompute']:>7.2f}{s['tp']:>6.2f}{s['pp']:>6.2f}{more}{s['bubble']:>7.2f}"
             f"{s['dp']:>7.2f}{e.step_seconds:>8.2f}{e.utilisation:>6.0%}{e.mfu:>5.0%}"
             + f" {e.flags}".rstrip()
         )
@@ -153,11 +162,12 @@ def plot_step_times(estimates: Sequence[Estimate], title: str = "") -> NotebookF
     """Seconds per step of each plan, stacked by cause; plans that do not fit are hatched."""
     fig = NotebookFigure(figsize=(8, 0.45 * len(estimates) + 1.2), layout="constrained")
     ax = fig.add_subplot()
-    causes = ("compute", "recompute", "tp", "pp", "bubble", "dp")
+    extra = tuple(k for k in ("cp", "ep") if any(k in e.seconds for e in estimates))
+    causes = ("compute", "recompute", "tp", "pp", *extra, "bubble", "dp")
     labels = [str(e.plan) for e in estimates]
     left = np.zeros(len(estimates))
     for i, cause in enumerate(causes):
-        widths = np.array([e.seconds[cause] for e in estimates])
+        widths = np.array([e.seconds.get(cause, 0.0) for e in estimates])
         bars = ax.barh(labels, widths, left=left, color=f"C{i}")
         for bar, e in zip(bars, estimates, strict=True):
             if not e.fits:
