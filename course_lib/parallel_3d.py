@@ -144,7 +144,7 @@ LLAMA_70B = Model("70B", 70e9, TransformerShape(80, 8192, 64, 4096, 1), global_b
 GPT3 = Model("175B", 175e9, GPT3_175B, global_batch=1536)
 # Mixtral 8x7B's sizes: 8 experts of 3 x 4096 x 14336 in each of 32 layers, 2 per token.
 MOE_8X7B = Model("8x7B", 46.7e9, TransformerShape(32, 4096, 32, 4096, 1), 1024, 8, 2, 45.1e9)
-MODELS = {m.name: m for m in (LLAMA_7B, LLAMA_70B, GPT3, MOE_8X7B)}
+MODELS = {m.name: m for m in (LLAMA_7B, LLAMA_70B, GPT3)}  # dense: the widget's menu
 
 
 @dataclass(frozen=True)
