@@ -452,8 +452,7 @@ def checkpoint_interval(checkpoint_seconds: float, mtbf_seconds: float) -> float
 
 # --- lecture 7: ZeRO in mixed precision, kind by kind ------------------------------------------
 
-# Which ZeRO stage first shards each entry of BYTES_PER_PARAMETER: the optimizer's part (master
-# weights and moments) at stage 1, the bf16 gradients at stage 2, the bf16 weights at stage 3.
+# The part of ZeRO_SHARDED each entry of BYTES_PER_PARAMETER belongs to.
 MIXED_KIND_GROUP = {
     "weights": "params",
     "gradients": "grads",
@@ -464,9 +463,8 @@ MIXED_KIND_GROUP = {
 
 
 def zero_mixed_bytes(stage: str, n_params: float, world_size: int) -> dict[str, float]:
-    """Bytes of each entry of the mixed-precision budget (bf16 weights and gradients, fp32
-    master weights and Adam moments: 2 + 2 + 4 + 4 + 4 per parameter) one rank holds under ZeRO
-    `stage` with `world_size` ranks: the finer split of `zero_bytes(..., MIXED_ADAMW)`."""
+    """Bytes of each kind (2 + 2 + 4 + 4 + 4 per parameter) one rank holds under ZeRO `stage`
+    on `world_size` ranks: the finer split of `zero_bytes(..., MIXED_ADAMW)`."""
     _check_stage(stage)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -474,3 +472,31 @@ def zero_mixed_bytes(stage: str, n_params: float, world_size: int) -> dict[str, 
         kind: b * n_params / (world_size if MIXED_KIND_GROUP[kind] in ZERO_SHARDED[stage] else 1)
         for kind, b in BYTES_PER_PARAMETER.items()
     }
+
+
+# --- lecture 10: the planner's float64 run, context and expert parallelism ---------------------
+
+# AdamW in float64, as lecture 10's real step runs it: 8-byte parameters and gradients, two
+# 8-byte moments, no master copy (the parameters are the weights AdamW updates).
+FP64_ADAMW = {"params": 8, "grads": 8, "optimizer_state": 16}
+
+
+def cp_layer_bytes(kv_bytes, world_size: int):
+    """Bytes one rank sends per layer and micro-batch under ring attention over P ranks: K, V
+    (the whole sequence's, `kv_bytes`) around the ring in forward, again in backward with
+    their gradients: 3 (P-1)/P of `kv_bytes`."""
+    return 3 * ring_attention_bytes(kv_bytes, world_size)
+
+
+def ep_layer_bytes(token_bytes, world_size: int):
+    """Bytes one rank sends per MoE layer and micro-batch under expert parallelism over P
+    ranks: `ep_bytes` (dispatch and combine) in forward, and again in backward."""
+    return 2 * ep_bytes(token_bytes, world_size)
+
+
+def moe_compute_factor(params: float, expert_params: float, n_experts: int, k: int) -> float:
+    """FLOPs per token of a mixture of experts over those of its one-expert dense shape (what
+    `compute_seconds` prices): shared parameters plus k/E of the experts' are active
+    (Mixtral 8x7B: 12.9B of 46.7B, against 7.3B for one expert)."""
+    shared = params - expert_params
+    return (shared + k * expert_params / n_experts) / (shared + expert_params / n_experts)

@@ -1,26 +1,21 @@
 """Putting it together: 3D parallelism, from a grid of ranks to a planner (lecture 10).
 
     grid = ProcessGrid(tp=2, pp=2, dp=2)                # ranks <-> (dp, pp, tp) coordinates
-    grid.groups("tp")                                   # every tensor-parallel group: [[0, 1], ...]
-    launch(group_members, grid, world_size=8)           # the same groups made with dist.new_group
     estimates = candidates(LLAMA_70B, Cluster(512))     # every TP x PP x DP plan, estimated
-    best(LLAMA_70B, Cluster(512))                       # the fastest plan that fits in memory
+    best(LLAMA_70B, Cluster(512), cp=(1, 2, 4))         # the fastest that fits, CP allowed
 
-Every estimate is a formula of the earlier lectures, imported from `course_lib.costs`, not
-rewritten: bytes per parameter of mixed-precision AdamW and the ZeRO stages (lectures 6-7),
-activation memory per layer with TP and SP, TP and PP traffic and compute per micro-batch
-(lecture 9), and the pipeline bubble (lecture 8). The tables, the figure and the form (widget)
-of the lecture are in `course_lib.measure.parallel_3d`. What this
-module adds is the bookkeeping: which ranks form which group (`ProcessGrid`), which link each
-group's traffic crosses, and how the pieces add up to a step time.
+Every estimate is a formula of `course_lib.costs`: bytes per parameter and ZeRO (lectures
+6-7), activations, TP and PP traffic and compute (lecture 9), the bubble (lecture 8), ring
+attention (11) and expert all-to-alls (12). This module adds the bookkeeping: which ranks form
+which group, which link each group's traffic crosses, how the pieces add up to a step time.
+The lecture's tables, widget, close calls and its real 3-D step are `measure.parallel_3d`.
 
 The model of a step (an estimate, not a simulation): a 1F1B pipeline of m micro-batches takes
-m x (compute + TP + PP time per micro-batch) / (1 - bubble); the data-parallel gradient
-traffic comes after it, not overlapped (an upper bound). Left out: the embedding and LM head
-(their parameters are spread evenly over the stages), the buffers ZeRO-3 gathers, latency,
-and framework overheads. So the planner says what its numbers cannot: plans whose step times
-differ by under 2% (`close_calls`: too close for the model to choose), and plans flagged for
-tight memory or ZeRO-2/3 under a pipeline (`FLAGS`).
+m x (compute + TP + CP + EP + PP time per micro-batch) / (1 - bubble); the data-parallel
+gradient traffic comes after it, not overlapped (an upper bound). Left out: the embedding and
+LM head (their parameters are spread evenly over the stages), the buffers ZeRO-3 gathers,
+latency, framework overheads, and the imbalance of causal ring attention. Plans are flagged
+for tight memory or ZeRO-2/3 under a pipeline (`FLAGS`).
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from course_lib import costs
@@ -48,7 +42,6 @@ from course_lib.costs import (
     zero_comm_bytes,
 )
 from course_lib.memory import GB, divisors
-from course_lib.runtime import device
 from course_lib.zero import STAGES
 
 DIMENSIONS = ("tp", "pp", "dp")  # innermost (neighbouring ranks) first, as in picotron
@@ -105,18 +98,6 @@ class ProcessGrid:
         self.coords(rank)  # validates the rank
         return next(g for g in self.groups(kind) if rank in g)
 
-    def table(self) -> str:
-        """One line per rank: its coordinates and the members of its three groups."""
-        width = 2 + max(len(str(g)) for k in DIMENSIONS for g in self.groups(k))
-        header = f"{'rank':>4}  {'(dp, pp, tp)':<14}"
-        lines = [(header + "".join(f"{k} group".ljust(width) for k in DIMENSIONS)).rstrip()]
-        for r in range(self.world_size):
-            c = self.coords(r)
-            where = f"({c['dp']}, {c['pp']}, {c['tp']})"
-            groups = "".join(str(self.group_of(r, k)).ljust(width) for k in DIMENSIONS)
-            lines.append(f"{r:>4}  {where:<14}{groups}".rstrip())
-        return "\n".join(lines)
-
 
 def spans_nodes(ranks: Sequence[int], gpus_per_node: int) -> bool:
     """True if `ranks` sit on more than one node (ranks are numbered node by node)."""
@@ -140,36 +121,30 @@ def new_groups(grid: ProcessGrid) -> dict[str, dist.ProcessGroup]:
     return mine
 
 
-def group_members(grid: ProcessGrid) -> dict[str, list[int]]:
-    """On every rank: create the groups, then all-gather each rank's global rank inside each
-    of its groups: who is really in my TP, PP and DP group, as the collectives see it."""
-    members = {}
-    for kind, group in new_groups(grid).items():
-        me = torch.tensor([dist.get_rank()], device=device())
-        everyone = [torch.zeros_like(me) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(everyone, me, group=group)
-        members[kind] = [int(t.item()) for t in everyone]
-    return members
-
-
 # --- 2. what is planned: a model and a cluster ----------------------------------------------
 
 
 @dataclass(frozen=True)
 class Model:
     """A transformer to train: its parameters, its shape (with `shape.batch` the micro-batch,
-    in sequences) and the global batch of one optimizer step, in sequences."""
+    in sequences) and the global batch of one optimizer step, in sequences. A mixture of
+    experts has `num_experts` per layer, `top_k` per token, `expert_params` of its params."""
 
     name: str
     params: float
     shape: TransformerShape
     global_batch: int
+    num_experts: int = 1  # 1: dense
+    top_k: int = 1
+    expert_params: float = 0.0
 
 
 LLAMA_7B = Model("7B", 6.7e9, TransformerShape(32, 4096, 32, 4096, 1), global_batch=1024)
 LLAMA_70B = Model("70B", 70e9, TransformerShape(80, 8192, 64, 4096, 1), global_batch=1024)
 GPT3 = Model("175B", 175e9, GPT3_175B, global_batch=1536)
-MODELS = {m.name: m for m in (LLAMA_7B, LLAMA_70B, GPT3)}
+# Mixtral 8x7B's sizes: 8 experts of 3 x 4096 x 14336 in each of 32 layers, 2 per token.
+MOE_8X7B = Model("8x7B", 46.7e9, TransformerShape(32, 4096, 32, 4096, 1), 1024, 8, 2, 45.1e9)
+MODELS = {m.name: m for m in (LLAMA_7B, LLAMA_70B, GPT3)}  # dense: the widget's menu
 
 
 @dataclass(frozen=True)
@@ -197,15 +172,13 @@ class Cluster:
                 f"use a multiple of {self.gpus_per_node}"
             )
 
-    @property
-    def nodes(self) -> int:
-        return math.ceil(self.gpus / self.gpus_per_node)
-
 
 @dataclass(frozen=True)
 class Plan:
-    """One way to train: TP x PP x DP ranks, a ZeRO stage over the DP group (one of
-    `zero.STAGES`), activation checkpointing (`CHECKPOINTING`), sequence parallelism."""
+    """One way to train: TP x CP x PP x DP ranks, a ZeRO stage over the DP group (one of
+    `zero.STAGES`), activation checkpointing (`CHECKPOINTING`), sequence parallelism. CP
+    splits each sequence (ring attention); EP splits a MoE's experts over `ep` of the DP
+    ranks (Megatron's layout: the other dp / ep ranks hold copies of the same experts)."""
 
     tp: int
     pp: int
@@ -213,26 +186,35 @@ class Plan:
     zero: str = "ddp"
     checkpointing: str = "none"
     sequence_parallel: bool = True
+    cp: int = 1
+    ep: int = 1
 
     def __str__(self) -> str:
         sp = "+SP" if self.sequence_parallel and self.tp > 1 else ""
-        return f"TP{self.tp}{sp} x PP{self.pp} x DP{self.dp} {self.zero} ckpt={self.checkpointing}"
+        cp = f" x CP{self.cp}" if self.cp > 1 else ""
+        ep = f" (EP{self.ep})" if self.ep > 1 else ""
+        ranks = f"TP{self.tp}{sp}{cp} x PP{self.pp} x DP{self.dp}{ep}"
+        return f"{ranks} {self.zero} ckpt={self.checkpointing}"
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
 
 
-def factorizations(cluster: Cluster) -> list[tuple[int, int, int]]:
-    """Every (tp, pp, dp) with tp * pp * dp = GPUs and tp dividing a node: TP never crosses
-    nodes, its all-reduces are on the critical path of every layer."""
-    node = min(cluster.gpus, cluster.gpus_per_node)
+def factorizations(cluster: Cluster, cp: int = 1) -> list[tuple[int, int, int]]:
+    """Every (tp, pp, dp) with tp * cp * pp * dp = GPUs and tp dividing a node: TP never
+    crosses nodes, its all-reduces are on the critical path of every layer."""
+    node, gpus = min(cluster.gpus, cluster.gpus_per_node), cluster.gpus
     return [
-        (tp, pp, cluster.gpus // (tp * pp))
+        (tp, pp, gpus // (tp * cp * pp))
         for tp in divisors(node)
-        if cluster.gpus % tp == 0
-        for pp in divisors(cluster.gpus // tp)
+        if gpus % (tp * cp) == 0
+        for pp in divisors(gpus // (tp * cp))
     ]
 
 
-def problem(model: Model, tp: int, pp: int, dp: int) -> str | None:
-    """Why `model` cannot be split as tp x pp x dp, or None if it can."""
+def problem(model: Model, tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> str | None:
+    """Why `model` cannot be split as tp x cp x pp x dp with ep, or None if it can."""
     s = model.shape
     if s.heads % tp or s.hidden % tp:
         return f"{s.heads} heads / hidden {s.hidden} do not split over tp={tp}"
@@ -240,6 +222,10 @@ def problem(model: Model, tp: int, pp: int, dp: int) -> str | None:
         return f"pp={pp} stages for {s.layers} layers"
     if model.global_batch % (dp * s.batch):
         return f"global batch {model.global_batch} is not a multiple of dp x micro-batch"
+    if s.seq % cp:
+        return f"a sequence of {s.seq} does not split over cp={cp}"
+    if dp % ep or model.num_experts % ep:
+        return f"ep={ep} must divide dp={dp} and the {model.num_experts} experts"
     return None
 
 
@@ -257,9 +243,9 @@ class Estimate:
     memory: dict[str, float]  # params, grads, optimizer_state, activations: bytes per GPU
     fits: bool
     bubble: float
-    traffic: dict[str, float]  # tp, pp, dp: bytes each GPU sends per step
-    links: dict[str, str]  # tp, pp, dp: "intra-node" or "inter-node"
-    seconds: dict[str, float]  # compute, recompute, tp, pp, bubble, dp: time per step
+    traffic: dict[str, float]  # tp, pp, (cp, ep if > 1), dp: bytes each GPU sends per step
+    links: dict[str, str]  # the same kinds: "intra-node" or "inter-node"
+    seconds: dict[str, float]  # compute, recompute, tp, pp, (cp, ep), bubble, dp: per step
     useful_seconds: float  # the model's own forward + backward math, no recomputation
     mfu: float  # model FLOPs per second over the GPU's peak
     free_memory: float  # bytes per GPU left for what the model leaves out (see TIGHT_MEMORY)
@@ -282,9 +268,6 @@ class Estimate:
 # Under this share of free GPU memory a plan is flagged: the CUDA context, the allocator's
 # fragmentation and the communication buffers (none of them modelled) take a few GB.
 TIGHT_MEMORY = 0.10
-# Plans whose step times differ by less than this are too close for the model to choose.
-CLOSE_CALL = 0.02
-
 
 # What the numbers of a plan do not say, by the letter the candidate table marks it with.
 FLAGS = {
@@ -303,29 +286,45 @@ def plan_flags(plan: Plan, free_memory: float, cluster: Cluster) -> str:
     return ("M" if tight else "") + ("Z" if zero_with_pp else "")
 
 
+def moe(model: Model) -> float:
+    """A MoE's FLOPs per token over those of its one-expert dense shape (1 if dense)."""
+    m = model
+    return costs.moe_compute_factor(m.params, m.expert_params, m.num_experts, m.top_k)
+
+
 def layers_per_stage(model: Model, pp: int) -> int:
     """Layers of the largest stage: it decides memory and time."""
     return math.ceil(model.shape.layers / pp)
 
 
-def params_per_gpu(model: Model, plan: Plan) -> float:
+def params_per_gpu(model: Model, plan: Plan, experts: bool | None = None) -> float:
     """Parameters a GPU computes with: 1/tp of each layer of the largest stage (before ZeRO
-    shards them over the DP group)."""
-    return model.params * layers_per_stage(model, plan.pp) / model.shape.layers / plan.tp
+    shards them over the DP group), the experts' 1/ep more. `experts`: only the experts'
+    (True), only the others (False), all (None)."""
+    share = layers_per_stage(model, plan.pp) / model.shape.layers / plan.tp
+    dense = 0.0 if experts else (model.params - model.expert_params) * share
+    return dense + (0.0 if experts is False else model.expert_params * share / plan.ep)
 
 
 def state_bytes(model: Model, plan: Plan) -> dict[str, float]:
     """Bytes per GPU of bf16 weights, bf16 gradients and AdamW's fp32 state (16 bytes per
     parameter, lecture 6) for its share of the parameters, with the plan's ZeRO stage over
-    the DP group (lecture 7)."""
-    return zero_bytes(plan.zero, params_per_gpu(model, plan), plan.dp, MIXED_ADAMW)
+    the DP group (lecture 7): dp x cp ranks hold copies of the same weights, dp x cp / ep
+    of the same experts."""
+    ranks = plan.dp * plan.cp
+    dense = zero_bytes(plan.zero, params_per_gpu(model, plan, False), ranks, MIXED_ADAMW)
+    if not model.expert_params:
+        return dense
+    expert = zero_bytes(plan.zero, params_per_gpu(model, plan, True), ranks // plan.ep, MIXED_ADAMW)
+    return {k: dense[k] + expert[k] for k in dense}
 
 
 def activation_bytes(model: Model, plan: Plan, micro_batches: int) -> float:
     """Activations stage 0 holds at its peak: under 1F1B it keeps min(P, m) micro-batches in
     flight, each `layers_per_stage` layers of Korthikanti's bytes per layer (lecture 9).
     Full checkpointing keeps only each layer's input, plus one layer recomputed at a time."""
-    s, b, h, a = model.shape.seq, model.shape.batch, model.shape.hidden, model.shape.heads
+    shape = replace(model.shape, seq=model.shape.seq // plan.cp)  # a CP rank's tokens
+    s, b, h, a = shape.seq, shape.batch, shape.hidden, shape.heads
     t, sp = plan.tp, plan.sequence_parallel
     in_flight = min(plan.pp, micro_batches) * layers_per_stage(model, plan.pp)
     if plan.checkpointing == "full":
@@ -350,68 +349,90 @@ def dp_traffic(zero: str, model_bytes: float, dp: int, micro_batches: int) -> fl
 
 
 @lru_cache(maxsize=4096)
-def _links(tp: int, pp: int, dp: int, gpus_per_node: int) -> tuple[str, str, str]:
-    grid = ProcessGrid(tp, pp, dp)
-    return tuple(
-        "inter-node"
-        if any(spans_nodes(g, gpus_per_node) for g in grid.groups(kind))
-        else "intra-node"
-        for kind in DIMENSIONS
-    )
+def _link(tp: int, pp: int, dp: int, kind: str, node: int) -> str:
+    spans = any(spans_nodes(g, node) for g in ProcessGrid(tp, pp, dp).groups(kind))
+    return "inter-node" if spans else "intra-node"
 
 
 def links(plan: Plan, cluster: Cluster) -> dict[str, str]:
-    """The link each kind of group crosses: inter-node if any of its groups spans nodes."""
-    kinds = _links(plan.tp, plan.pp, plan.dp, cluster.gpus_per_node)
-    return dict(zip(DIMENSIONS, kinds, strict=True))
+    """The link each kind of group crosses: inter-node if any of its groups spans nodes.
+    CP sits between TP and PP: a block of tp x cp neighbouring ranks holds a TP group and its
+    CP partners. An EP group is ep neighbouring members of a DP group."""
+    n, tp, cp, pp, dp = cluster.gpus_per_node, plan.tp, plan.cp, plan.pp, plan.dp
+    out = {
+        "tp": _link(tp, cp * pp, dp, "tp", n),
+        "pp": _link(tp * cp, pp, dp, "pp", n),
+        "dp": _link(tp * cp, pp, dp, "dp", n),
+    }
+    if cp > 1:
+        out["cp"] = _link(tp * cp, pp, dp, "tp", n)  # the block of tp x cp neighbours
+    if plan.ep > 1:
+        out["ep"] = _link(tp * cp * pp, plan.ep, dp // plan.ep, "pp", n)
+    return out
 
 
 def estimate(model: Model, cluster: Cluster, plan: Plan) -> Estimate:
     """Memory per GPU, bubble, traffic and time per step of `plan` for `model` on `cluster`."""
-    if plan.tp * plan.pp * plan.dp != cluster.gpus:
-        raise ValueError(f"{plan} uses {plan.tp * plan.pp * plan.dp} GPUs, not {cluster.gpus}")
+    if plan.gpus != cluster.gpus:
+        raise ValueError(f"{plan} uses {plan.gpus} GPUs, not {cluster.gpus}")
     if plan.zero not in STAGES or plan.checkpointing not in CHECKPOINTING:
         raise ValueError(f"zero must be one of {STAGES}, checkpointing one of {CHECKPOINTING}")
-    reason = problem(model, plan.tp, plan.pp, plan.dp)
+    reason = problem(model, plan.tp, plan.pp, plan.dp, plan.cp, plan.ep)
     if reason:
         raise ValueError(f"cannot plan {plan} for {model.name}: {reason}")
     m = model.global_batch // (plan.dp * model.shape.batch)
+    # A CP rank holds 1/cp of each sequence: its activations, TP and PP bytes are those of a
+    # sequence cp times shorter; its compute is 1/cp of the whole (attention sees every key).
     stage = replace(model.shape, layers=layers_per_stage(model, plan.pp))
+    short = replace(stage, seq=stage.seq // plan.cp)
 
     memory = state_bytes(model, plan)
     memory["activations"] = activation_bytes(model, plan, m)
 
     # Per micro-batch on one GPU (lecture 9): compute, TP all-reduces, PP send/receive.
-    compute = compute_seconds(stage, plan.tp, 1, cluster.flops_per_s)
+    compute = compute_seconds(stage, plan.tp, 1, cluster.flops_per_s) * moe(model) / plan.cp
     s, b, h = stage.seq, stage.batch, stage.hidden
     recompute = {
         "none": 0.0,
         "full": compute / 3,  # one more forward (forward is a third of forward + backward)
         # Selective recomputation redoes the attention scores, QK^T and scores x V: 4bs^2h.
-        "selective": stage.layers * 4 * b * s * s * h / plan.tp / cluster.flops_per_s,
+        "selective": stage.layers * 4 * b * s * s * h / plan.tp / plan.cp / cluster.flops_per_s,
     }[plan.checkpointing]
     per_micro = traffic_per_microbatch(
-        stage, plan.tp, 1, element_size=BF16, sequence_parallel=plan.sequence_parallel
+        short, plan.tp, 1, element_size=BF16, sequence_parallel=plan.sequence_parallel
     )
     tp_bytes = per_micro["TP"] * (1.5 if plan.checkpointing == "full" else 1)  # forward's 2 of 4
     pp_bytes = 0.0 if plan.pp == 1 else per_micro["PP"]
     link = links(plan, cluster)
     bandwidth = {"intra-node": cluster.intra_bandwidth, "inter-node": cluster.inter_bandwidth}
     tp_s, pp_s = tp_bytes / bandwidth[link["tp"]], pp_bytes / bandwidth[link["pp"]]
+    extra = {}  # CP and EP bytes per micro-batch, only for plans that have them
+    if plan.cp > 1:  # ring attention: K and V (this TP rank's heads) of the whole sequence
+        extra["cp"] = stage.layers * costs.cp_layer_bytes(2 * BF16 * s * b * h / plan.tp, plan.cp)
+    if plan.ep > 1:  # all-to-alls of this rank's tokens, each sent to top_k experts
+        tokens = BF16 * short.seq * b * h * model.top_k
+        extra["ep"] = stage.layers * costs.ep_layer_bytes(tokens, plan.ep)
+    extra_s = sum(v / bandwidth[link[k]] for k, v in extra.items())
 
     # The 1F1B pipeline: m micro-batches of work stretched by the bubble (lecture 8).
     bubble = bubble_formula(plan.pp, m)
-    busy = m * (compute + recompute + tp_s + pp_s)
-    dp_bytes = dp_traffic(plan.zero, BF16 * params_per_gpu(model, plan), plan.dp, m)
+    busy = m * (compute + recompute + tp_s + pp_s + extra_s)
+    ranks = plan.dp * plan.cp  # CP ranks average their gradients like DP ranks
+    dp_bytes = dp_traffic(plan.zero, BF16 * params_per_gpu(model, plan, False), ranks, m)
+    if model.expert_params:
+        expert = BF16 * params_per_gpu(model, plan, True)
+        dp_bytes += dp_traffic(plan.zero, expert, ranks // plan.ep, m)
     seconds = {
         "compute": m * compute,
         "recompute": m * recompute,
         "tp": m * tp_s,
         "pp": m * pp_s,
+        **{k: m * v / bandwidth[link[k]] for k, v in extra.items()},
         "bubble": busy / (1 - bubble) - busy,
         "dp": dp_bytes / bandwidth[link["dp"]],
     }
-    exact = compute_seconds(model.shape, plan.tp, plan.pp, cluster.flops_per_s)
+    whole = compute_seconds(model.shape, plan.tp, plan.pp, cluster.flops_per_s)
+    exact = whole * moe(model) / plan.cp
     free = cluster.gpu_memory - sum(memory.values())
     step = sum(seconds.values())
     return Estimate(
@@ -421,7 +442,12 @@ def estimate(model: Model, cluster: Cluster, plan: Plan) -> Estimate:
         memory=memory,
         fits=sum(memory.values()) <= cluster.gpu_memory,
         bubble=bubble,
-        traffic={"tp": m * tp_bytes, "pp": m * pp_bytes, "dp": dp_bytes},
+        traffic={
+            "tp": m * tp_bytes,
+            "pp": m * pp_bytes,
+            **{k: m * v for k, v in extra.items()},
+            "dp": dp_bytes,
+        },
         links=link,
         seconds=seconds,
         useful_seconds=m * exact,
@@ -442,18 +468,22 @@ def candidates(
     zero_stages: Iterable[str] = STAGES,
     checkpointing: Iterable[str] = CHECKPOINTING,
     sequence_parallel: bool = True,
+    cp: Iterable[int] = (1,),
+    ep: Iterable[int] = (1,),
 ) -> list[Estimate]:
     """Every plan that can split `model` on `cluster` (fitting in memory or not), fastest
-    first: each (tp, pp, dp) factorization with TP inside a node, each ZeRO stage and each
-    checkpointing choice. With dp = 1 every ZeRO stage is the same plan: only the first of
-    `zero_stages` is kept."""
+    first: each (tp, pp, dp) factorization with TP inside a node, for each CP and EP degree
+    asked for (only 1 by default), each ZeRO stage and each checkpointing choice. With dp = 1
+    every ZeRO stage is the same plan: only the first of `zero_stages` is kept."""
     zero_stages, checkpointing = tuple(zero_stages), tuple(checkpointing)
     if not zero_stages or not checkpointing:
         raise ValueError("give at least one ZeRO stage and one checkpointing choice")
     estimates = [
-        estimate(model, cluster, Plan(tp, pp, dp, zero, ckpt, sequence_parallel))
-        for tp, pp, dp in factorizations(cluster)
-        if problem(model, tp, pp, dp) is None
+        estimate(model, cluster, Plan(tp, pp, dp, zero, ckpt, sequence_parallel, c, e))
+        for c in cp
+        for tp, pp, dp in factorizations(cluster, c)
+        for e in ep
+        if problem(model, tp, pp, dp, c, e) is None
         for zero in (zero_stages if dp > 1 else zero_stages[:1])
         for ckpt in checkpointing
     ]
@@ -463,13 +493,3 @@ def candidates(
 def best(model: Model, cluster: Cluster, **options: Any) -> Estimate | None:
     """The fastest plan that fits in GPU memory, or None if none does."""
     return next((e for e in candidates(model, cluster, **options) if e.fits), None)
-
-
-def close_calls(model: Model, cluster: Cluster, **options: Any) -> list[Estimate]:
-    """The fitting plans other than the best whose step time is within CLOSE_CALL of it: the
-    estimate cannot tell them apart, so the choice among them is for measurements to make."""
-    fitting = [e for e in candidates(model, cluster, **options) if e.fits]
-    if not fitting:
-        return []
-    fastest = fitting[0].step_seconds
-    return [e for e in fitting[1:] if e.step_seconds <= (1 + CLOSE_CALL) * fastest]

@@ -392,3 +392,44 @@ def test_zero_mixed_bytes_stage2_on_4_ranks_by_hand():
         "optimizer: exp_avg_sq": 1000,
     }
     assert sum(got.values()) / 1000 == 5.5  # 2 + 14/4 bytes per parameter
+
+
+# --- lecture 10: float64 AdamW, context and expert parallelism in the planner ------------------
+
+
+def test_fp64_adamw_bytes_are_what_torch_holds():
+    from course_lib.costs import FP64_ADAMW
+
+    layer = torch.nn.Linear(10, 6, dtype=torch.float64)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    layer(torch.ones(3, 10, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    n = sum(p.numel() for p in layer.parameters())
+    state = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
+    held = {
+        "params": sum(p.numel() * p.element_size() for p in layer.parameters()),
+        "grads": sum(p.grad.numel() * p.grad.element_size() for p in layer.parameters()),
+        "optimizer_state": sum(t.numel() * t.element_size() for t in state),
+    }
+    assert held == {kind: b * n for kind, b in FP64_ADAMW.items()}
+
+
+def test_ring_attention_and_expert_all_to_all_bytes_per_layer_by_hand():
+    from course_lib.costs import cp_layer_bytes, ep_layer_bytes
+
+    # K and V of 1 MB for the whole sequence over 4 ranks: 3/4 MB forward, the same again and
+    # dK, dV in backward
+    assert cp_layer_bytes(1e6, 4) == pytest.approx(3 * 0.75e6, rel=1e-12)
+    assert cp_layer_bytes(1e6, 1) == 0
+    # 1 MB of routed tokens over 8 ranks: dispatch and combine (7/8 MB each), forward and back
+    assert ep_layer_bytes(1e6, 8) == pytest.approx(4 * 0.875e6, rel=1e-12)
+
+
+def test_moe_compute_factor_counts_the_active_parameters():
+    from course_lib.costs import moe_compute_factor
+
+    # 1 shared + 8 experts of 2 (in any unit), 2 experts per token: 1 + 2 x 2 = 5 active,
+    # against 1 + 2 = 3 for the dense shape of one expert
+    assert moe_compute_factor(17.0, 16.0, 8, 2) == pytest.approx(5 / 3, rel=1e-12)
+    assert moe_compute_factor(7e9, 0.0, 1, 1) == 1.0  # a dense model
+    assert moe_compute_factor(46.7e9, 45.1e9, 8, 2) == pytest.approx(12.875 / 7.2375, rel=1e-12)

@@ -10,22 +10,34 @@ the bubble (P-1)/(m+P-1)), never read back from the modules the planner imports.
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import replace
 
 import pytest
+import torch
 
-from course_lib import launch
+from course_lib import launch, models
 from course_lib.costs import TransformerShape
 from course_lib.measure.parallel_3d import (
+    STEP_CONFIG,
     PlannerWidget,
     candidate_table,
+    close_calls,
+    gather_dense,
+    grid_table,
+    group_members,
     plot_step_times,
+    predicted_vs_measured,
+    reference_3d,
+    step_batches,
     summary,
+    train_3d,
 )
 from course_lib.parallel_3d import (
     GPT3,
     LLAMA_7B,
     LLAMA_70B,
+    MOE_8X7B,
     Cluster,
     Model,
     Plan,
@@ -33,10 +45,8 @@ from course_lib.parallel_3d import (
     activation_bytes,
     best,
     candidates,
-    close_calls,
     estimate,
     factorizations,
-    group_members,
     spans_nodes,
 )
 
@@ -52,7 +62,7 @@ def test_grid_of_eight_ranks_by_hand():
     assert grid.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert grid.coords(6) == {"tp": 0, "pp": 1, "dp": 1}
     assert grid.group_of(6, "pp") == [4, 6]
-    assert "[4, 6]" in grid.table().splitlines()[7]  # rank 6's line names its pipeline
+    assert "[4, 6]" in grid_table(grid).splitlines()[7]  # rank 6's line names its pipeline
 
 
 @pytest.mark.parametrize("tp,pp,dp", [(2, 4, 2), (4, 1, 4), (1, 3, 2), (8, 2, 1)])
@@ -324,3 +334,167 @@ def test_plans_within_two_percent_of_the_best_are_called_too_close():
     tiny = Model("tiny", 1e9, TransformerShape(4, 64, 1, 8, 1), global_batch=4)
     only_one = Cluster(4, 4, gpu_memory=5e9, flops_per_s=1e7)
     assert close_calls(tiny, only_one, zero_stages=("ddp",), checkpointing=("none",)) == []
+
+
+# --- one real DP x TP x PP step against one process, and against the planner ----------------
+
+# The TinyGPT of train_3d (vocab 32, seq 8, d 16, d_ff 64, 2 blocks), parameters by hand:
+EMBED = 32 * 16 + 8 * 16  # token and position embeddings
+LN = 2 * 16  # a layer norm's weight and bias
+BLOCK = 2 * LN + (16 * 48 + 48) + (16 * 16 + 16) + (16 * 64 + 64) + (64 * 16 + 16)
+HEAD = LN + 16 * 32  # final layer norm, projection to the vocabulary (no bias)
+# One TP rank of two: half of qkv, fc (weights and biases) and of both proj weights; the
+# layer norms and the proj biases whole.
+BLOCK_SHARE = 2 * LN + (16 * 48 + 48) // 2 + 16 * 16 // 2 + 16 + (16 * 64 + 64) // 2 + 64 * 8 + 16
+F64 = 8
+
+
+@pytest.fixture(scope="module")
+def run_8_ranks():
+    """One launch of 8 ranks, dp = tp = pp = 2: two AdamW steps of train_3d."""
+    grid = ProcessGrid(tp=2, pp=2, dp=2)
+    return grid, launch(train_3d, grid, world_size=8, timeout=300)
+
+
+def assert_equals_one_process(grid, results, **options):
+    reference = reference_3d(**options)  # torch's TinyGPT and AdamW, the whole batch
+    dense = gather_dense(results, grid)
+    assert dense.keys() == reference.keys()
+    for name, expected in reference.items():
+        torch.testing.assert_close(dense[name], expected, rtol=1e-10, atol=1e-10, msg=name)
+    split = re.compile(r"(qkv|fc)\.(weight|bias)$|proj\.weight$")  # lecture 9's TP shards
+    for r, result in enumerate(results):  # DP replicas hold the same; TP copies too
+        replica, tp_first = grid.group_of(r, "dp")[0], grid.group_of(r, "tp")[0]
+        for name, value in result["params"].items():
+            assert torch.equal(value, results[replica]["params"][name]), (r, name)
+            if not split.search(name):
+                assert torch.equal(value, results[tp_first]["params"][name]), (r, name)
+
+
+def test_dp_tp_pp_step_on_8_ranks_equals_one_process(run_8_ranks):
+    grid, results = run_8_ranks
+    assert_equals_one_process(grid, results)
+    # the last stages' loss: the same on TP partners; the replicas' mean is the whole batch's
+    assert all(r["losses"] == [None, None] for r in results if r["coords"]["pp"] == 0)
+    last = [results[r]["losses"] for r in (2, 3, 6, 7)]
+    assert last[0] == last[1] and last[2] == last[3]
+    x, y = step_batches(2, 8)[0]
+    whole = models.lm_loss(models.TinyGPT(STEP_CONFIG, dtype=torch.float64)(x), y).item()
+    assert (last[0][0] + last[2][0]) / 2 == pytest.approx(whole, rel=1e-12)
+
+
+def test_a_second_grid_pp2_dp2_with_four_micro_batches_equals_one_process():
+    grid = ProcessGrid(tp=1, pp=2, dp=2)
+    results = launch(train_3d, grid, steps=1, batch=8, m=4, world_size=4, timeout=300)
+    assert_equals_one_process(grid, results, steps=1, batch=8)
+
+
+def test_planner_predicts_the_measured_bytes_where_its_model_is_exact(run_8_ranks):
+    grid, results = run_8_ranks
+    rows = {row[0]: row[1:] for row in predicted_vs_measured(results, grid)}
+    n, first, last = EMBED + 2 * BLOCK + HEAD, EMBED + BLOCK_SHARE, BLOCK_SHARE + HEAD
+    stage = [last if grid.coords(r)["pp"] else first for r in range(8)]
+    # the planner spreads every parameter evenly: n / (tp pp); the embedding, the head and
+    # the replicated layer norms and biases make the real ranks hold more
+    assert rows["parameters (count)"] == (pytest.approx(n / 4, rel=RTOL), stage)
+    assert rows["params (bytes)"][1] == [F64 * k for k in stage]
+    assert rows["optimizer_state (bytes)"][1] == [2 * F64 * k for k in stage]  # AdamW's moments
+    # TP: 4 all-reduces per block of the (micro 2, seq 8, d 16) float64 activation, 2 ranks
+    # (2(P-1)/P = 1 of it each), 1 block per stage, 2 micro-batches: exact
+    tp = 2 * 4 * 1 * (2 * 8 * 16 * F64)
+    assert rows["tp sent (bytes)"] == (pytest.approx(tp, rel=RTOL), [tp] * 8)
+    # PP: one activation (or gradient) out and one in per micro-batch; each message of
+    # pipeline._send carries a 9-value float64 header the planner does not count
+    pp = 2 * 2 * (2 * 8 * 16 * F64)
+    assert rows["pp sent+received (bytes)"] == (pytest.approx(pp, rel=RTOL), [pp + 4 * 72] * 8)
+    # DP: one all-reduce of the rank's float64 gradients over 2 ranks: 2(P-1)/P = 1 of them
+    assert rows["dp sent (bytes)"] == (
+        pytest.approx(F64 * n / 4, rel=RTOL),
+        [F64 * k for k in stage],
+    )
+
+
+# --- context and expert parallelism in the planner -------------------------------------------
+
+
+def test_context_parallel_splits_activations_and_adds_ring_traffic_by_hand():
+    base = estimate(SMALL, CLUSTER, Plan(2, 2, 4, "zero1", "none"))
+    e = estimate(SMALL, CLUSTER, Plan(2, 2, 2, "zero1", "none", cp=2))
+    m = 64 // (2 * 2)  # 16 micro-batches: CP does not split the batch
+    short = (S // 2) * B * H
+    # the weights are copied over dp x cp = 4 ranks: the same state as DP 4
+    for kind in ("params", "grads", "optimizer_state"):
+        assert e.memory[kind] == pytest.approx(base.memory[kind], rel=RTOL)
+    per_layer = short * (34 / 2 + 5 * A * (S // 2) / (H * 2))  # TP + SP, s / cp tokens
+    assert e.memory["activations"] == pytest.approx(2 * 4 * per_layer, rel=RTOL)
+    kv = 2 * 2 * S * B * H / 2  # K and V of the whole sequence, bf16, this TP rank's heads
+    ring = 4 * 3 * (1 / 2) * kv  # 4 layers; K, V forward, again and dK, dV back; (P-1)/P
+    assert e.traffic["cp"] == pytest.approx(m * ring, rel=RTOL)
+    assert e.traffic["tp"] == pytest.approx(m * 4 * 4 * (2 * (2 - 1) / 2) * short * 2, rel=RTOL)
+    assert e.traffic["dp"] == pytest.approx(2 * (3 / 4) * 2 * 1e9 / 4, rel=RTOL)
+    # tp [0, 1], cp [0, 2] within a node of 4; the rest crosses nodes
+    assert e.links == {
+        "tp": "intra-node",
+        "pp": "inter-node",
+        "dp": "inter-node",
+        "cp": "intra-node",
+    }
+    compute = forward_backward_flops(4) / 2 / 2 / 1e14  # half a stage's work on each CP rank
+    assert e.seconds["compute"] == pytest.approx(m * compute, rel=RTOL)
+    assert str(e.plan).startswith("TP2+SP x CP2 x PP2 x DP2")
+
+
+def test_expert_parallel_divides_the_experts_and_adds_all_to_alls_by_hand():
+    moe = replace(SMALL, num_experts=4, top_k=2, expert_params=8e8)  # 2e8 shared
+    e = estimate(moe, CLUSTER, Plan(1, 1, 16, "ddp", "none", ep=4))
+    m = 64 // (16 * 2)
+    assert e.params_per_gpu == pytest.approx(2e8 + 8e8 / 4, rel=RTOL)
+    assert e.memory["params"] == pytest.approx(2 * 4e8, rel=RTOL)
+    # all-to-all of the tokens, each to 2 experts: dispatch and combine, forward and backward
+    tokens = 2 * S * B * H * 2
+    assert e.traffic["ep"] == pytest.approx(m * 8 * 2 * 2 * (3 / 4) * tokens, rel=RTOL)
+    # shared gradients all-reduced over 16 ranks, the experts' over the 4 copies of each
+    dp = 2 * (15 / 16) * 2 * 2e8 + 2 * (3 / 4) * 2 * 2e8
+    assert e.traffic["dp"] == pytest.approx(dp, rel=RTOL)
+    # each token runs 2 of 4 experts: (2e8 + 4e8) / (2e8 + 2e8) the dense shape's FLOPs
+    assert e.seconds["compute"] == pytest.approx(
+        m * forward_backward_flops(8) * 1.5 / 1e14, rel=RTOL
+    )
+    assert e.links["ep"] == "intra-node"  # ranks 0-3: one node of 4
+    with pytest.raises(ValueError, match="ep=3"):
+        estimate(moe, CLUSTER, Plan(1, 1, 16, ep=3))
+
+
+def test_cp_and_ep_default_to_one_and_leave_the_candidates_unchanged():
+    plain = candidates(LLAMA_7B, Cluster(64))
+    assert all(e.plan.cp == e.plan.ep == 1 and "cp" not in e.traffic for e in plain)
+    assert [e.plan for e in candidates(LLAMA_7B, Cluster(64), cp=(1,), ep=(1,))] == [
+        e.plan for e in plain
+    ]
+
+
+def test_cp_pays_for_long_sequences_and_ep_for_mixtures_of_experts():
+    # 16 sequences of 128k tokens on 256 GPUs: DP stops at 16 replicas, so without CP the
+    # rest goes to a pipeline with one micro-batch per stage (a 50% bubble)
+    long = replace(LLAMA_7B, shape=replace(LLAMA_7B.shape, seq=131072), global_batch=16)
+    without, with_cp = best(long, Cluster(256)), best(long, Cluster(256), cp=(1, 2, 4, 8))
+    assert without.plan.cp == 1 and without.bubble == pytest.approx(0.5)
+    assert with_cp.plan.cp > 1 and with_cp.step_seconds < 0.6 * without.step_seconds
+    # Mixtral's sizes, 64 sequences on 256 GPUs linked at 32 GB/s inside a node: the experts
+    # split over EP ranks instead of TP x PP
+    moe, slow = replace(MOE_8X7B, global_batch=64), Cluster(256, intra_bandwidth=32e9)
+    without, with_ep = best(moe, slow), best(moe, slow, ep=(1, 2, 4, 8))
+    assert without.plan.ep == 1 and with_ep.plan.ep > 1
+    assert with_ep.step_seconds < 0.9 * without.step_seconds
+
+
+def test_table_and_chart_show_the_cp_seconds_in_the_step():
+    long = replace(LLAMA_7B, shape=replace(LLAMA_7B.shape, seq=131072), global_batch=16)
+    shown = [e for e in candidates(long, Cluster(256), cp=(1, 2)) if e.fits][:3]
+    header, first = candidate_table(shown).splitlines()[:2]
+    assert header.split()[:4] == ["tp", "pp", "dp", "cp"] and "CP" in header.split()
+    assert f"{shown[0].seconds['cp']:.2f}" in first and shown[0].plan.cp == 2
+    ax = plot_step_times(shown).axes[0]
+    assert sum(p.get_width() for p in ax.patches) == pytest.approx(
+        sum(e.step_seconds for e in shown), rel=RTOL
+    )

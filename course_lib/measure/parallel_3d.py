@@ -1,37 +1,95 @@
-"""How lecture 10 shows the planner: its best plan in one line, the candidates as a table, a
-figure of each plan's step time by cause, and a form (widget) that re-plans as the model and
-the cluster change.
+"""How lecture 10 shows the planner, and the one real DP x TP x PP step it runs beside it:
+the best plan in one line, the candidates as a table, a figure of each plan's step time by
+cause, a form (widget) that re-plans, the plans too close to call, and the grid as a table.
 
     print(summary(MODELS["70B"], cluster))
     print(candidate_table(candidates(MODELS["70B"], cluster)[:10]))
     plot_step_times(candidates(MODELS["70B"], cluster)[:12])
     PlannerWidget(model="70B", gpus=512)
+    run = launch(train_3d, ProcessGrid(2, 2, 2), world_size=8)   # on each rank: 2 steps
+    gather_dense(run, grid) vs reference_3d()                    # the same, in one process
+    print(comparison_table(predicted_vs_measured(run, grid)))    # planner beside measured
 
-The grid of ranks and the planner are in `course_lib.parallel_3d`.
+The real step (`train_3d`, `step_3d`) is built from lecture 9's TP layers, lecture 8's 1F1B
+schedule and send/recv, and a DP all-reduce; the grid and the planner are in
+`course_lib.parallel_3d`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import ipywidgets as widgets
 import numpy as np
+import torch
+import torch.distributed as dist
 from matplotlib.patches import Patch
+from torch import nn
 
+from course_lib import comm, models
+from course_lib.costs import FP64_ADAMW, TransformerShape, zero_bytes
 from course_lib.memory import GB
 from course_lib.parallel_3d import (
+    BF16,
+    DIMENSIONS,
     FLAGS,
     MODELS,
     Cluster,
     Estimate,
     Model,
+    Plan,
+    ProcessGrid,
     best,
     candidates,
-    close_calls,
+    estimate,
+    new_groups,
 )
+from course_lib.pipeline import FORWARD, _recv, _send, schedule_order
 from course_lib.plots import NotebookFigure
+from course_lib.runtime import device
+from course_lib.tensor_parallel import ParallelBlock
+from course_lib.zero import held_bytes
+
+# Plans whose step times differ by less than this are too close for the model to choose.
+CLOSE_CALL = 0.02
+
+
+def close_calls(model: Model, cluster: Cluster, **options: Any) -> list[Estimate]:
+    """The fitting plans other than the best whose step time is within CLOSE_CALL of it: the
+    estimate cannot tell them apart, so the choice among them is for measurements to make."""
+    fitting = [e for e in candidates(model, cluster, **options) if e.fits]
+    if not fitting:
+        return []
+    fastest = fitting[0].step_seconds
+    return [e for e in fitting[1:] if e.step_seconds <= (1 + CLOSE_CALL) * fastest]
+
+
+def grid_table(grid: ProcessGrid) -> str:
+    """One line per rank: its coordinates and the members of its three groups."""
+    width = 2 + max(len(str(g)) for k in DIMENSIONS for g in grid.groups(k))
+    header = f"{'rank':>4}  {'(dp, pp, tp)':<14}"
+    lines = [(header + "".join(f"{k} group".ljust(width) for k in DIMENSIONS)).rstrip()]
+    for r in range(grid.world_size):
+        c = grid.coords(r)
+        where = f"({c['dp']}, {c['pp']}, {c['tp']})"
+        groups = "".join(str(grid.group_of(r, k)).ljust(width) for k in DIMENSIONS)
+        lines.append(f"{r:>4}  {where:<14}{groups}".rstrip())
+    return "\n".join(lines)
+
+
+def group_members(grid: ProcessGrid) -> dict[str, list[int]]:
+    """On every rank: create the groups, then all-gather each rank's global rank inside each
+    of its groups: who is really in my TP, PP and DP group, as the collectives see it."""
+    members = {}
+    for kind, group in new_groups(grid).items():
+        me = torch.tensor([dist.get_rank()], device=device())
+        everyone = [torch.zeros_like(me) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, me, group=group)
+        members[kind] = [int(t.item()) for t in everyone]
+    return members
 
 
 def explain_none(model: Model, cluster: Cluster, **options: Any) -> str:
@@ -48,21 +106,30 @@ def explain_none(model: Model, cluster: Cluster, **options: Any) -> str:
 
 def candidate_table(estimates: Sequence[Estimate]) -> str:
     """One row per plan: memory per GPU (GB), whether it fits, bubble, seconds per step
-    by cause, and utilisation."""
+    by cause, and utilisation; with CP or EP in any plan, their degrees and seconds too."""
+    extra = [k for k in ("cp", "ep") if any(k in e.seconds for e in estimates)]
     header = (
         f"{'tp':>3}{'pp':>4}{'dp':>5} {'zero':<6}{'ckpt':<10}{'m':>5}{'state GB':>9}{'act GB':>8}"
         f"{'total':>7} {'fits':<5}{'bubble':>7}{'compute':>8}{'recomp':>7}{'TP':>6}{'PP':>6}"
         f"{'bubble':>7}{'DP':>7}{'step s':>8}{'util':>6}{'MFU':>5} flags"
     )
+    if extra:  # the degrees after dp, the seconds after PP
+        names = "".join(f"{k:>4}" for k in extra)
+        header = header[:12] + names + header[12:]
+        at = header.index("bubble", header.index("PP"))
+        header = header[: at - 1] + "".join(f"{k.upper():>6}" for k in extra) + header[at - 1 :]
     rows = [header]
     for e in estimates:
         p, s = e.plan, e.seconds
         state = e.total_memory - e.memory["activations"]
+        degrees = "".join(f"{getattr(p, k):>4}" for k in extra)
+        more = "".join(f"{s.get(k, 0.0):>6.2f}" for k in extra)
         rows.append(
-            f"{p.tp:>3}{p.pp:>4}{p.dp:>5} {p.zero:<6}{p.checkpointing:<10}{e.micro_batches:>5}"
+            f"{p.tp:>3}{p.pp:>4}{p.dp:>5}{degrees} {p.zero:<6}{p.checkpointing:<10}"
+            f"{e.micro_batches:>5}"
             f"{state / GB:>9.1f}{e.memory['activations'] / GB:>8.1f}{e.total_memory / GB:>7.1f}"
             f" {'yes' if e.fits else 'no':<5}{e.bubble:>7.1%}{s['compute']:>8.2f}"
-            f"{s['recompute']:>7.2f}{s['tp']:>6.2f}{s['pp']:>6.2f}{s['bubble']:>7.2f}"
+            f"{s['recompute']:>7.2f}{s['tp']:>6.2f}{s['pp']:>6.2f}{more}{s['bubble']:>7.2f}"
             f"{s['dp']:>7.2f}{e.step_seconds:>8.2f}{e.utilisation:>6.0%}{e.mfu:>5.0%}"
             + f" {e.flags}".rstrip()
         )
@@ -95,11 +162,12 @@ def plot_step_times(estimates: Sequence[Estimate], title: str = "") -> NotebookF
     """Seconds per step of each plan, stacked by cause; plans that do not fit are hatched."""
     fig = NotebookFigure(figsize=(8, 0.45 * len(estimates) + 1.2), layout="constrained")
     ax = fig.add_subplot()
-    causes = ("compute", "recompute", "tp", "pp", "bubble", "dp")
+    extra = tuple(k for k in ("cp", "ep") if any(k in e.seconds for e in estimates))
+    causes = ("compute", "recompute", "tp", "pp", *extra, "bubble", "dp")
     labels = [str(e.plan) for e in estimates]
     left = np.zeros(len(estimates))
     for i, cause in enumerate(causes):
-        widths = np.array([e.seconds[cause] for e in estimates])
+        widths = np.array([e.seconds.get(cause, 0.0) for e in estimates])
         bars = ax.barh(labels, widths, left=left, color=f"C{i}")
         for bar, e in zip(bars, estimates, strict=True):
             if not e.fits:
@@ -192,3 +260,232 @@ class PlannerWidget(widgets.VBox):
             fitting = [e for e in self.estimates if e.fits]
             print(f"{len(fitting)} of {len(self.estimates)} plans fit; the fastest:")
             print(candidate_table((fitting or self.estimates)[: self.top]))
+
+
+# --- one real DP x TP x PP step, measured beside the planner --------------------------------
+
+STEP_CONFIG = models.GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=64)
+LR = 1e-2
+
+
+def layer_names(config: models.GPTConfig) -> list[str]:
+    """The dense TinyGPT's name prefix of each layer of `layers()`: embed, blocks.i, head."""
+    return ["embed", *(f"blocks.{i}" for i in range(config.n_layers)), "head"]
+
+
+def build_stage(grid: ProcessGrid, tp_group: dist.ProcessGroup, seed: int = 0) -> nn.Sequential:
+    """On each rank: its pipeline stage of the float64 TinyGPT, every block made of lecture 9's
+    tensor-parallel layers over `tp_group`; the embedding and the head stay whole (replicated
+    over the TP group)."""
+    dense = models.TinyGPT(STEP_CONFIG, seed=seed, dtype=torch.float64)
+    layers = dense.pipeline_stages(grid.pp)[grid.coords(dist.get_rank())["pp"]]
+    return nn.Sequential(
+        *(ParallelBlock(x, tp_group) if isinstance(x, models.Block) else x for x in layers)
+    )
+
+
+def dense_names(grid: ProcessGrid, stage: nn.Sequential) -> dict[str, str]:
+    """This rank's parameter names -> the dense TinyGPT's names ("1.attn.qkv.weight" ->
+    "blocks.0.attn.qkv.weight")."""
+    n_layers = len(layer_names(STEP_CONFIG))
+    bounds = [round(i * n_layers / grid.pp) for i in range(grid.pp + 1)]
+    first = bounds[grid.coords(dist.get_rank())["pp"]]
+    prefix = layer_names(STEP_CONFIG)
+    return {
+        name: f"{prefix[first + int(name.split('.')[0])]}.{name.split('.', 1)[1]}"
+        for name, _ in stage.named_parameters()
+    }
+
+
+def step_3d(
+    stage: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    m: int,
+    grid: ProcessGrid,
+    groups: dict[str, dist.ProcessGroup],
+    optimizer: torch.optim.Optimizer,
+) -> float | None:
+    """One DP x TP x PP training step on this rank, for its DP replica's batch x, y: m
+    micro-batches through the 1F1B schedule of lecture 8 (activations forward and gradients
+    back by send/recv between the stages of its PP group), the TP all-reduces inside each
+    block (lecture 9), then the gradients averaged over the DP group (lecture 3) and one
+    optimizer step. Returns the replica's loss on the last stage, None elsewhere."""
+    me = dist.get_rank()
+    s, pipe = grid.coords(me)["pp"], grid.group_of(me, "pp")
+    last = s == grid.pp - 1
+    xs, ys = x.chunk(m), y.chunk(m)
+    inputs, outputs, pending, loss = {}, {}, [], 0.0
+    optimizer.zero_grad(set_to_none=True)
+    for op in schedule_order("1f1b", grid.pp, m)[s]:
+        i = op.micro
+        if op.kind == FORWARD:
+            inp = xs[i] if s == 0 else _recv(pipe[s - 1])[0].requires_grad_()
+            out = stage(inp)
+            if last:
+                out = models.lm_loss(out, ys[i]) / m  # the mean over micro-batches
+                loss += out.item()
+            else:
+                pending += _send(out, pipe[s + 1], ready=0.0)
+            inputs[i], outputs[i] = inp, out
+        else:
+            grad = None if last else _recv(pipe[s + 1])[0]
+            torch.autograd.backward(outputs.pop(i), grad)
+            inp = inputs.pop(i)
+            if s > 0:
+                pending += _send(inp.grad, pipe[s - 1], ready=0.0)
+    for work in pending:
+        if isinstance(work, dist.Work):
+            work.wait()
+    for p in stage.parameters():  # the replicas' mean gradient: the whole batch's
+        dist.all_reduce(p.grad, group=groups["dp"])
+        p.grad /= grid.dp
+    optimizer.step()
+    return loss if last else None
+
+
+class GroupBytes:
+    """Bytes this rank sends in each kind of group while the block runs, as `comm` counts
+    them: send/recv (the pipeline's, group None) go to "pp", collectives to their group."""
+
+    def __init__(self, groups: dict[str, dist.ProcessGroup]) -> None:
+        self.kind_of = {id(g): k for k, g in groups.items()}
+        self.sent = {k: 0 for k in ("tp", "pp", "dp")}
+        self.received = dict(self.sent)
+        self.messages = dict(self.sent)
+
+    def _hook(self, op: str, args: dict, sent: int, received: int, call: Any) -> object:
+        kind = "pp" if op in comm.POINT_TO_POINT else self.kind_of[id(args.get("group"))]
+        self.sent[kind] += sent
+        self.received[kind] += received
+        self.messages[kind] += 1 if sent else 0
+        return call()
+
+    def __enter__(self) -> GroupBytes:
+        comm.add_around_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        comm.remove_around_hook(self._hook)
+
+
+def train_3d(grid: ProcessGrid, steps: int = 2, batch: int = 8, m: int = 2, seed: int = 0):
+    """On each rank: `steps` AdamW steps of the 3-D TinyGPT on the same seeded batches as
+    `reference_3d`, this replica taking its 1/dp of each. Returns this rank's coordinates, its
+    parameters under dense names, its loss, and what it measured in the first step: bytes
+    held (parameters, gradients, optimizer state) and bytes sent per kind of group."""
+    groups = new_groups(grid)
+    stage = build_stage(grid, groups["tp"], seed)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=LR)
+    d, n = grid.coords(dist.get_rank())["dp"], batch // grid.dp
+    losses, counts = [], []
+    for x, y in step_batches(steps, batch, seed):
+        rows = slice(d * n, (d + 1) * n)
+        with GroupBytes(groups) as counted:
+            losses.append(step_3d(stage, x[rows], y[rows], m, grid, groups, optimizer))
+        counts.append(counted)
+    names = dense_names(grid, stage)
+    return {
+        "coords": grid.coords(dist.get_rank()),
+        "params": {names[k]: p.detach().clone() for k, p in stage.named_parameters()},
+        "losses": losses,
+        "held": {
+            "params": held_bytes(stage.parameters()),
+            "grads": held_bytes(p.grad for p in stage.parameters()),
+            "optimizer_state": held_bytes(
+                t for state in optimizer.state.values() for t in state.values() if t.dim() > 0
+            ),
+        },
+        "sent": counts[0].sent,
+        "received": counts[0].received,
+        "messages": counts[0].messages,
+        "numel": sum(p.numel() for p in stage.parameters()),
+    }
+
+
+def step_batches(steps: int, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches of token ids and next-token targets, the same in every process."""
+    g = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(STEP_CONFIG.vocab_size, (batch, STEP_CONFIG.seq_len), generator=g)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def reference_3d(steps: int = 2, batch: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The same training in one process: the whole TinyGPT, the whole batch, torch's AdamW."""
+    model = models.TinyGPT(STEP_CONFIG, seed=seed, dtype=torch.float64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for x, y in step_batches(steps, batch, seed):
+        optimizer.zero_grad()
+        models.lm_loss(model(x), y).backward()
+        optimizer.step()
+    return {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def gather_dense(results: list[dict], grid: ProcessGrid) -> dict[str, torch.Tensor]:
+    """The dense parameters put back together from the ranks of DP replica 0: column-parallel
+    pieces (lecture 9: qkv as three blocks, fc) stacked by rows, row-parallel weights side by
+    side, everything else (layer norms, biases after the sum, embedding, head) whole."""
+    out = {}
+    for ranks in grid.groups("tp"):
+        if results[ranks[0]]["coords"]["dp"]:
+            continue
+        pieces = [results[r]["params"] for r in ranks]
+        for name in pieces[0]:
+            parts = [p[name] for p in pieces]
+            if re.search(r"(qkv|fc)\.(weight|bias)$", name):
+                k = 3 if ".qkv." in name else 1
+                blocks = [t.chunk(k, dim=0) for t in parts]
+                out[name] = torch.cat([b[j] for j in range(k) for b in blocks], dim=0)
+            elif re.search(r"proj\.weight$", name):
+                out[name] = torch.cat(parts, dim=1)
+            else:
+                out[name] = parts[0]
+    return out
+
+
+def tiny_model(batch: int = 8, m: int = 2, dp: int = 2) -> Model:
+    """The planner's description of the TinyGPT `train_3d` trains: its parameter count, its
+    shape (micro-batch batch / (dp m) sequences) and its global batch."""
+    c = STEP_CONFIG
+    n = models.count_parameters(models.TinyGPT(c))
+    shape = TransformerShape(c.n_layers, c.d_model, c.n_heads, c.seq_len, batch // (dp * m))
+    return Model("TinyGPT", n, shape, global_batch=batch)
+
+
+def predicted_vs_measured(results: list[dict], grid: ProcessGrid, batch: int = 8, m: int = 2):
+    """Rows (what, predicted, measured on each rank) for the first step of `train_3d`: the
+    planner's `estimate` for this grid (no SP, DDP, no checkpointing), its bf16 bytes scaled
+    to float64, and AdamW's state in float64 (two moments, no master copy: FP64_ADAMW)."""
+    model = tiny_model(batch, m, grid.dp)
+    plan = Plan(grid.tp, grid.pp, grid.dp, sequence_parallel=False)
+    e = estimate(model, Cluster(grid.world_size, gpus_per_node=grid.world_size), plan)
+    held = zero_bytes("ddp", e.params_per_gpu, grid.dp, FP64_ADAMW)
+    scale = FP64_ADAMW["params"] / BF16  # the planner prices bf16 values; the run is float64
+    rows = [("parameters (count)", e.params_per_gpu, [r["numel"] for r in results])]
+    rows += [(f"{k} (bytes)", held[k], [r["held"][k] for r in results]) for k in held]
+    for kind in ("tp", "dp"):
+        rows.append(
+            (f"{kind} sent (bytes)", e.traffic[kind] * scale, [r["sent"][kind] for r in results])
+        )
+    # The planner charges each GPU a boundary's traffic both ways (activation and gradient).
+    pp = [r["sent"]["pp"] + r["received"]["pp"] for r in results]
+    rows.append(("pp sent+received (bytes)", e.traffic["pp"] * scale, pp))
+    return rows
+
+
+def comparison_table(rows) -> str:
+    """The planner's number beside each rank's measured one."""
+    width = max(len(str(int(v))) for _, p, ms in rows for v in (p, *ms)) + 2
+    ranks = len(rows[0][2])
+    lines = [
+        f"{'per rank, first step':<26}{'planner':>{width}}"
+        + "".join(f"{'rank ' + str(r):>{width}}" for r in range(ranks))
+    ]
+    for what, predicted, measured in rows:
+        lines.append(
+            f"{what:<26}{predicted:>{width},.0f}" + "".join(f"{v:>{width},}" for v in measured)
+        )
+    return "\n".join(lines)
