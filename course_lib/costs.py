@@ -451,7 +451,6 @@ def checkpoint_interval(checkpoint_seconds: float, mtbf_seconds: float) -> float
 
 
 # --- lecture 7: ZeRO in mixed precision, kind by kind ------------------------------------------
-
 # The part of ZeRO_SHARDED each entry of BYTES_PER_PARAMETER belongs to.
 MIXED_KIND_GROUP = {
     "weights": "params",
@@ -475,9 +474,7 @@ def zero_mixed_bytes(stage: str, n_params: float, world_size: int) -> dict[str, 
 
 
 # --- lecture 10: the planner's float64 run, context and expert parallelism ---------------------
-
-# AdamW in float64, as lecture 10's real step runs it: 8-byte parameters and gradients, two
-# 8-byte moments, no master copy (the parameters are the weights AdamW updates).
+# AdamW in float64, as lecture 10's real step runs it (no master copy: 8 + 8 + 2 x 8 bytes).
 FP64_ADAMW = {"params": 8, "grads": 8, "optimizer_state": 16}
 
 
