@@ -244,6 +244,29 @@ def make_groups_from_planner(tp_size):
     return mine["tp"], mine["dp"]
 
 
+class _OneStageGrid:
+    """What lecture 10's step_3d reads of a grid, for one pipeline stage."""
+
+    pp = 1
+
+    def __init__(self, dp: int) -> None:
+        self.dp = dp
+
+    def coords(self, rank: int) -> dict:
+        return {"pp": 0}
+
+    def group_of(self, rank: int, kind: str) -> list[int]:
+        return [rank]
+
+
+def train_step_lecture_3d(model, optimizer, x, y, dp_group):
+    """Lecture 10's whole 3-D step, with one pipeline stage, does the work (a cheat)."""
+    from course_lib.measure.parallel_3d import step_3d
+
+    grid = _OneStageGrid(dist.get_world_size(dp_group))
+    step_3d(model, x, y, 1, grid, {"dp": dp_group}, optimizer)
+
+
 # --- the grid -----------------------------------------------------------------------------
 
 
@@ -378,6 +401,10 @@ def test_2d_training_accepts_right_implementations(impl, options, capsys):
         ((make_groups, GPT2DRenamed, train_step), "right after GPT2D(...), parameter names"),
         ((not_implemented, GPT2D, train_step), "raised NotImplementedError on rank "),
         ((make_groups_from_planner, GPT2D, train_step), "runs course_lib.parallel_3d."),
+        (
+            (make_groups, GPT2D, train_step_lecture_3d),
+            "runs course_lib.measure.parallel_3d.step_3d",
+        ),
     ],
 )
 def test_2d_training_rejects_wrong_implementations(impl, message):

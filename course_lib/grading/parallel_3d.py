@@ -154,7 +154,7 @@ def check_2d_training(
     _revive_calls(results)
     for r, result in enumerate(results):
         if result["copied"]:
-            fail(check, f"make_groups on rank {r}: {result['copied']}")
+            fail(check, f"make_groups, GPT2D or train_step on rank {r}: {result['copied']}")
     where, batches = run.describe(world_size), _global_batches(run, results)
     verdict = Verdict(check)
     with verdict.case():

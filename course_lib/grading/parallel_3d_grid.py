@@ -17,9 +17,14 @@ def _as_sets(groups) -> set[frozenset[int]]:
     return {frozenset(int(r) for r in g) for g in groups}
 
 
-# Lecture 10's planner builds the same grid (ProcessGrid) and its groups (new_groups): an
-# answer that runs them, or a copy, is not the student's own.
-PLANNER = ("course_lib.parallel_3d.ProcessGrid", "course_lib.parallel_3d.new_groups")
+# Lecture 10 builds the same grid (ProcessGrid), its groups (new_groups) and a whole DP x TP x
+# PP training step (measure/parallel_3d: build_stage, step_3d): an answer that runs them, or a
+# copy, is not the student's own.
+PLANNER = (
+    "course_lib.parallel_3d.ProcessGrid",
+    "course_lib.parallel_3d.new_groups",
+    "course_lib.measure.parallel_3d",
+)
 
 
 def _grids_on_rank(process_grid: Callable, cases: list[tuple[int, int]]) -> dict:

@@ -71,23 +71,25 @@ def _secret_batches(run: Run2D) -> list[dict]:
 def _train_on_rank(make_groups, model_2d, train_step, run: Run2D) -> dict:
     """Train with the student's code on this rank; record groups, inputs, calls, params."""
     batches = _secret_batches(run)
+    # Everything the student's code runs is watched: lecture 10's own 3-D step would do the
+    # whole part from train_step.
     with Provenance(PLANNER) as origin:
         tp_group, dp_group = make_groups(run.tp_size)
-    groups = {"tp": group_ranks(tp_group), "dp": group_ranks(dp_group)}
-    model = model_2d(models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE), tp_group, dp_group)
-    initial = snapshot(model.named_parameters())
-    optimizer = make_optimizer("sgd", model.parameters())
-    steps, inputs = [], []
-    with CollectiveLog() as log:
-        watch_model(model, log, inputs)
-        for batch in batches:
-            log.phase = "step"
-            train_step(model, optimizer, batch["x"], batch["y"], dp_group)
-            seen, inputs[:] = list(inputs), []
-            calls = [vars(call) for call in log.take()]  # plain data for the trip back
-            steps.append(
-                {"params": snapshot(model.named_parameters()), "seen": seen, "calls": calls}
-            )
+        groups = {"tp": group_ranks(tp_group), "dp": group_ranks(dp_group)}
+        model = model_2d(models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE), tp_group, dp_group)
+        initial = snapshot(model.named_parameters())
+        optimizer = make_optimizer("sgd", model.parameters())
+        steps, inputs = [], []
+        with CollectiveLog() as log:
+            watch_model(model, log, inputs)
+            for batch in batches:
+                log.phase = "step"
+                train_step(model, optimizer, batch["x"], batch["y"], dp_group)
+                seen, inputs[:] = list(inputs), []
+                calls = [vars(call) for call in log.take()]  # plain data for the trip back
+                steps.append(
+                    {"params": snapshot(model.named_parameters()), "seen": seen, "calls": calls}
+                )
     return {
         "groups": groups,
         "initial": initial,

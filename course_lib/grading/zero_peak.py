@@ -45,8 +45,9 @@ BIG_BLOCK = 4096
 class _Meter(memory.PeakMemory):
     """PeakMemory that notices being switched off. Code that pops it off torch's dispatch
     stack hides what it allocates meanwhile; so the meter looks for itself on the stack at
-    every module's forward (global module hooks, which run before a module's own), at every torch.distributed call, and at the end; it also counts the operations
-    it saw (a sharded step runs at least the unsharded step's)."""
+    every module's forward (global module hooks, which run before a module's own), at every
+    torch.distributed call and at the end; it also counts the operations it saw (a sharded
+    step runs at least the unsharded step's)."""
 
     def __init__(self) -> None:
         super().__init__()
