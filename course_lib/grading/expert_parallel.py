@@ -14,8 +14,8 @@ token's k choices it is), a token's output the sum over its kept choices of prob
 the expert's output (zero if all were dropped). The reference (`reference`) is that, written
 out on one process in the checking process: never the lecture's code.
 
-Traffic rules (`check_moe_traffic`): tokens travel only by dist.all_to_all (lists) or
-send/recv/isend/irecv; other collectives (all_gather, all_reduce, ...) carry at most 2 E
+Traffic rules (`check_moe_traffic`): tokens travel only by all-to-alls (all_to_all_single,
+counted by its split sizes, or all_to_all) or send/recv/isend/irecv; other collectives (all_gather, all_reduce, ...) carry at most 2 E
 numbers a call (counts per expert). Per forward and backward, a rank sends at most the bytes
 of its kept choices that go to other ranks' experts and of the outputs it sends back, twice
 (backward mirrors forward, `traffic_budget`), plus `HOP_BYTES` per peer for each of four
@@ -244,8 +244,9 @@ def judge_traffic(check: str, case: Case, records: list[dict]) -> None:
             if op not in SMALL_CALLS:
                 fail(
                     check,
-                    f"{case}: rank {r} called dist.{op}; tokens travel by dist.all_to_all "
-                    "(lists of tensors) or dist.send/recv/isend/irecv only",
+                    f"{case}: rank {r} called dist.{op}; tokens travel by all-to-alls "
+                    "(dist.all_to_all_single, dist.all_to_all) or dist.send/recv/isend/irecv "
+                    "only",
                     prop="dispatch",
                 )
             if size > limit:

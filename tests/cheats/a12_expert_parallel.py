@@ -147,14 +147,15 @@ CHEATS = [
     ),
 ]
 
-# dist.all_to_all on lists of uneven pieces, and experts run on their rows in arrival order
-# (a different order inside a rank): the same layer.
-ALL_TO_ALL_LISTS = """
+# torch's all_to_all_single with uneven split sizes (gloo runs it; its list version,
+# dist.all_to_all, wants pieces of one size), the gradient by the same call the other way.
+ALL_TO_ALL_SINGLE = """
 def exchange_rows(rows, send_counts, recv_counts):
-    outgoing = [piece.contiguous() for piece in rows.split(send_counts)]
-    incoming = [torch.empty(n, rows.shape[1], dtype=rows.dtype) for n in recv_counts]
-    dist.all_to_all(incoming, outgoing)
-    return torch.cat(incoming)
+    out = torch.empty(sum(recv_counts), rows.shape[1], dtype=rows.dtype)
+    dist.all_to_all_single(
+        out, rows.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts
+    )
+    return out
 
 
 class ExchangeRows(torch.autograd.Function):
@@ -165,7 +166,7 @@ class ExchangeRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return exchange_rows(grad.contiguous(), ctx.recv_counts, ctx.send_counts), None, None
+        return exchange_rows(grad, ctx.recv_counts, ctx.send_counts), None, None
 """
 
 # Sends grouped by destination but in token order inside each (not by expert), with the
@@ -205,7 +206,7 @@ def expert_parallel_moe(x, router, experts, k, capacity_factor):
 """
 
 ALTERNATIVES = [
-    Alternative("dist.all_to_all on lists of uneven pieces", "exchange", ALL_TO_ALL_LISTS),
+    Alternative("all_to_all_single with uneven splits", "exchange", ALL_TO_ALL_SINGLE),
     Alternative(
         "token order inside a destination, expert ids sent along", "moe_layer", TOKEN_ORDER
     ),
