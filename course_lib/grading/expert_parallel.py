@@ -323,7 +323,7 @@ def _check(
                     judge_traffic(check, case, records)
                 for record, budget in zip(records, traffic_budget(case), strict=True):
                     closest = max(closest, [record["sent"] / budget, record["sent"], budget])
-        if P > 1 and weights is None:  # experts that do not split: apart, as it may crash
+        if P > 1 and sync is None:  # experts that do not split: apart, as it may crash
             refused = Case(P, 2 * P, P + 1, 1, 1.0, min(seeds, default=0))
             count += 1
             with verdict.case():
