@@ -15,11 +15,12 @@ the expert's output (zero if all were dropped). The reference (`reference`) is t
 out on one process in the checking process: never the lecture's code.
 
 Traffic rules (`check_moe_traffic`): tokens travel only by all-to-alls (all_to_all_single,
-counted by its split sizes, or all_to_all) or send/recv/isend/irecv; other collectives (all_gather, all_reduce, ...) carry at most 2 E
-numbers a call (counts per expert). Per forward and backward, a rank sends at most the bytes
-of its kept choices that go to other ranks' experts and of the outputs it sends back, twice
-(backward mirrors forward, `traffic_budget`), plus `HOP_BYTES` per peer for each of four
-all-to-alls and 16 E bytes per peer.
+counted by its split sizes, or all_to_all) or send/recv/isend/irecv; other collectives
+(all_gather, all_reduce, ...) carry at most 2 E numbers a call (counts per expert). Per
+forward and backward, a rank sends at most the bytes of its kept choices that go to other
+ranks' experts and of the outputs it sends back, twice (backward mirrors forward,
+`traffic_budget`), plus `HOP_BYTES` per peer for each of four all-to-alls and 16 E bytes per
+peer.
 """
 
 from __future__ import annotations
