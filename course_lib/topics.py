@@ -134,7 +134,12 @@ TOPICS = (
         "Sequence parallelism: splitting the tokens",
         assignment="ring attention and Ulysses",
     ),
-    Topic(12, "expert_parallel", "Mixture of experts: experts on different ranks"),
+    Topic(
+        12,
+        "expert_parallel",
+        "Mixture of experts: experts on different ranks",
+        assignment="an expert-parallel mixture of experts",
+    ),
     Topic(13, "fault_tolerance", "Training that survives failures"),
 )
 

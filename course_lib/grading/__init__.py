@@ -16,6 +16,11 @@ from course_lib.grading.collectives import (
 )
 from course_lib.grading.compression import check_powersgd, check_quantized_all_reduce
 from course_lib.grading.data_parallel import check_ddp, check_sync_gradients
+from course_lib.grading.expert_parallel import (
+    check_moe_backward,
+    check_moe_forward,
+    check_moe_traffic,
+)
 from course_lib.grading.gossip import check_push_sum
 from course_lib.grading.parallel_3d import check_2d_training, check_process_grid
 from course_lib.grading.pipeline import (
@@ -52,6 +57,9 @@ __all__ = [
     "check_column_parallel_linear",
     "check_ddp",
     "check_dist_ping_pong",
+    "check_moe_backward",
+    "check_moe_forward",
+    "check_moe_traffic",
     "check_optimal_partition",
     "check_parallel_attention",
     "check_parallel_mlp",

@@ -1,0 +1,213 @@
+"""Assignment 12's cheats (each scores 0 on its part) and right answers written differently
+(full marks). tests/test_grading_expert_parallel.py holds the checks against the same texts
+and against named wrong implementations (experts on the wrong ranks, capacity ignored,
+rank-local queues, no gate weights, router gradients not summed, every token to every rank)."""
+
+from __future__ import annotations
+
+from tests.cheats import Alternative, Cheat
+
+ALL_TESTS = frozenset({"test_forward", "test_backward", "test_traffic"})
+
+# The lecture's layer, wrapped: its experts and router copied from the ones handed in.
+LECTURE_LAYER = """
+from course_lib.expert_parallel import ExpertParallelMoE, MoE
+
+
+def expert_parallel_moe(x, router, experts, k, capacity_factor):
+    n_experts, P = router.out_features, world_size()
+    moe = MoE(x.shape[1], 12, n_experts, k=k, capacity_factor=capacity_factor)
+    if n_experts % P:
+        raise ValueError("experts do not split")
+    layer = ExpertParallelMoE(moe)
+    layer.router = router
+    layer.experts = experts
+    return layer(x)[0]
+"""
+
+# The lecture's routing helpers, rebound under the student's names, with a hand-written rest.
+LECTURE_ROUTING = """
+from course_lib import expert_parallel as _ep
+
+pick = _ep.choose
+fits = _ep.within_capacity
+
+
+def expert_parallel_moe(x, router, experts, k, capacity_factor):
+    P, r = world_size(), rank()
+    n_experts = router.out_features
+    if n_experts % P:
+        raise ValueError("experts do not split")
+    per_rank = n_experts // P
+    probs, gates, chosen = pick(x, router.weight, k)
+    mine = torch.nn.functional.one_hot(chosen, n_experts).sum((0, 1))
+    counts = [torch.zeros_like(mine) for _ in range(P)]
+    dist.all_gather(counts, mine)
+    counts = torch.stack(counts)
+    capacity = expert_capacity(int(counts.sum()) // k, n_experts, k, capacity_factor)
+    before = counts.cumsum(0) - counts
+    kept = fits(chosen, n_experts, capacity, before[r])
+    kept_per_rank = (capacity - before).clamp(min=0).minimum(counts)
+    token, slot = torch.nonzero(kept, as_tuple=True)
+    expert = chosen[token, slot]
+    order = torch.argsort(expert * x.shape[0] + token)
+    token, slot, expert = token[order], slot[order], expert[order]
+    by_rank = kept_per_rank.view(P, P, per_rank).sum(2)
+    send_counts, recv_counts = by_rank[r].tolist(), by_rank[:, r].tolist()
+    arrived = ExchangeRows.apply(x[token], send_counts, recv_counts)
+    here = kept_per_rank[:, r * per_rank : (r + 1) * per_rank]
+    owner = torch.arange(per_rank).repeat(P).repeat_interleave(here.flatten())
+    done = torch.zeros_like(arrived)
+    for i, module in enumerate(experts):
+        rows = torch.nonzero(owner == i).flatten()
+        done = done.index_copy(0, rows, module(arrived[rows]))
+    back = ExchangeRows.apply(done, recv_counts, send_counts)
+    return torch.zeros_like(x).index_add(0, token, gates[token, slot, None] * back)
+"""
+
+# Lecture 11's all-to-all (the one lecture 12's layer uses), pasted under another name.
+PASTED_ALL_TO_ALL = """
+def exchange_rows(rows, send_counts, recv_counts):
+    pieces = list(rows.split(send_counts))
+    shapes = [(n, rows.shape[1]) for n in recv_counts]
+    return torch.cat(swap_pieces(pieces, shapes, None))
+
+
+def swap_pieces(pieces, receive_shapes, group):
+    me = dist.get_rank(group)
+    received = [torch.empty(shape, dtype=pieces[0].dtype) for shape in receive_shapes]
+    works = []
+    for j, (piece, into) in enumerate(zip(pieces, received, strict=True)):
+        if j == me:
+            into.copy_(piece)
+            continue
+        peer = dist.get_global_rank(group, j) if group is not None else j
+        if piece.numel():
+            works.append(dist.isend(piece.contiguous(), peer, group=group))
+        if into.numel():
+            works.append(dist.irecv(into, peer, group=group))
+    for work in works:
+        work.wait()
+    return received
+
+
+class ExchangeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, send_counts, recv_counts):
+        ctx.counts = (list(send_counts), list(recv_counts))
+        return exchange_rows(rows, send_counts, recv_counts)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        sent, received = ctx.counts
+        return exchange_rows(grad_rows.contiguous(), received, sent), None, None
+"""
+
+# Every rank all-gathers every token (padded), routes the whole batch itself, runs its experts
+# on their kept tokens and all-reduces the outputs: right numbers, none of the dispatch.
+ALL_GATHERED = """
+import torch.distributed.nn.functional as dnn
+
+
+def expert_parallel_moe(x, router, experts, k, capacity_factor):
+    P, r = world_size(), rank()
+    n_experts = router.out_features
+    if n_experts % P:
+        raise ValueError("experts do not split")
+    sizes = [torch.zeros((), dtype=torch.long) for _ in range(P)]
+    dist.all_gather(sizes, torch.tensor(x.shape[0]))
+    sizes = [int(n) for n in sizes]
+    padded = torch.zeros(max(sizes), x.shape[1], dtype=x.dtype)
+    padded = padded.index_copy(0, torch.arange(x.shape[0]), x)
+    whole = torch.cat([p[:n] for p, n in zip(dnn.all_gather(padded), sizes)])
+    probs = torch.softmax(router(whole), dim=-1)
+    gates, chosen = probs.topk(k, dim=-1)
+    capacity = expert_capacity(whole.shape[0], n_experts, k, capacity_factor)
+    out = torch.zeros_like(whole)
+    per_rank = n_experts // P
+    for i, module in enumerate(experts):
+        e = r * per_rank + i
+        token, slot = torch.nonzero(chosen == e, as_tuple=True)
+        token, slot = token[:capacity], slot[:capacity]
+        out = out.index_add(0, token, gates[token, slot, None] * module(whole[token]))
+    out = dnn.all_reduce(out)
+    start = sum(sizes[:r])
+    return out[start : start + x.shape[0]]
+"""
+
+CHEATS = [
+    Cheat("the lecture's ExpertParallelMoE, wrapped", "moe_layer", LECTURE_LAYER, ALL_TESTS),
+    Cheat("the lecture's routing, rebound", "moe_layer", LECTURE_ROUTING, ALL_TESTS),
+    Cheat("the lecture's all-to-all, pasted", "exchange", PASTED_ALL_TO_ALL, ALL_TESTS),
+    Cheat(
+        "every token all-gathered, outputs all-reduced",
+        "moe_layer",
+        ALL_GATHERED,
+        frozenset({"test_traffic"}),
+    ),
+]
+
+# torch's all_to_all_single with uneven split sizes (gloo runs it; its list version,
+# dist.all_to_all, wants pieces of one size), the gradient by the same call the other way.
+ALL_TO_ALL_SINGLE = """
+def exchange_rows(rows, send_counts, recv_counts):
+    out = torch.empty(sum(recv_counts), rows.shape[1], dtype=rows.dtype)
+    dist.all_to_all_single(
+        out, rows.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts
+    )
+    return out
+
+
+class ExchangeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, send_counts, recv_counts):
+        ctx.send_counts, ctx.recv_counts = send_counts, recv_counts
+        return exchange_rows(rows, send_counts, recv_counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return exchange_rows(grad, ctx.recv_counts, ctx.send_counts), None, None
+"""
+
+# Sends grouped by destination but in token order inside each (not by expert), with the
+# expert id travelling as an extra column; router gradients summed by all_reduce on a copy.
+TOKEN_ORDER = """
+def expert_parallel_moe(x, router, experts, k, capacity_factor):
+    P, r = world_size(), rank()
+    n_experts = router.out_features
+    if n_experts % P != 0:
+        raise ValueError(f"{n_experts} experts do not divide over {P} ranks")
+    per_rank = n_experts // P
+    gates, chosen = torch.softmax(router(x), dim=-1).topk(k, dim=-1)
+    onehot = torch.zeros(x.shape[0], n_experts, dtype=torch.long).scatter(1, chosen, 1)
+    flat = torch.empty(P * n_experts, dtype=torch.long)
+    dist.all_gather_into_tensor(flat, onehot.sum(0))
+    counts = flat.view(P, n_experts)
+    capacity = expert_capacity(int(counts.sum()) // k, n_experts, k, capacity_factor)
+    ahead = counts[:r].sum(0)
+    queue = ahead + onehot.cumsum(0) - onehot
+    keep = queue.gather(1, chosen) < capacity
+    token, slot = torch.nonzero(keep, as_tuple=True)  # token order, then slot
+    expert = chosen[token, slot]
+    dest = expert // per_rank
+    order = torch.argsort(dest * (k * x.shape[0]) + token * k + slot)
+    token, slot, expert, dest = token[order], slot[order], expert[order], dest[order]
+    send_counts = torch.bincount(dest, minlength=P).tolist()
+    kept = (capacity - (counts.cumsum(0) - counts)).clamp(min=0).minimum(counts)
+    recv_counts = kept[:, r * per_rank : (r + 1) * per_rank].sum(1).tolist()
+    ids = exchange_rows(expert.to(x.dtype)[:, None], send_counts, recv_counts)[:, 0].long()
+    arrived = ExchangeRows.apply(x[token], send_counts, recv_counts)
+    done = torch.zeros_like(arrived)
+    for i, module in enumerate(experts):
+        rows = torch.nonzero(ids == r * per_rank + i).flatten()
+        done = done.index_copy(0, rows, module(arrived[rows]))
+    back = ExchangeRows.apply(done, recv_counts, send_counts)
+    return torch.zeros_like(x).index_add(0, token, back * gates[token, slot].unsqueeze(1))
+"""
+
+ALTERNATIVES = [
+    Alternative("all_to_all_single with uneven splits", "exchange", ALL_TO_ALL_SINGLE),
+    Alternative(
+        "token order inside a destination, expert ids sent along", "moe_layer", TOKEN_ORDER
+    ),
+]

@@ -1,0 +1,245 @@
+"""Assignment 12's checks accept right expert-parallel layers and reject wrong ones."""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import rank, world_size
+from course_lib.costs import ep_bytes
+from course_lib.expert_parallel import MoE
+from course_lib.grading import (
+    CheckFailed,
+    check_moe_backward,
+    check_moe_forward,
+    check_moe_traffic,
+)
+from course_lib.grading.expert_parallel import (
+    Case,
+    cases,
+    dropped,
+    reference,
+    routing,
+    traffic_budget,
+)
+from course_lib.grading.expert_parallel_ranks import inputs, layer
+from tests.adapters import mutant, planted, solution
+from tests.cheats import a12_expert_parallel as cheats
+
+# Fresh workers cannot import this test module: ship its functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+A12 = solution("expert_parallel")
+RTOL, ATOL = 1e-12, 1e-12
+
+
+def expect_failure(check, *fns, message: str, **options) -> CheckFailed:
+    with pytest.raises(CheckFailed) as info:
+        check(*fns, **options)
+    assert message in str(info.value), str(info.value)
+    return info.value
+
+
+# --- the reference and the budget ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [c for P in (1, 2, 4) for c in cases(P, (0, 1))], ids=str)
+def test_reference_is_the_lectures_dense_moe(case):
+    """The check's reference, written out token by token, against lecture 12's `MoE` with the
+    same weights: output and every gradient (float64, rtol = atol = 1e-12)."""
+    moe = MoE(case.d_model, case.d_ff, case.n_experts, case.k, case.capacity_factor)
+    router, experts = layer(case)
+    moe.router.load_state_dict(router.state_dict())
+    for mine, theirs in zip(moe.experts, experts, strict=True):
+        mine.load_state_dict(theirs.state_dict())
+    x, g = inputs(case)
+    x = x.clone().requires_grad_(True)
+    out, _ = moe(x)
+    out.backward(g)
+    want = reference(case)
+    torch.testing.assert_close(want["out"], out.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(want["x_grad"], x.grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(want["router_grad"], moe.router.weight.grad, rtol=RTOL, atol=ATOL)
+    for e, expert in enumerate(moe.experts):
+        for got, ref in zip(want["expert_grads"][e], expert.parameters(), strict=True):
+            torch.testing.assert_close(got, ref.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_the_cases_drop_choices_and_the_no_drop_case_drops_none():
+    for P in (1, 2, 4):
+        for case in cases(P, (0, 1, 2)):
+            if case.capacity_factor < 1:
+                assert dropped(case) > 0, case
+            else:
+                assert dropped(case) == 0, case
+        assert any(case.tokens % P for case in cases(P, (0,))) or P == 1
+
+
+def test_routing_keeps_the_first_tokens_of_each_expert():
+    case = cases(2, (0,))[1]
+    chosen, _, kept = routing(case)
+    for e in range(case.n_experts):
+        picks = kept[chosen == e]  # token order
+        assert picks.sum() == min(len(picks), 4)  # C = ceil(0.75 * 9 * 2 / 4) = 4
+        assert not (picks[1:] & ~picks[:-1]).any(), "a kept choice after a dropped one"
+
+
+def test_budget_is_twice_the_cost_formula_when_routing_is_even():
+    """Every rank sends n rows to each rank, none dropped: the rows part of the budget is
+    2 * costs.ep_bytes of the routed tokens (forward and backward)."""
+    P, n, E = 4, 3, 8
+    case = Case(P, 8, E, 1, 1.0, 0)
+    rows = torch.full((P, P), n)
+    routed = P * n * case.d_model * 8  # bytes of routed token rows per rank
+    slack = (P - 1) * (4 * 64 + 16 * E)
+    assert traffic_budget(case, rows) == [int(2 * ep_bytes(routed, P)) + slack] * P
+
+
+# --- right implementations -----------------------------------------------------------------
+
+SINGLE = planted("expert_parallel", "exchange", cheats.ALL_TO_ALL_SINGLE)
+TOKEN_ORDER = planted("expert_parallel", "moe_layer", cheats.TOKEN_ORDER)
+
+
+@pytest.mark.parametrize(
+    "module", [A12, SINGLE, TOKEN_ORDER], ids=["solution", "all_to_all_single", "token-order"]
+)
+def test_checks_accept_right_implementations(module, capsys):
+    check_moe_forward(module.expert_parallel_moe, world_sizes=(1, 2, 4))
+    check_moe_backward(module.expert_parallel_moe, module.sync_router_grads, world_sizes=(2, 4))
+    check_moe_traffic(module.expert_parallel_moe, module.sync_router_grads, world_sizes=(2, 4))
+    assert capsys.readouterr().out.count(": passed.") == 3
+
+
+# --- wrong implementations -----------------------------------------------------------------
+
+WRONG_RANK = mutant(
+    "expert_parallel",
+    "moe_layer",
+    ("order = torch.argsort(expert * x.shape[0] + token)", "order = torch.argsort(token)"),
+).expert_parallel_moe
+NO_CAPACITY = mutant(
+    "expert_parallel",
+    "moe_layer",
+    ("place.gather(1, chosen) < capacity", "place.gather(1, chosen) >= 0"),
+    ("(capacity - before).clamp(min=0).minimum(counts)", "counts"),
+).expert_parallel_moe
+LOCAL_QUEUES = mutant(
+    "expert_parallel",
+    "moe_layer",
+    ("before = counts.cumsum(0) - counts", "before = torch.zeros_like(counts)"),
+).expert_parallel_moe
+NO_GATES = mutant(
+    "expert_parallel", "moe_layer", ("gates[token, slot, None] * back", "back")
+).expert_parallel_moe
+NO_VALUE_ERROR = mutant(
+    "expert_parallel", "moe_layer", ("if n_experts % P:", "if False:")
+).expert_parallel_moe
+DETACHED = mutant(
+    "expert_parallel",
+    "moe_layer",
+    ("ExchangeRows.apply(x[token],", "ExchangeRows.apply(x[token].detach(),"),
+).expert_parallel_moe
+UNSYNCED = mutant(
+    "expert_parallel", "sync_router", ("dist.all_reduce(router.weight.grad)", "pass")
+).sync_router_grads
+
+
+def to_everyone(x, router, experts, k, capacity_factor):
+    """Right numbers, but every rank first sends all its tokens to every other rank."""
+    P, r = world_size(), rank()
+    sizes = [torch.zeros((), dtype=torch.long) for _ in range(P)]
+    dist.all_gather(sizes, torch.tensor(x.shape[0]))
+    works, into = [], {}
+    for other in range(P):
+        if other != r:
+            into[other] = torch.empty(int(sizes[other]), x.shape[1], dtype=x.dtype)
+            works += [dist.isend(x.detach().contiguous(), other), dist.irecv(into[other], other)]
+    for work in works:
+        work.wait()
+    return A12.expert_parallel_moe(x, router, experts, k, capacity_factor)
+
+
+WRONG_FORWARD = [
+    ("rows to the wrong ranks", WRONG_RANK, "differs"),
+    ("capacity ignored", NO_CAPACITY, "over capacity"),
+    ("rank-local queues", LOCAL_QUEUES, "over capacity"),
+    ("no gate weights", NO_GATES, "router probability"),
+    ("no ValueError", NO_VALUE_ERROR, "expected a ValueError"),
+]
+
+
+@pytest.mark.parametrize(
+    "fn, message", [w[1:] for w in WRONG_FORWARD], ids=[w[0] for w in WRONG_FORWARD]
+)
+def test_forward_check_rejects_wrong_implementations(fn, message):
+    error = expect_failure(check_moe_forward, fn, message=message, world_sizes=(2,))
+    assert error.score == 0
+    assert "world size 2" in str(error), "which case failed?"
+
+
+def test_router_gradients_not_summed_fail_the_backward_check_only():
+    check_moe_forward(A12.expert_parallel_moe, world_sizes=(2,))
+    error = expect_failure(
+        check_moe_backward,
+        A12.expert_parallel_moe,
+        UNSYNCED,
+        message="sync_router_grads must sum",
+        world_sizes=(2,),
+    )
+    assert error.score == 0
+
+
+def test_a_dispatch_autograd_cannot_go_through_fails_the_backward_check():
+    error = expect_failure(
+        check_moe_backward, DETACHED, A12.sync_router_grads, message="differs", world_sizes=(2,)
+    )
+    assert error.score == 0
+
+
+def test_every_token_to_every_rank_is_right_but_fails_the_traffic_check():
+    check_moe_forward(to_everyone, world_sizes=(2,))
+    error = expect_failure(
+        check_moe_traffic, to_everyone, A12.sync_router_grads, message="bytes", world_sizes=(2,)
+    )
+    assert error.score == 0 and error.failed == {"dispatch"}
+
+
+def test_all_gathered_tokens_are_right_but_fail_the_traffic_check():
+    fn = planted("expert_parallel", "moe_layer", cheats.ALL_GATHERED)
+    check_moe_backward(fn.expert_parallel_moe, fn.sync_router_grads, world_sizes=(2,))
+    error = expect_failure(
+        check_moe_traffic,
+        fn.expert_parallel_moe,
+        fn.sync_router_grads,
+        message="per-expert numbers only",
+        world_sizes=(2,),
+    )
+    assert error.failed == {"dispatch"}
+
+
+def test_a_wrong_layer_earns_nothing_for_its_traffic():
+    error = expect_failure(
+        check_moe_traffic, NO_GATES, A12.sync_router_grads, message="differs", world_sizes=(2,)
+    )
+    assert error.score == 0 and "result" in error.failed
+
+
+@pytest.mark.parametrize(
+    "cell, source",
+    [
+        ("moe_layer", cheats.LECTURE_LAYER),
+        ("moe_layer", cheats.LECTURE_ROUTING),
+        ("exchange", cheats.PASTED_ALL_TO_ALL),
+    ],
+    ids=["wrapped", "rebound", "pasted"],
+)
+def test_the_lectures_layer_is_refused(cell, source):
+    fn = planted("expert_parallel", cell, source).expert_parallel_moe
+    expect_failure(
+        check_moe_forward, fn, message="the course's own implementation", world_sizes=(2,)
+    )
