@@ -13,15 +13,15 @@ On each rank, for the same share of the same batch:
   layer's gathered parameters, its full gradient before the reduce-scatter, and one more
   layer fetched early).
 
-Bytes are those of the tensors the step creates (`memory.PeakMemory`, per storage), plus
-what Python holds between forward and backward beyond the unsharded step's (`tracemalloc`:
-numpy arrays, big blocks), so a copy kept outside torch for backward counts too. The meter
-notices being switched off (`_Meter`).
+Bytes are those of the tensor storages the step creates (`_Meter`, per storage, so a view
+that keeps a whole tensor alive counts as the whole tensor). Memory outside torch (a copy kept
+as a numpy array) is not seen: Python's tracemalloc would see it, but tracing allocations
+under autograd crashed one rank in eight here (SIGSEGV), so the notebook forbids such copies
+in words only.
 """
 
 from __future__ import annotations
 
-import tracemalloc
 import weakref
 from collections.abc import Callable
 
@@ -29,8 +29,10 @@ import torch
 from torch import nn
 from torch.nn.modules import module as modules
 from torch.utils import _python_dispatch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from course_lib import comm, data, memory
+from course_lib import comm, data
 from course_lib.grading._harness import fail
 from course_lib.grading.training import make_optimizer
 from course_lib.grading.zero_memory import shard_bytes
@@ -38,25 +40,50 @@ from course_lib.grading.zero_ranks import ZeroRun, build_model, global_batches
 from course_lib.runtime import rank, world_size
 
 LAYERS_ALLOWED = 3
-NUMPY_DOMAIN = 389047  # numpy reports its arrays' memory to tracemalloc in this domain
-BIG_BLOCK = 4096
 
 
-class _Meter(memory.PeakMemory):
-    """PeakMemory that notices being switched off. Code that pops it off torch's dispatch
-    stack hides what it allocates meanwhile; so the meter looks for itself on the stack at
-    every module's forward (global module hooks, which run before a module's own), at every
-    torch.distributed call and at the end; it also counts the operations it saw (a sharded
-    step runs at least the unsharded step's)."""
+class _Meter(TorchDispatchMode):
+    """The bytes of the tensor storages created while it is on, live and at their most (each
+    storage once, however many views of it exist), and the operations it saw. The grader's
+    own meter, independent of the lectures' (`memory.PeakMemory` measures the same way).
+
+    Code that pops it off torch's dispatch stack hides what it allocates meanwhile; so the
+    meter looks for itself on the stack at every module's forward (global module hooks, which
+    run before a module's own), at every torch.distributed call and at the end; it also counts
+    the operations it saw (a sharded step runs at least the unsharded step's)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops = 0
+        self.live = self.peak = self.ops = 0
+        self.holders: dict[int, int] = {}  # storage pointer -> live tensors seen using it
+        self.seen: set[int] = set()  # ids of those tensors
         self.missing: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:  # an in-place op returns its input: not new memory
+            if isinstance(t, torch.Tensor) and id(t) not in self.seen | inputs:
+                self._hold(t)
+        return out
+
+    def _hold(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if not self.holders.get(key):
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self.holders[key] = self.holders.get(key, 0) + 1
+        self.seen.add(id(t))
+        weakref.finalize(t, self._release, key, nbytes, id(t))
+
+    def _release(self, key: int, nbytes: int, tensor_id: int) -> None:
+        self.seen.discard(tensor_id)
+        self.holders[key] -= 1
+        if not self.holders[key]:
+            del self.holders[key]
+            self.live -= nbytes
 
     def look(self, where: str) -> None:
         if self not in _python_dispatch._get_current_dispatch_mode_stack():
@@ -86,37 +113,12 @@ class _Meter(memory.PeakMemory):
 
 def _step_peak(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
     """Forward and backward: the peak bytes of the tensors they create, the operations the
-    meter saw and where it was missing, and the bytes Python (numpy, big blocks) holds
-    between forward and backward, where a copy kept for backward outside torch would be."""
+    meter saw, and where it found itself switched off."""
     from course_lib.models import lm_loss
 
-    tracemalloc.start()
-    try:
-        with _Meter() as meter:
-            loss = lm_loss(model(x), y)
-            python = _python_bytes(tracemalloc.take_snapshot())
-            loss.backward()
-    finally:
-        tracemalloc.stop()
-    return {
-        "torch": meter.peak_bytes,
-        "python": python,
-        "ops": meter.ops,
-        "missing": meter.missing[:3],
-    }
-
-
-def _python_bytes(snapshot: tracemalloc.Snapshot) -> int:
-    """Memory outside torch a snapshot holds: numpy's arrays, and any other single block of
-    BIG_BLOCK bytes or more (a tensor kept as bytes, say). The small objects of hooks and
-    autograd's bookkeeping, and the meter's own, are left out: they are noise, not copies."""
-    ours = [memory.__file__, weakref.__file__, __file__, tracemalloc.__file__]
-    kept = snapshot.filter_traces([tracemalloc.Filter(False, f) for f in ours])
-    return sum(
-        trace.size
-        for trace in kept.traces
-        if trace.domain == NUMPY_DOMAIN or trace.size >= BIG_BLOCK
-    )
+    with _Meter() as meter:
+        lm_loss(model(x), y).backward()
+    return {"torch": meter.peak, "ops": meter.ops, "missing": meter.missing[:3]}
 
 
 def largest_layer_bytes(model: nn.Module) -> int:
@@ -147,8 +149,7 @@ def _peak_stage3(shard_module: Callable, run: ZeroRun) -> list[dict]:
             {
                 "needed": reference["torch"] - full_grads,
                 "plain_ops": reference["ops"],
-                "peak": measured["torch"] + max(0, measured["python"] - reference["python"]),
-                "python": max(0, measured["python"] - reference["python"]),
+                "peak": measured["torch"],
                 "ops": measured["ops"],
                 "missing": measured["missing"],
             }
@@ -183,7 +184,7 @@ def _judge_peak(check: str, results: list[list[dict]], model: nn.Module, where: 
                 fail(
                     check,
                     f"rank {r}, step {s}, {where}: forward and backward peaked at "
-                    f"{step['peak']:,} bytes ({step['python']:,} of them outside torch); "
+                    f"{step['peak']:,} bytes; "
                     f"at most {allowed:,} allowed: the {step['needed']:,} the unsharded step "
                     f"needs without its full gradients, {shard_bytes(model, ranks):,} of "
                     f"gradient shards and {LAYERS_ALLOWED} x {largest_layer_bytes(model):,} "
