@@ -8,11 +8,15 @@ test` sets COURSE_REQUIRE_SITE=1, and there they must run.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+import time
+from queue import Empty
 
 import nbformat
 import pytest
@@ -97,6 +101,48 @@ def _site_marker() -> pytest.MarkDecorator:
 
 
 @_site_marker()
+def builder_module():
+    spec = importlib.util.spec_from_file_location("build_site", BUILDER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class MissesOnLongPolls:
+    """A shell channel as nbclient#312 sees it: the reply is there, but a poll longer than
+    `limit` seconds does not see it and waits out its timeout."""
+
+    def __init__(self, limit: float, reply=None):
+        self.limit, self.reply, self.polls = limit, reply, []
+
+    async def get_msg(self, timeout=None):
+        self.polls.append(timeout)
+        if self.reply is not None and timeout is not None and timeout <= self.limit:
+            return self.reply
+        await asyncio.sleep(0.0 if timeout is None else min(timeout, 0.05))  # time is faked
+        raise Empty
+
+
+def test_a_reply_a_long_poll_misses_arrives_within_one_slice():
+    sliced = builder_module().sliced
+    channel = MissesOnLongPolls(limit=1.0, reply={"msg": "execute_reply"})
+    assert asyncio.run(sliced(channel.get_msg)(timeout=300)) == {"msg": "execute_reply"}
+    assert channel.polls == [1.0]  # one slice, not one 300 s poll
+    # The unsliced channel waits out the whole timeout: what the wrapper is for.
+    with pytest.raises(Empty):
+        asyncio.run(channel.get_msg(timeout=300))
+
+
+def test_no_reply_raises_empty_at_the_deadline_not_before():
+    sliced = builder_module().sliced
+    channel = MissesOnLongPolls(limit=0.0)
+    start = time.monotonic()
+    with pytest.raises(Empty):
+        asyncio.run(sliced(channel.get_msg, slice_seconds=0.05)(timeout=0.3))
+    assert time.monotonic() - start >= 0.25
+    assert len(channel.polls) >= 5 and max(channel.polls) <= 0.05
+
+
 @pytest.mark.parametrize("topic", TOPICS, ids=lambda t: t.name)
 def test_every_lecture_has_a_page_with_its_figures(topic):
     page_path = SITE / f"{topic.number:02d}_{topic.name}.html"

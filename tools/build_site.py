@@ -18,6 +18,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from queue import Empty
 
 import nbformat
 from nbclient import NotebookClient
@@ -33,6 +34,43 @@ COLOURS = re.compile(r"\x1b\[[0-9;]*m")  # IPython colours tracebacks; logs read
 
 class LectureFailed(Exception):
     """A lecture's cell raised, timed out or killed the kernel."""
+
+
+POLL_SLICE = 1.0  # seconds
+
+
+def sliced(get_msg, slice_seconds: float = POLL_SLICE):
+    """`get_msg` (an async channel's), waiting in short polls up to the same deadline.
+
+    nbclient waits for a cell's reply with one `shell_channel.get_msg(timeout=300)`. After a
+    cell that shows a widget, that one long poll sometimes misses the reply and returns only
+    at its timeout: the lecture loses 300 s and nothing fails (jupyter/nbclient#312). Each
+    new poll first looks whether a message is already waiting, so polling in slices finds
+    the reply within a slice of its arrival; `Empty` is raised only at the caller's deadline.
+    """
+
+    async def in_slices(timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return await get_msg(
+                    timeout=slice_seconds if left is None else min(left, slice_seconds)
+                )
+            except Empty:
+                if left is not None and left <= slice_seconds:
+                    raise
+
+    return in_slices
+
+
+class Client(NotebookClient):
+    """nbclient's runner, its shell channel polled in slices (see `sliced`)."""
+
+    async def async_start_new_kernel_client(self):
+        kc = await super().async_start_new_kernel_client()
+        kc.shell_channel.get_msg = sliced(kc.shell_channel.get_msg)
+        return kc
 
 
 def _prepare(nb: nbformat.NotebookNode) -> None:
@@ -61,7 +99,7 @@ def execute(path: Path) -> nbformat.NotebookNode:
     naming the lecture and the cell that failed."""
     nb = nbformat.read(path, as_version=4)
     _prepare(nb)
-    client = NotebookClient(
+    client = Client(
         nb,
         timeout=CELL_TIMEOUT,
         kernel_name="python3",  # this environment's Python, as nbval's --nbval-current-env
