@@ -10,6 +10,8 @@ the bytes of the tensor. What a built-in collective moves inside the backend can
 from Python, so it is counted with the per-rank volume of the textbook algorithm in
 `COLLECTIVE_MODEL` (ring for all-reduce, all-gather and reduce-scatter; a flat tree for
 broadcast, reduce, gather and scatter), the formulas of `course_lib.costs` the lectures use.
+An all-to-all sends each piece straight to its owner, so it is counted exactly: its tensors'
+sizes, or for `all_to_all_single` with split sizes, the rows of the splits.
 
 Calls made through a name bound before the counter started (`from torch.distributed import
 send`), through the process-group object, or from C++ (DistributedDataParallel's reducer) are
@@ -152,6 +154,15 @@ def _is_root(args: dict, root: str) -> bool:
     return dist.get_rank() == args.get(root)
 
 
+def _split_bytes(tensor: torch.Tensor, splits, world_size: int, me: int) -> int:
+    """Bytes of `all_to_all_single`'s `tensor` that go to (or come from) the other ranks:
+    with split sizes, the rows of every split but this rank's own; without, P even chunks."""
+    if not splits:
+        return all_to_all_bytes(_nbytes(tensor), world_size)
+    row = _nbytes(tensor) // tensor.shape[0] if tensor.shape[0] else 0
+    return row * (sum(splits) - splits[me])
+
+
 def _volume(op: str, args: dict) -> tuple[int, int]:
     """(bytes sent, bytes received) by this rank for one call, per `COLLECTIVE_MODEL`."""
     if op in ("send", "isend"):
@@ -184,8 +195,9 @@ def _volume(op: str, args: dict) -> tuple[int, int]:
         n = _nbytes(args["tensor"])
         return (all_gather_bytes(n, p), 0) if _is_root(args, "src") else (0, n)
     if op == "all_to_all_single":
-        sent = all_to_all_bytes(_nbytes(args["input"]), p)
-        received = all_to_all_bytes(_nbytes(args["output"]), p)
+        me = dist.get_rank(args.get("group"))
+        sent = _split_bytes(args["input"], args.get("input_split_sizes"), p, me)
+        received = _split_bytes(args["output"], args.get("output_split_sizes"), p, me)
         return sent, received
     if op == "all_to_all":
         me = dist.get_rank(args.get("group"))

@@ -127,12 +127,22 @@ class CountedGroup(dist.ProcessGroup):
     alltoall_base = _collective(
         "alltoall_base",
         "all_to_all_single",
-        lambda g, out, inp, *a: {"output": out, "input": inp},
+        lambda g, out, inp, out_splits=None, in_splits=None, *a: {
+            "output": out,
+            "input": inp,
+            "output_split_sizes": out_splits,
+            "input_split_sizes": in_splits,
+        },
     )
     all_to_all_single = _collective(
         "all_to_all_single",
         "all_to_all_single",
-        lambda g, out, inp, *a: {"output": out, "input": inp},
+        lambda g, out, inp, out_splits=None, in_splits=None, *a: {
+            "output": out,
+            "input": inp,
+            "output_split_sizes": out_splits,
+            "input_split_sizes": in_splits,
+        },
     )
     gather = _collective(
         "gather",

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from course_lib import CommCounter, WireCounter, WorkerPool, launch, rank, world_size
 from course_lib.comm import COLLECTIVE_MODEL
+from course_lib.costs import all_to_all_bytes
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +110,33 @@ def nested_and_outside():
     dist.all_reduce(t)  # after: not counted
     restored = not hasattr(dist.all_reduce, "__wrapped_by_course_lib__")
     return outer.bytes_sent, inner.bytes_sent, restored, outer.summary()
+
+
+def uneven_all_to_all(through_group: bool):
+    """all_to_all_single where rank r sends r + j + 1 rows of 3 float32 to rank j, called as
+    users do (dist.all_to_all_single) or on the process group itself (as torch's own code
+    does; on grading ranks `CountedGroup` reports it). Counted and true (sent, received)."""
+    p, r = world_size(), rank()
+    send = [r + j + 1 for j in range(p)]
+    receive = [j + r + 1 for j in range(p)]
+    x, out = torch.zeros(sum(send), 3), torch.empty(sum(receive), 3)
+    with CommCounter() as counter:
+        if through_group:
+            group = dist.distributed_c10d._get_default_group()
+            group.alltoall_base(out, x, receive, send, dist.AllToAllOptions()).wait()
+        else:
+            dist.all_to_all_single(out, x, receive, send)
+    true = (12 * (sum(send) - send[r]), 12 * (sum(receive) - receive[r]))
+    return (counter.bytes_sent, counter.bytes_received), true, all_to_all_bytes(x.nbytes, p)
+
+
+@pytest.mark.parametrize("untrusted", [False, True], ids=["gloo", "counted group"])
+def test_uneven_all_to_all_single_is_counted_by_its_splits(untrusted):
+    with WorkerPool(3, "gloo", untrusted=untrusted) as pool:
+        results = pool.launch(uneven_all_to_all, untrusted, timeout=60)
+    for r, (counted, true, _) in enumerate(results):
+        assert counted == true, f"rank {r}: counted {counted}, sent and received {true}"
+    assert any(true[0] != even for _, true, even in results), "the splits must be uneven"
 
 
 def test_counters_nest_and_only_count_inside(pool4):

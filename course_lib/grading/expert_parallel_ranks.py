@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from course_lib import comm, models
@@ -110,10 +109,6 @@ class _Messages:
             peer = next((args[n] for n in names if args.get(n) is not None), None)
         mine = args.get("tensor", args.get("input_tensor", args.get("input")))
         size = mine.numel() if isinstance(mine, torch.Tensor) else 0
-        splits = args.get("input_split_sizes")
-        if op == "all_to_all_single" and splits:  # `comm` counts it as even: count the rows
-            row = mine.element_size() * mine[0].numel() if len(mine) else 0
-            sent = row * (sum(splits) - splits[dist.get_rank(args.get("group"))])
         self.log.append((op, peer, int(sent), size))
         return call()
 
@@ -137,8 +132,7 @@ def _run_case(fn: Callable, sync: Callable | None, case: Case) -> dict:
         ok = isinstance(out, torch.Tensor) and out.shape == x.shape
         if ok and sync is not None and out.requires_grad:
             out.backward(g_all.tensor_split(P)[r])
-    # Bytes sent, per call as `CommCounter` counts them, but uneven all_to_all_singles by
-    # their rows.
+    # Bytes sent, per call as `CommCounter` counts them (all_to_all_single by its splits).
     record["sent"], record["messages"] = sum(m[2] for m in messages.log), messages.log
     if isinstance(out, torch.Tensor):
         record["out"] = out.detach().clone()

@@ -196,7 +196,7 @@ def bytes_sent(tokens_per_rank: int = 64, even: bool = False) -> dict[str, int]:
 def torch_all_to_all() -> dict:
     """On each rank: torch's own `all_to_all_single` with uneven splits (rank r sends r + j + 1
     rows to rank j) on this backend: does it run and deliver the right rows, the bytes that
-    really left this rank, and what `CommCounter` (which cannot see the splits' use) counts."""
+    left this rank by the splits, what `CommCounter` counts, and an even split's count."""
     p, r = world_size(), rank()
     send = [r + j + 1 for j in range(p)]
     receive = [j + r + 1 for j in range(p)]
