@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from course_lib import comm, models
-from course_lib.comm import CommCounter
+from course_lib.comm import POINT_TO_POINT, CommCounter
 from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank, world_size
 
@@ -31,7 +31,6 @@ LECTURE_EP = (
     "course_lib.measure.expert_parallel",
     "course_lib.sequence_parallel._all_to_all",
 )
-POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 TOKEN_CALLS = (*POINT_TO_POINT, "all_to_all", "all_to_all_single")  # what may carry tokens
 SMALL_CALLS = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast")
 

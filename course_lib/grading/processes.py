@@ -16,11 +16,8 @@ import os
 import time
 from collections.abc import Callable
 
-from course_lib.comm import CommCounter
+from course_lib.comm import POINT_TO_POINT, CommCounter
 from course_lib.grading._harness import Child, describe, fail, passed, run_on_ranks
-
-POINT_TO_POINT = {"send", "recv", "isend", "irecv"}
-
 
 # --- ping-pong over a Pipe ----------------------------------------------------------------
 
@@ -296,7 +293,7 @@ def check_dist_ping_pong(dist_ping_pong: Callable, rounds: int = 5, timeout: flo
     )
     expected = [[float(i + 1) for i in range(rounds)], [float(i) for i in range(rounds)]]
     for rank, (result, sent, received, calls) in enumerate(results):
-        other_calls = set(calls) - POINT_TO_POINT
+        other_calls = set(calls) - set(POINT_TO_POINT)
         if other_calls:
             fail(
                 check,
@@ -375,9 +372,10 @@ def _measured_round_trip(
         what="your round_trip_time",
     )
     for rank, (_, sent, received, calls) in enumerate(results):
-        if set(calls) - POINT_TO_POINT:
+        if set(calls) - set(POINT_TO_POINT):
             fail(
-                check, f"rank {rank} used {sorted(set(calls) - POINT_TO_POINT)}; use send/recv only"
+                check,
+                f"rank {rank} used {sorted(set(calls) - set(POINT_TO_POINT))}; use send/recv only",
             )
         if (sent, received) != (nbytes * repeats, nbytes * repeats):
             fail(

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from course_lib import comm
-from course_lib.comm import CommCounter
+from course_lib.comm import POINT_TO_POINT, CommCounter
 from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank, world_size
 
@@ -26,7 +26,6 @@ from course_lib.runtime import rank, world_size
 # `_all_to_all` are the pieces of them): an answer that runs any of it, or a copy, is not the
 # student's own.
 LECTURE_SP = ("course_lib.sequence_parallel",)
-POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 
 
 @dataclass(frozen=True)
