@@ -220,8 +220,8 @@ def judge_messages(spec: Spec, case: Case, records: list[dict]) -> None:
                 spec.check,
                 f"{case}: rank {r} sent {sent} messages (sends and isends, empty ones "
                 f"included); at most 2 log2 P = {allowed} are allowed on {p} ranks. A ring "
-                f"sends 2(P-1) = {2 * (p - 1)}: exchange with fewer partners, each time a "
-                "larger share of what is left.",
+                f"sends 2(P-1) = {2 * (p - 1)}: exchange with fewer partners, sending each a "
+                "larger piece.",
                 prop="messages",
             )
 
