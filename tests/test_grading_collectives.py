@@ -20,8 +20,15 @@ from course_lib.grading import (
     check_reduce,
     check_reduce_scatter,
 )
+from course_lib.grading.collectives import check_all_reduce_fast
+from course_lib.grading.collectives_judge import fast_messages
 from tests.adapters import planted, solution
-from tests.cheats.a02_collectives import LECTURE_RING_WRAPPED, RING_PADDED
+from tests.cheats.a02_collectives import (
+    FAST_REVERSED_PADDED,
+    LECTURE_HALVING_DOUBLING_WRAPPED,
+    LECTURE_RING_WRAPPED,
+    RING_PADDED,
+)
 
 UNEVEN = [(1,), (2,), (7,), (3, 5), ()]  # fewer elements than ranks, not divisible, 0-d
 SOLVED = solution("collectives")
@@ -552,3 +559,101 @@ def test_peers_are_seen_on_every_route():
         world_sizes=(4,),
         dtypes=(torch.float64,),
     )
+
+
+# --- Part 7: all_reduce_fast, the ring's bytes in 2 log2 P messages -------------------------
+
+FAST_SHAPES = [(1,), (7,), (3, 5), ()]  # fewer elements than ranks, not divisible, 0-d
+
+# Right, another way: partners 1, 2, 4 apart while halving, on zero-padded equal chunks.
+fast_reversed_padded = planted(
+    "collectives", "all_reduce_fast", FAST_REVERSED_PADDED
+).all_reduce_fast
+# A cheat: the lecture's halving-doubling, called.
+fast_lecture_wrapped = planted(
+    "collectives", "all_reduce_fast", LECTURE_HALVING_DOUBLING_WRAPPED
+).all_reduce_fast
+
+
+def butterfly(tensor):
+    """Right sums in log2 P messages, but each carries the whole tensor: too many bytes."""
+    p, me = world_size(), rank()
+    incoming = torch.empty_like(tensor)
+    distance = 1
+    while distance < p:
+        request = dist.isend(tensor.clone(), me ^ distance)
+        dist.recv(incoming, me ^ distance)
+        request.wait()
+        tensor += incoming
+        distance *= 2
+
+
+def test_fast_message_bound_is_twice_log2_p():
+    # From costs.all_reduce_seconds' latencies for halving-doubling, not written again here.
+    assert [fast_messages(p) for p in (1, 2, 4, 8, 16)] == [0, 2, 4, 6, 8]
+
+
+@pytest.mark.parametrize(
+    "fn", [SOLVED.all_reduce_fast, fast_reversed_padded], ids=["solution", "reversed_padded"]
+)
+def test_fast_check_accepts_right_answers(fn, capsys):
+    start = time.perf_counter()
+    check_all_reduce_fast(fn, shapes=FAST_SHAPES, seeds=[0, 1])
+    seconds = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert out.startswith("check_all_reduce_fast: passed. Verified 72 case(s) on 2, 4, 8 rank(s)")
+    assert "closest to the limit: 6 of 6)" in out  # 8 ranks: every rank sends 2 log2 8
+    print(f"check_all_reduce_fast: {seconds:.1f} s")
+
+
+def test_fast_check_refuses_the_ring_for_its_messages_on_8_ranks():
+    check_all_reduce(SOLVED.ring_all_reduce, world_sizes=[8])  # the sum is right
+    text = expect_failure(
+        check_all_reduce_fast,
+        SOLVED.ring_all_reduce,
+        "rank 0 sent 14 messages (sends and isends, empty ones included); at most "
+        "2 log2 P = 6 are allowed on 8 ranks",
+        world_sizes=[8],
+        dtypes=[torch.float32],
+    )
+    assert "[messages] failed" in text and "[bytes]" not in text  # the ring's bytes are fine
+
+
+def test_fast_check_refuses_the_butterfly_for_its_bytes():
+    check_all_reduce(butterfly, world_sizes=[2, 4, 8])  # the sum is right
+    text = expect_failure(
+        check_all_reduce_fast,
+        butterfly,
+        # 4 ranks, 7 float32 (28 bytes): the whole tensor twice, budget 6 chunks of 2 elements
+        "world size 4, float32, shape (7,), seed 0: rank 0 sent 56 bytes",
+        world_sizes=[2, 4],
+    )
+    assert "2(P-1) chunks of ceil(N/P) elements, 48 bytes" in text
+    assert "[bytes] failed" in text and "[messages]" not in text  # log2 P messages are fine
+
+
+def test_fast_check_refuses_the_naive_all_reduce():
+    text = expect_failure(
+        check_all_reduce_fast,
+        SOLVED.all_reduce_naive,
+        "rank 0 sent 7 messages",  # the root, on 8 ranks
+        dtypes=[torch.int64],
+    )
+    # The root sends (P-1) N: on 4 ranks, 7 int64 three times, over 6 chunks of 2 elements.
+    assert "world size 4, int64, shape (7,), seed 0: rank 0 sent 168 bytes" in text
+    assert "at most 2(P-1) chunks of ceil(N/P) elements, 96 bytes" in text
+    assert "No points" not in text and "Partial credit" not in text  # all or nothing
+
+
+def test_fast_check_refuses_the_lectures_halving_doubling_even_wrapped():
+    expect_failure(
+        check_all_reduce_fast,
+        fast_lecture_wrapped,
+        "runs course_lib.collectives.halving_doubling_all_reduce",
+        world_sizes=[2],
+    )
+
+
+def test_fast_check_runs_on_powers_of_two_only():
+    with pytest.raises(ValueError, match="powers of two only"):
+        check_all_reduce_fast(SOLVED.all_reduce_fast, world_sizes=[3])

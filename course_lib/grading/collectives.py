@@ -8,6 +8,9 @@
     check_all_reduce(ring_all_reduce, bandwidth_optimal=True)
                                                ... and each rank talks only to its two
                                                neighbours and sends at most 2(P-1)/P * N
+    check_all_reduce_fast(all_reduce_fast)     all_reduce(tensor) on 2, 4 and 8 ranks, each rank
+                                               sending at most 2 log2 P messages and at
+                                               most 2(P-1)/P * N
 
 Every case runs the student's function and torch.distributed's own collective on the same
 inputs in the same worker; torch's result is the reference. Sums are compared exactly for
@@ -28,6 +31,7 @@ from course_lib.grading.collectives_judge import (
     Tally,
     judge_bytes,
     judge_case,
+    judge_messages,
     judge_neighbours,
 )
 from course_lib.grading.collectives_ranks import Case, run_cases
@@ -43,6 +47,7 @@ RING_WEIGHTS = {RESULT: 0.0, "ring": 0.5, "bytes": 0.5}
 DTYPES = (torch.float32, torch.float64, torch.int64)
 DEFAULT_SHAPES = ((5,), (2, 3))
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
+FAST_WORLD_SIZES = (2, 4, 8)  # Part 7: powers of two, and 8, where the ring's 14 messages > 6
 
 
 def _check(
@@ -93,6 +98,11 @@ def _check(
             if spec.bandwidth_optimal:
                 with verdict.case():
                     judge_neighbours(spec, case, records)
+                with verdict.case():
+                    judge_bytes(spec, case, records)
+            if spec.fewest_messages:
+                with verdict.case():
+                    judge_messages(spec, case, records)
                 with verdict.case():
                     judge_bytes(spec, case, records)
             tally.add(spec, case, records)
@@ -190,10 +200,33 @@ def check_all_reduce(
     _check(spec, all_reduce, world_sizes, shapes, dtypes, seeds, timeout, point_to_point_only)
 
 
+def check_all_reduce_fast(
+    all_reduce_fast: Callable,
+    *,
+    world_sizes: Iterable[int] = FAST_WORLD_SIZES,
+    shapes: Iterable = ((1,), (7,), (3, 4), (2, 17)),
+    dtypes: Iterable[torch.dtype] = DTYPES,
+    seeds: Iterable[int] = (0,),
+    timeout: float = 30.0,
+    point_to_point_only: bool = True,
+) -> None:
+    """`all_reduce_fast(tensor)`: every rank's `tensor` becomes the sum over all ranks, in
+    place, on a power-of-two number of ranks, and each rank sends at most 2 log2 P messages
+    (`fast_messages`) and at most 2(P-1) chunks of ceil(N/P) elements (the ring's budget).
+    All or nothing: a right sum that breaks either bound scores 0."""
+    __tracebackhide__ = True
+    world_sizes = sorted(set(world_sizes))
+    if any(p < 1 or p & (p - 1) for p in world_sizes):
+        raise ValueError(f"check_all_reduce_fast runs on powers of two only, got {world_sizes}")
+    spec = Spec("all_reduce", "check_all_reduce_fast", tolerance=TOLERANCE, fewest_messages=True)
+    _check(spec, all_reduce_fast, world_sizes, shapes, dtypes, seeds, timeout, point_to_point_only)
+
+
 __all__ = [
     "TOLERANCE",
     "check_all_gather",
     "check_all_reduce",
+    "check_all_reduce_fast",
     "check_broadcast",
     "check_reduce",
     "check_reduce_scatter",

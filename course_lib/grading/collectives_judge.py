@@ -1,10 +1,13 @@
 """Assignment 2's checks, judging in the calling process: what the ranks reported for one
 case, against torch's result, the rules of the assignment (send/recv only, every request
-waited for, inputs left unchanged) and, for the ring, its neighbours and its bytes.
+waited for, inputs left unchanged), for the ring its neighbours and its bytes, and for the
+fast all-reduce (Part 7) its messages and its bytes.
 
     Spec                    what differs between the collectives when judging them
     judge_case              the result and the calls of one case, every rank
     judge_neighbours, judge_bytes   the ring's two properties
+    judge_messages, judge_bytes     the fast all-reduce's two bounds
+    fast_messages(P)        its message bound: the latencies of halving-doubling, 2 log2 P
     _hint                   what to try, from the shape of a wrong result
     Tally                   what a passing check verified, for its summary
 """
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib.costs import all_reduce_bytes
+from course_lib.costs import all_reduce_bytes, all_reduce_seconds
 from course_lib.grading._harness import fail
 from course_lib.grading.collectives_ranks import POINT_TO_POINT, Case
 
@@ -30,7 +33,12 @@ class Spec:
     check: str
     tolerance: dict | None  # None: exact for every dtype
     root: str | None = None  # "src" or "dst"
-    bandwidth_optimal: bool = False
+    bandwidth_optimal: bool = False  # Part 6: neighbours only, the ring's bytes
+    fewest_messages: bool = False  # Part 7: the ring's bytes in 2 log2 P messages
+
+    @property
+    def counts_bytes(self) -> bool:
+        return self.bandwidth_optimal or self.fewest_messages
 
 
 class Tally:
@@ -39,15 +47,19 @@ class Tally:
     def __init__(self) -> None:
         self.cases, self.world_sizes, self.sent = 0, set(), 0
         self.busiest = (0.0, 0, 0)  # (share of the budget, bytes, budget) of the busiest rank
+        self.chattiest = (0.0, 0, 0)  # the same for messages
 
     def add(self, spec: Spec, case: Case, records: list[dict]) -> None:
         self.cases += 1
         self.world_sizes.add(case.world_size)
         self.sent += sum(record["sent"] for record in records)
-        if spec.bandwidth_optimal:
+        if spec.counts_bytes:
             most = max(record["sent"] for record in records)
             share = most / max(_ring_budget(case), 1)
             self.busiest = max(self.busiest, (share, most, _ring_budget(case)))
+        if spec.fewest_messages:
+            most, allowed = max(map(_messages, records)), fast_messages(case.world_size)
+            self.chattiest = max(self.chattiest, (most / allowed, most, allowed))
 
     def summary(self, spec: Spec, point_to_point_only: bool) -> str:
         sizes = ", ".join(str(p) for p in sorted(self.world_sizes))
@@ -64,6 +76,14 @@ class Tally:
             text += (
                 "; every rank talked only to its ring neighbours and sent at most 2(P-1) "
                 f"chunks of ceil(N/P) elements (closest to the limit: {most} of {budget} bytes)"
+            )
+        if spec.fewest_messages:
+            _, most, budget = self.busiest
+            _, chattiest, allowed = self.chattiest
+            text += (
+                f"; every rank sent at most 2 log2 P messages (closest to the limit: {chattiest} "
+                f"of {allowed}) and at most 2(P-1) chunks of ceil(N/P) elements (closest to the "
+                f"limit: {most} of {budget} bytes)"
             )
         return text
 
@@ -154,17 +174,55 @@ def judge_bytes(spec: Spec, case: Case, records: list[dict]) -> None:
     p, numel = case.world_size, _numel(case.shape)
     itemsize = torch.empty((), dtype=case.dtype).element_size()
     allowed = _ring_budget(case)
+    what, hint = (
+        "a ring all-reduce",
+        ("Does each step send one chunk of about N/P elements, not the whole tensor?"),
+    )
+    if spec.fewest_messages:
+        what, hint = (
+            "this all-reduce",
+            (
+                "Does every rank send each piece of the tensor once on the way in (summing) and "
+                "once on the way out, halving what it sends as the rounds go, not whole tensors?"
+            ),
+        )
     for r, record in enumerate(records):
         if record["sent"] > allowed:
             fail(
                 spec.check,
-                f"{case}: rank {r} sent {record['sent']} bytes; a ring all-reduce of "
+                f"{case}: rank {r} sent {record['sent']} bytes; {what} of "
                 f"N = {numel} elements ({numel * itemsize} bytes) sends at most "
                 f"2(P-1)/P * N = {all_reduce_bytes(float(numel * itemsize), p):g} bytes per rank, "
                 f"and at most 2(P-1) chunks of ceil(N/P) elements, {allowed} bytes, when chunks "
-                "are padded. Does each step send one chunk of about N/P elements, not the "
-                "whole tensor?",
+                f"are padded. {hint}",
                 prop="bytes",
+            )
+
+
+def fast_messages(world_size: int) -> int:
+    """Messages a rank may send in Part 7: the latencies lecture 2's alpha-beta model charges
+    halving-doubling (`costs.all_reduce_seconds` with alpha = 1, beta = 0), 2 log2 P."""
+    return round(all_reduce_seconds("halving_doubling", 0, world_size, alpha=1.0, beta=0.0))
+
+
+def _messages(record: dict) -> int:
+    """Sends (send and isend, whatever way they were reached) in one rank's record."""
+    return sum(op in ("send", "isend") for op, _ in record["peers"])
+
+
+def judge_messages(spec: Spec, case: Case, records: list[dict]) -> None:
+    """The "messages" property: no rank sends more than `fast_messages(P)` messages."""
+    __tracebackhide__ = True
+    p, allowed = case.world_size, fast_messages(case.world_size)
+    for r, record in enumerate(records):
+        if (sent := _messages(record)) > allowed:
+            fail(
+                spec.check,
+                f"{case}: rank {r} sent {sent} messages (sends and isends, empty ones "
+                f"included); at most 2 log2 P = {allowed} are allowed on {p} ranks. A ring "
+                f"sends 2(P-1) = {2 * (p - 1)}: exchange with fewer partners, sending each a "
+                "larger piece.",
+                prop="messages",
             )
 
 

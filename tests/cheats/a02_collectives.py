@@ -1,7 +1,8 @@
 """Assignment 2's cheats (each scores 0 on its part) and right answers written differently
 (full marks). More are proven in tests/test_grading_collectives.py (a ring talking to far
-ranks through pre-bound names), which also runs the checks on LECTURE_RING_WRAPPED and
-RING_PADDED, and in tests/test_grading_judge.py (patching the checks' helpers on a rank)."""
+ranks through pre-bound names), which also runs the checks on LECTURE_RING_WRAPPED,
+RING_PADDED, LECTURE_HALVING_DOUBLING_WRAPPED and FAST_REVERSED_PADDED, and in
+tests/test_grading_judge.py (patching the checks' helpers on a rank)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,46 @@ def ring_all_reduce(tensor):
     tensor.copy_(padded[: tensor.numel()].view_as(tensor))
 """
 
+# Part 7 (all_reduce_fast): the lecture's halving-doubling, called, scores 0 ...
+LECTURE_HALVING_DOUBLING_WRAPPED = '''
+from course_lib.collectives import halving_doubling_all_reduce
+
+
+def all_reduce_fast(tensor):
+    """Lecture 2's halving-doubling, called."""
+    halving_doubling_all_reduce(tensor)
+'''
+
+# ... and halving-doubling the other way round is right: partners 1, 2, ..., P/2 apart while
+# halving (rank r ends with chunk "r with its bits reversed"), P/2, ..., 1 while doubling, on
+# chunks padded with zeros to ceil(N/P) elements each.
+FAST_REVERSED_PADDED = """
+def all_reduce_fast(tensor):
+    p, me = world_size(), rank()
+    size = -(-tensor.numel() // p)
+    padded = torch.zeros(size * p, dtype=tensor.dtype)
+    padded[: tensor.numel()] = tensor.reshape(-1)
+    rounds, low, high, distance = [], 0, p, 1
+    while distance < p:
+        middle = (low + high) // 2
+        lower = not me & distance
+        keep, give = ((low, middle), (middle, high)) if lower else ((middle, high), (low, middle))
+        theirs = torch.empty((keep[1] - keep[0]) * size, dtype=tensor.dtype)
+        request = dist.isend(padded[give[0] * size : give[1] * size].clone(), me ^ distance)
+        dist.recv(theirs, me ^ distance)
+        request.wait()
+        padded[keep[0] * size : keep[1] * size] += theirs
+        rounds.append((me ^ distance, keep, give))
+        (low, high), distance = keep, 2 * distance
+    for partner, keep, give in reversed(rounds):
+        incoming = torch.empty((give[1] - give[0]) * size, dtype=tensor.dtype)
+        request = dist.isend(padded[keep[0] * size : keep[1] * size].clone(), partner)
+        dist.recv(incoming, partner)
+        request.wait()
+        padded[give[0] * size : give[1] * size] = incoming
+    tensor.copy_(padded[: tensor.numel()].view_as(tensor))
+"""
+
 CHEATS = [
     Cheat(
         "built-in all-reduce through a pre-bound name",
@@ -102,6 +143,12 @@ CHEATS = [
         frozenset({"test_ring_all_reduce"}),
     ),
     Cheat(
+        "the lecture's halving-doubling wrapped",
+        "all_reduce_fast",
+        LECTURE_HALVING_DOUBLING_WRAPPED,
+        frozenset({"test_all_reduce_fast"}),
+    ),
+    Cheat(
         "rebinding the check",
         "broadcast",
         REBIND_CHECK,
@@ -112,6 +159,11 @@ CHEATS = [
 
 ALTERNATIVES = [
     Alternative("ring on zero-padded equal chunks", "ring_all_reduce", RING_PADDED),
+    Alternative(
+        "halving-doubling, partners 1, 2, 4 apart, padded chunks",
+        "all_reduce_fast",
+        FAST_REVERSED_PADDED,
+    ),
     Alternative(
         "broadcast along a binary tree",
         "broadcast",
