@@ -10,6 +10,7 @@ from course_lib.grading._harness import CheckFailed, install_ipython_display
 from course_lib.grading.collectives import (
     check_all_gather,
     check_all_reduce,
+    check_all_reduce_fast,
     check_broadcast,
     check_reduce,
     check_reduce_scatter,
@@ -52,6 +53,7 @@ __all__ = [
     "check_2d_training",
     "check_all_gather",
     "check_all_reduce",
+    "check_all_reduce_fast",
     "check_broadcast",
     "check_chain",
     "check_column_parallel_linear",
