@@ -140,8 +140,13 @@ class _CourseBuild:
 _course_build: _CourseBuild | None = None
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that read the graded course run last, while its build has been running."""
+    """The tests that read the graded course are end to end (marked `e2e`: `make test-e2e`
+    runs them, `make test` does not) and run last, while its build has been running."""
+    for item in items:
+        if "graded_course" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.e2e)
     items.sort(key=lambda item: "graded_course" in getattr(item, "fixturenames", ()))
 
 

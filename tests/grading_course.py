@@ -326,6 +326,14 @@ def manual_grades(course: Path, assignment: str, student: str, db: Path | None =
     return {g.name: g for g in grades(course, assignment, student, db) if g.name in hand}
 
 
+def release_course(course: Path) -> None:
+    """Fill `course` with the repository's solutions and release them (`make release`)."""
+    for name in COURSE_FILES:
+        shutil.copy2(ROOT / name, course / name)  # copy2 keeps mtimes: no reinstall
+    shutil.copytree(ROOT / "solutions", course / "solutions")
+    make(course, "release")
+
+
 def build(course: Path) -> float:
     """A course folder with a fresh release, graded submissions (the solution, the blank
     release, planted bugs, a deadlock, a tampered test, and the cheats and alternatives of
@@ -334,10 +342,7 @@ def build(course: Path) -> float:
     alternatives) are graded by `judge`, without the kernel that renders feedback; the others
     go through `make autograde`, as a class's would."""
     judge_only = []
-    for name in COURSE_FILES:
-        shutil.copy2(ROOT / name, course / name)  # copy2 keeps mtimes: no reinstall
-    shutil.copytree(ROOT / "solutions", course / "solutions")
-    make(course, "release")
+    release_course(course)
     for assignment in ASSIGNMENTS:
         for release in notebooks(course / "assignments" / assignment):
             solution = course / "solutions" / assignment / release.name

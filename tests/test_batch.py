@@ -23,6 +23,8 @@ from tests.grading_class import ASSIGNMENT, build, gradebook_scores, students
 from tests.grading_course import make
 
 NAMES = students(3)
+# Whole classes graded three ways: end to end, in `make test-e2e`.
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
