@@ -85,7 +85,7 @@ BUG = {
         "push_sum_step",
         "total = message + sum(inbox)",
         "total = message",
-        {"test_push_sum"},
+        {"test_push_sum", "test_schedule"},  # Part 2 runs Part 1's push_sum_step
     ),
     "a05_compression": (
         "powersgd",

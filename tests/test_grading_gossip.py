@@ -1,4 +1,5 @@
-"""Assignment 4's push-sum check accepts right implementations and rejects wrong ones."""
+"""Assignment 4's checks (push-sum, and the one-peer schedule of the open part) accept right
+answers and reject wrong ones."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ import torch.distributed as dist
 
 from course_lib.grading import CheckFailed, check_push_sum
 from course_lib.grading.gossip import in_neighbors, out_neighbors, push_sum_reference
+from course_lib.grading.gossip_schedule import (
+    THRESHOLD,
+    check_one_peer_schedule,
+    rounds_for,
+    simulate,
+)
 from tests.adapters import planted, solution
 from tests.cheats.a04_gossip import PUSH_SUM_ALL_GATHER
 
@@ -166,3 +173,110 @@ def test_graphs_are_consistent_and_the_reference_conserves_totals():
     torch.testing.assert_close(sum(new_x), sum(xs), rtol=0, atol=1e-14)
     # rank 0 keeps 1/4 and gets half of rank 3's; ranks 2 and 3 get more than they give
     assert [w.item() for w in new_w] == [0.75, 0.75, 1.25, 1.25]
+
+
+# --- Part 2 (open): a one-peer schedule that mixes fast -------------------------------------
+
+peer = solution("gossip").peer
+
+
+def ring(rank, world_size, round):
+    """Too slow: a value needs P - 1 rounds to reach every rank."""
+    return (rank + 1) % world_size
+
+
+def exponential_reversed(rank, world_size, round):
+    """Right, another way: the hops 4, 2, 1 (largest first)."""
+    doublings = world_size.bit_length() - 1
+    return (rank + 2 ** (doublings - 1 - round % doublings)) % world_size
+
+
+def hypercube(rank, world_size, round):
+    """Right, another way: pairs across one dimension of the hypercube per round."""
+    return rank ^ (1 << (round % (world_size.bit_length() - 1)))
+
+
+def random_derangement(rank, world_size, round):
+    """Right, another way: a random permutation without fixed points per round, seeded."""
+    import random
+
+    draw, order = random.Random(round), list(range(world_size))
+    while any(order[i] == i for i in range(world_size)):
+        draw.shuffle(order)
+    return order[rank]
+
+
+def all_to_zero(rank, world_size, round):
+    """Everybody sends to rank 0 (rank 0 to rank 1): sums kept, but nothing mixes."""
+    return 0 if rank else 1
+
+
+def two_peers(rank, world_size, round):
+    """Two messages per round: to rank + 1 and rank + 2."""
+    return [(rank + 1) % world_size, (rank + 2) % world_size]
+
+
+def unseeded(rank, world_size, round):
+    """A random schedule drawn from the global generator: differs from rank to rank."""
+    import random
+
+    return (rank + random.randrange(1, world_size)) % world_size
+
+
+def lecture_graph(rank, world_size, round):
+    from course_lib.gossip import ExponentialGraph
+
+    return ExponentialGraph(world_size).out_neighbors(rank, round)[0]
+
+
+def push_sum_also_to_next(x, w, out_neighbors, in_neighbors):
+    """Right numbers, but a second message, to rank + 3, every round."""
+    me, p = dist.get_rank(), dist.get_world_size()
+    extra = dist.isend(torch.zeros(1, dtype=x.dtype), (me + 3) % p)
+    dist.irecv(torch.empty(1, dtype=x.dtype), (me - 3) % p).wait()
+    extra.wait()
+    return push_sum_step(x, w, out_neighbors, in_neighbors)
+
+
+def test_the_bound_lies_between_the_ring_and_the_exponential_graph():
+    """The numbers the notebook states, measured in one process on the check's own data."""
+    for p, ring_error in ((4, 0.036), (8, 0.16)):
+        assert rounds_for(p) == 4 * (p.bit_length() - 1)
+        measured = [simulate(ring, p, seed) for seed in (0, 1, 2)]
+        assert min(measured) > 3 * THRESHOLD, measured
+        assert simulate(ring, p, 0) == pytest.approx(ring_error, abs=0.005)
+        for right in (peer, exponential_reversed, hypercube):
+            assert simulate(right, p, 0) < 1e-12  # exact after log2 P rounds
+        assert all(simulate(random_derangement, p, seed) < 0.6 * THRESHOLD for seed in (0, 1, 2))
+        assert simulate(all_to_zero, p, 0) > 0.5
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [peer, exponential_reversed, hypercube, random_derangement],
+    ids=["solution", "reversed-hops", "hypercube", "random-derangement"],
+)
+def test_check_one_peer_schedule_accepts_fast_schedules(schedule, capsys):
+    check_one_peer_schedule(schedule, push_sum_step, world_sizes=(4, 8))
+    out = capsys.readouterr().out
+    assert out.startswith("check_one_peer_schedule: passed. Verified world size(s) 4, 8"), out
+    assert "(allowed 0.01)" in out
+
+
+@pytest.mark.parametrize(
+    "schedule, step, message",
+    [
+        (ring, push_sum_step, "the consensus error"),  # measured: mixes too slowly
+        (all_to_zero, push_sum_step, "the consensus error"),  # measured: never mixes
+        (two_peers, push_sum_step, "expected one rank (an int)"),  # rule: one peer
+        (peer, push_sum_also_to_next, "one peer per round"),  # rule: counted messages
+        (unseeded, push_sum_step, "gave different answers on different ranks"),
+        (lecture_graph, push_sum_step, "runs course_lib.gossip."),
+    ],
+    ids=["ring", "all-to-zero", "two-peers", "extra-message", "unseeded", "lecture"],
+)
+def test_check_one_peer_schedule_rejects(schedule, step, message):
+    with pytest.raises(CheckFailed) as info:
+        check_one_peer_schedule(schedule, step, timeout=10)
+    text = str(info.value)
+    assert text.startswith("check_one_peer_schedule: ") and message in text, text

@@ -11,6 +11,9 @@ Each round is compared with `push_sum_reference` (float64, from all ranks' input
 graphs: the directed exponential graph (rank i sends to i + 1, i + 2, i + 4, ...), its
 one-peer version that changes every round (as SGP runs it), and an irregular graph where rank
 0 sends to everyone, on which the weights w stop being 1 and really matter.
+
+Part 2's check, `check_one_peer_schedule(peer, push_sum_step)` (a schedule of one peer per
+rank and round, graded by push-sum's consensus error), is in grading/gossip_schedule.py.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from course_lib import comm
 from course_lib.comm import CommCounter
 from course_lib.grading._harness import Verdict, fail, run_on_ranks
+from course_lib.grading.gossip_schedule import check_one_peer_schedule
 from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank
 
@@ -389,6 +393,7 @@ def check_push_sum(
 
 __all__ = [
     "GRAPHS",
+    "check_one_peer_schedule",
     "check_push_sum",
     "in_neighbors",
     "out_neighbors",

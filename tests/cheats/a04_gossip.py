@@ -1,5 +1,6 @@
 """Assignment 4's cheats (each scores 0 on its part) and right answers written differently
-(full marks). More are proven in tests/test_grading_gossip.py (the lecture's functions called)."""
+(full marks). More are proven in tests/test_grading_gossip.py (the lecture's functions called,
+other schedules)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,36 @@ def push_sum_step(x, w, out_neighbors, in_neighbors):
     return new[:-1].to(x.dtype), new[-1].to(w.dtype).reshape(w.shape)
 '''
 
+LECTURE_SCHEDULE = """
+def peer(rank, world_size, round):
+    \"\"\"The lecture's exponential graph, asked for its one peer.\"\"\"
+    from course_lib.gossip import ExponentialGraph
+
+    return ExponentialGraph(world_size).out_neighbors(rank, round)[0]
+"""
+
+GRADER_SCHEDULE = """
+def peer(rank, world_size, round):
+    \"\"\"The grader's one-peer exponential graph of Part 1 (imported by the set-up cell).\"\"\"
+    return out_neighbors("one-peer exponential", rank, world_size, round)[0]
+"""
+
 
 CHEATS = [
     Cheat(
         "push-sum by all-gather", "push_sum_step", PUSH_SUM_ALL_GATHER, frozenset({"test_push_sum"})
+    ),
+    Cheat(
+        "the lecture's exponential graph as the schedule",
+        "schedule",
+        LECTURE_SCHEDULE,
+        frozenset({"test_schedule"}),
+    ),
+    Cheat(
+        "the grader's one-peer graph as the schedule",
+        "schedule",
+        GRADER_SCHEDULE,
+        frozenset({"test_schedule"}),
     ),
 ]
 
@@ -41,6 +68,15 @@ def push_sum_step(x, w, out_neighbors, in_neighbors):
     for request in dist.batch_isend_irecv(ops) if ops else []:
         request.wait()
     return sx + sum(xs), (sw + sum(ws)).reshape(())
+""",
+    ),
+    Alternative(
+        "a hypercube schedule: rank XOR 2^(round mod log2 P)",
+        "schedule",
+        """
+def peer(rank, world_size, round):
+    dimension = round % (world_size.bit_length() - 1)
+    return rank ^ (1 << dimension)
 """,
     ),
 ]
