@@ -79,12 +79,6 @@ test: install lint
 	COURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest tests -m "not e2e" && test $$site = ok || \
 	{ echo "make test failed (lectures: $$site; the failures are named above)"; exit 1; }
 
-# Every assignment released and graded through nbgrader as for a class: the solution, the
-# blank release, planted bugs, a deadlock, hostile and forged submissions, every cheat and
-# alternative of tests/cheats/, then the same class graded in parallel and by the Slurm recipe.
-test-e2e: install
-	$(BIN)/python -m pytest tests -m e2e
-
 # The lectures run top to bottom, with their outputs, as HTML pages: build/site/index.html.
 site: install
 	$(BIN)/python tools/build_site.py --out build/site
@@ -104,6 +98,12 @@ bench: install
 # --- instructors: nbgrader (configured in nbgrader_config.py) ---
 ASSIGNMENT_SOURCES = $(sort $(notdir $(wildcard solutions/*)))
 SUBMITTED = $(sort $(notdir $(wildcard submitted/*/*)))
+
+# Every assignment released and graded through nbgrader as for a class: the solution, the
+# blank release, planted bugs, a deadlock, hostile and forged submissions, every cheat and
+# alternative of tests/cheats/, then the same class graded in parallel and by the Slurm recipe.
+test-e2e: install
+	$(BIN)/python -m pytest tests -m e2e
 
 # Regenerate the student versions in assignments/ from solutions/ (and register them in the
 # gradebook, with schedule.csv's due dates). Reproducible: a second run changes nothing.

@@ -95,6 +95,7 @@ def student_readme(text: str) -> str:
 
 INSTRUCTOR_TARGETS = (
     "lock",
+    "test-e2e",
     "bench",
     "release",
     "autograde",

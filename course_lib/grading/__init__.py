@@ -22,7 +22,7 @@ from course_lib.grading.expert_parallel import (
     check_moe_forward,
     check_moe_traffic,
 )
-from course_lib.grading.gossip import check_push_sum
+from course_lib.grading.gossip import check_one_peer_schedule, check_push_sum
 from course_lib.grading.parallel_3d import check_2d_training, check_process_grid
 from course_lib.grading.pipeline import (
     check_optimal_partition,
@@ -69,6 +69,7 @@ __all__ = [
     "check_pipeline_trainer",
     "check_powersgd",
     "check_process_grid",
+    "check_one_peer_schedule",
     "check_push_sum",
     "check_quantized_all_reduce",
     "check_reduce",
