@@ -27,7 +27,7 @@ LAB_ARGS ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: install lock lab test test-e2e site lint format bench clean release autograde feedback student \
+.PHONY: install lock lab test test-e2e test-all site lint format bench clean release autograde feedback student \
 	roster zip-collect
 
 install: $(STAMP)
@@ -73,10 +73,11 @@ lint: install
 
 # Building the site runs every lecture (once: it is the lectures' test, as nbval was); the
 # tests then check its pages. A failing lecture does not stop the tests: both are reported.
-# Whole classes graded end to end (tests marked e2e) are `make test-e2e`'s; CI runs both.
+# Whole classes graded end to end (tests marked e2e) are left to `make test-all`, which CI runs.
+PYTEST_SELECT ?= -m "not e2e"
 test: install lint
 	@site=ok; $(BIN)/python tools/build_site.py --out build/site || site=failed; \
-	COURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest tests -m "not e2e" && test $$site = ok || \
+	COURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest tests $(PYTEST_SELECT) && test $$site = ok || \
 	{ echo "make test failed (lectures: $$site; the failures are named above)"; exit 1; }
 
 # The lectures run top to bottom, with their outputs, as HTML pages: build/site/index.html.
@@ -99,11 +100,15 @@ bench: install
 ASSIGNMENT_SOURCES = $(sort $(notdir $(wildcard solutions/*)))
 SUBMITTED = $(sort $(notdir $(wildcard submitted/*/*)))
 
-# Every assignment released and graded through nbgrader as for a class: the solution, the
-# blank release, planted bugs, a deadlock, hostile and forged submissions, every cheat and
-# alternative of tests/cheats/, then the same class graded in parallel and by the Slurm recipe.
+# The tests marked e2e: every assignment released and graded through nbgrader as for a class
+# (the solution, the blank release, planted bugs, a deadlock, hostile and forged submissions,
+# every cheat and alternative of tests/cheats/), then a class graded in parallel and by the
+# Slurm recipe. `make test-all` (what CI runs) is `make test` with them: the class is graded
+# in a process of its own while the other tests run (tests/conftest.py).
 test-e2e: install
 	$(BIN)/python -m pytest tests -m e2e
+test-all: PYTEST_SELECT =
+test-all: test
 
 # Regenerate the student versions in assignments/ from solutions/ (and register them in the
 # gradebook, with schedule.csv's due dates). Reproducible: a second run changes nothing.

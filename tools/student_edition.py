@@ -96,6 +96,7 @@ def student_readme(text: str) -> str:
 INSTRUCTOR_TARGETS = (
     "lock",
     "test-e2e",
+    "test-all",
     "bench",
     "release",
     "autograde",
