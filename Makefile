@@ -74,10 +74,11 @@ lint: install
 # Building the site runs every lecture (once: it is the lectures' test, as nbval was); the
 # tests then check its pages. A failing lecture does not stop the tests: both are reported.
 # Whole classes graded end to end (tests marked e2e) are left to `make test-all`, which CI runs.
+# The log ends with the 30 slowest tests: where the time goes.
 PYTEST_SELECT ?= -m "not e2e"
 test: install lint
 	@site=ok; $(BIN)/python tools/build_site.py --out build/site || site=failed; \
-	COURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest tests $(PYTEST_SELECT) && test $$site = ok || \
+	COURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest tests $(PYTEST_SELECT) --durations=30 && test $$site = ok || \
 	{ echo "make test failed (lectures: $$site; the failures are named above)"; exit 1; }
 
 # The lectures run top to bottom, with their outputs, as HTML pages: build/site/index.html.

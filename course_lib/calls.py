@@ -4,9 +4,12 @@ pool keeps track of the ranks' answers until every rank has answered and shown a
 
 from __future__ import annotations
 
+import importlib
 import io
 import pickle
+import sys
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +53,19 @@ class _CallPickler(cloudpickle.Pickler):
         if _on_gpu(obj):
             is_parameter = isinstance(obj, torch.nn.Parameter)
             return runtime.on_this_device, (obj.detach().cpu(), is_parameter, obj.requires_grad)
+        if _imported_module_like(obj):
+            return importlib.import_module, (obj.__name__,)
         return super().reducer_override(obj)
+
+
+def _imported_module_like(obj: object) -> bool:
+    """A module object of a subclass of its own that sits in sys.modules, like `torch.ops`:
+    cloudpickle would try to pickle it by value (and fail); the rank imports it by name."""
+    return (
+        isinstance(obj, types.ModuleType)
+        and type(obj) is not types.ModuleType
+        and sys.modules.get(obj.__name__) is obj
+    )
 
 
 def _unpicklable_message(fn: Callable, args: tuple, kwargs: dict, exc: Exception) -> str:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import cloudpickle
 import psutil
 import pytest
 
@@ -147,6 +148,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "graded_course" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.e2e)
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__.startswith("tests.test_grading_"):
+            # The checks run these modules' functions on the ranks as student code: ship them
+            # by value, as a notebook's are. Pickled by reference, every fresh rank would
+            # import the test module, and with it nbformat (3 s of CPU each, jsonschema's IRI
+            # grammar), after every restart of the grading pool.
+            cloudpickle.register_pickle_by_value(module)
     items.sort(key=lambda item: "graded_course" in getattr(item, "fixturenames", ()))
 
 

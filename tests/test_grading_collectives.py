@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 import time
 
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,9 +30,6 @@ from tests.cheats.a02_collectives import (
 
 UNEVEN = [(1,), (2,), (7,), (3, 5), ()]  # fewer elements than ranks, not divisible, 0-d
 SOLVED = solution("collectives")
-# Ship this module's functions to the ranks by value: a fresh rank then need not import it
-# (with pytest and nbformat), which costs seconds each time a check changes the world size.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def expect_failure(check, fn, message: str, **options) -> str:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,9 +26,6 @@ from course_lib.grading.expert_parallel import (
 from course_lib.grading.expert_parallel_ranks import inputs, layer
 from tests.adapters import mutant, planted, solution
 from tests.cheats import a12_expert_parallel as cheats
-
-# Fresh workers cannot import this test module: ship its functions by value.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 A12 = solution("expert_parallel")
 RTOL, ATOL = 1e-12, 1e-12

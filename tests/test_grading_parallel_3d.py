@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,10 +25,6 @@ from course_lib.grading.parallel_3d_layout import _partners
 from course_lib.runtime import world_size
 from tests.adapters import mutant, planted, solution
 from tests.cheats import a10_parallel_3d as cheats
-
-# Fresh workers cannot import this test module: ship its functions and classes by value.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
 
 # --- right implementations ----------------------------------------------------------------
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,9 +17,6 @@ from course_lib.grading import (
 from course_lib.grading.sequence_parallel import Case, lengths, reference, ring_budget
 from tests.adapters import mutant, planted, solution
 from tests.cheats import a11_sequence_parallel as cheats
-
-# Fresh workers cannot import this test module: ship its functions by value.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 A11 = solution("sequence_parallel")
 LOGSUMEXP = planted("sequence_parallel", "ring_attention", cheats.RING_LOGSUMEXP)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-import sys
 
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,10 +27,6 @@ from course_lib.grading.tensor_parallel import (
 )
 from tests.adapters import planted, solution
 from tests.cheats.a09_tensor_parallel import MLP_FULL_COPY
-
-# Fresh workers cannot import this test module: ship its classes by value.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
 
 # --- right implementations: the solution notebook's, and attention written differently ----
 

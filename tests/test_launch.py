@@ -412,6 +412,15 @@ def test_a_gpu_tensor_sent_to_the_ranks_lands_on_each_ranks_own_device(monkeypat
     assert leaf.is_meta and leaf.requires_grad
 
 
+def test_a_function_that_uses_torch_ops_is_sent_by_value():
+    """A notebook's function travels by value; `torch.ops` (a module object of a class of its
+    own) travels by name, and the rank finds the same operators."""
+    namespace = {"torch": torch}
+    exec("def add_op():\n    return torch.ops.aten.add", namespace)  # as a notebook cell
+    fn, _, _ = cloudpickle.loads(pickle_call(namespace["add_op"], (), {}))
+    assert fn is not namespace["add_op"] and fn() is torch.ops.aten.add
+
+
 def test_closing_a_pool_never_signals_the_number_of_a_rank_that_is_gone(monkeypatch):
     """Pid numbers are reused (they wrap at 32768 on many machines): a signal sent to the number
     of a rank the fork server has already reaped could kill a rank of another pool."""
