@@ -148,24 +148,23 @@ def _shape_problem(got, params: list[torch.Tensor]) -> str | None:
 
 def train_on_rank(compressor_class: Callable, run: TrainRun) -> dict:
     """This rank's training with the student's compressor: its final parameters, the bytes it
-    sent (only inside `average`), and what went wrong first, if anything."""
+    sent during the whole run (the check itself sends nothing here, so every byte is the
+    compressor's, whenever it sends it), and what went wrong first, if anything."""
     me, ranks = rank(), world_size()
     x, y = dataset(run.seed)
     params = [p.requires_grad_() for p in initial_parameters(run.seed)]
-    sent, problem = 0, None
-    with CommCounter(), Provenance(FORBIDDEN) as seen:
+    problem = None
+    with CommCounter() as counter, Provenance(FORBIDDEN) as seen:
         compressor = compressor_class()
         for step in range(run.steps):
             i = batch_indices(run, step).chunk(ranks)[me]
             grads = torch.autograd.grad(loss_of(params, x[i], y[i]), params)
-            with CommCounter() as counter:
-                try:
-                    got = compressor.average([g.detach().clone() for g in grads])
-                except BaseException as exc:
-                    if hasattr(exc, "add_note"):
-                        exc.add_note(f"(while checking: {run}, step {step})")
-                    raise
-            sent += counter.bytes_sent
+            try:
+                got = compressor.average([g.detach().clone() for g in grads])
+            except BaseException as exc:
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"(while checking: {run}, step {step})")
+                raise
             problem = _shape_problem(got, params)
             if problem:
                 problem = f"step {step}: average returned {problem}"
@@ -175,7 +174,7 @@ def train_on_rank(compressor_class: Callable, run: TrainRun) -> dict:
                     p -= LR * g
     return {
         "params": [p.detach().clone() for p in params],
-        "sent": sent,
+        "sent": counter.bytes_sent,
         "problem": problem,
         "copied": seen.complaint(),
     }
