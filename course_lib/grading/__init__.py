@@ -16,6 +16,7 @@ from course_lib.grading.collectives import (
     check_reduce_scatter,
 )
 from course_lib.grading.compression import check_powersgd, check_quantized_all_reduce
+from course_lib.grading.compression_budget import check_compressed_training
 from course_lib.grading.data_parallel import check_ddp, check_sync_gradients
 from course_lib.grading.expert_parallel import (
     check_moe_backward,
@@ -57,6 +58,7 @@ __all__ = [
     "check_broadcast",
     "check_chain",
     "check_column_parallel_linear",
+    "check_compressed_training",
     "check_ddp",
     "check_dist_ping_pong",
     "check_moe_backward",

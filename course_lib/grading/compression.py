@@ -11,6 +11,8 @@
         the ranks' mean (gradient + error) on every rank, equal to `powersgd_reference`;
         error feedback (self.error), warm start, (n + m) * r elements all-reduced.
 
+Part 3 (open), `check_compressed_training`, lives in compression_budget.py.
+
 The exact sums and the PowerSGD reference are computed in float64, independently of the
 student's code: `dist.all_reduce` of float64 copies, and `powersgd_reference`, which follows
 the algorithm of Vogels et al. 2019 with torch's error-feedback rule (error = local matrix -
