@@ -3,9 +3,6 @@ the PowerSGD reference agrees with torch's own powerSGD_hook."""
 
 from __future__ import annotations
 
-import sys
-
-import cloudpickle
 import numpy as np
 import pytest
 import torch
@@ -27,8 +24,6 @@ from tests.cheats.a05_compression import POWERSGD_GRAM_SCHMIDT
 SOLVED = solution("compression")
 quantize, dequantize = SOLVED.quantize, SOLVED.dequantize
 quantized_all_reduce, PowerSGD = SOLVED.quantized_all_reduce, SOLVED.PowerSGD
-# Ship this module's functions to the ranks by value: a fresh rank need not import it.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def expect_failure(check, fns, message: str, **options) -> str:
