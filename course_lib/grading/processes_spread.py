@@ -9,8 +9,10 @@ per round, so a rank that got the message in round d sends its k-th message in r
 ceil(log2 P), the fewest any schedule can do: the number of ranks holding the message at
 most doubles per round.
 
-    ranks, in order          what each rank did: its calls (op, peer), bytes, final tensor
-    rounds(log, P)           the round each rank received in, from the per-rank logs
+    _spread_on_rank(spread, seed)   on each rank: its calls (op, peer) in order, its bytes,
+                                    whether its tensor ends right
+    rounds(calls)                   the round each rank got the message in, from those logs
+    judge(verdict, records, seed)   one world size's verdict, and the rounds it took
 """
 
 from __future__ import annotations
