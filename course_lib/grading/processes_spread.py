@@ -24,7 +24,7 @@ import torch
 
 from course_lib import comm
 from course_lib.comm import POINT_TO_POINT, CommCounter
-from course_lib.grading._harness import Verdict, fail, run_on_ranks
+from course_lib.grading._harness import Verdict, close_pool, fail, run_on_ranks
 from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank
 
@@ -212,15 +212,20 @@ def check_spread(
     verdict = Verdict(check)
     taken = {}
     for p in world_sizes:
-        records = run_on_ranks(
-            check,
-            _spread_on_rank,
-            spread,
-            seed,
-            world_size=p,
-            timeout=timeout,
-            what=f"your spread on {p} ranks",
-        )
+        try:
+            records = run_on_ranks(
+                check,
+                _spread_on_rank,
+                spread,
+                seed,
+                world_size=p,
+                timeout=timeout,
+                what=f"your spread on {p} ranks",
+            )
+        finally:
+            # A warm pool per world size would keep up to 8 more ranks alive each: grading
+            # allows the notebook 8 GiB, which P = 2..8 all alive together exceeded.
+            close_pool()
         taken[p] = judge(verdict, records, seed)
     verdict.conclude(
         f"on P = {', '.join(map(str, world_sizes))} ranks, {len(MESSAGES)} messages each "
