@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import time
 
@@ -16,6 +17,7 @@ from course_lib.grading import (
     check_dist_ping_pong,
     check_ping_pong,
     check_round_trip_time,
+    check_spread,
 )
 from tests.adapters import mutant, solution
 
@@ -266,8 +268,10 @@ def test_dist_ping_pong_accepts_right_implementations(fn, capsys):
 )
 def test_dist_ping_pong_rejects_wrong_implementations(fn, message):
     with pytest.raises(CheckFailed) as info:
-        # 15 s: the cases after the deadlock start on fresh ranks, slow on a busy machine
-        check_dist_ping_pong(fn, rounds=3, timeout=15)
+        # The deadlock is stopped after 15 s. The cases after it start on fresh ranks, which
+        # first import this module (and run the solution's cells): on a busy machine that
+        # alone took more than 15 s, so they get 60.
+        check_dist_ping_pong(fn, rounds=3, timeout=15 if fn is dist_no_reply else 60)
     assert message in str(info.value)
 
 
@@ -313,4 +317,122 @@ def test_round_trip_time_accepts_a_right_implementation(capsys):
 def test_round_trip_time_rejects_wrong_implementations(fn, message):
     with pytest.raises(CheckFailed) as info:
         check_round_trip_time(fn)
+    assert message in str(info.value)
+
+
+# --- spread: rank 0's tensor to every rank, in ceil(log2 P) rounds (the open part) ---------
+
+
+spread = A01.spread
+
+
+def spread_halves(tensor):
+    """Right, another schedule: rank 0 sends to the middle first, each half then recurses."""
+    lo, hi, me = 0, dist.get_world_size(), rank()
+    while hi - lo > 1:
+        mid = lo + (hi - lo + 1) // 2
+        if me == lo:
+            dist.isend(tensor, dst=mid).wait()
+        elif me == mid:
+            dist.irecv(tensor, src=lo).wait()
+        lo, hi = (lo, mid) if me < mid else (mid, hi)
+
+
+def spread_chain(tensor):
+    """Part 2's chain with send/recv: P - 1 rounds."""
+    me, p = rank(), dist.get_world_size()
+    if me:
+        dist.recv(tensor, src=me - 1)
+    if me + 1 < p:
+        dist.send(tensor, dst=me + 1)
+
+
+def spread_star(tensor):
+    """Rank 0 sends to each rank in turn (isend all at once, then wait): P - 1 rounds."""
+    if rank() == 0:
+        for request in [dist.isend(tensor, dst=r) for r in range(1, dist.get_world_size())]:
+            request.wait()
+    else:
+        dist.recv(tensor, src=0)
+
+
+def spread_floor(tensor):
+    """A doubling tree with floor(log2 P) steps: right for powers of two only."""
+    for k in range(int(math.log2(dist.get_world_size()))):
+        step, me = 2**k, rank()
+        if me < step:
+            dist.send(tensor, dst=me + step)
+        elif me < 2 * step:
+            dist.recv(tensor, src=me - step)
+
+
+def spread_heap(tensor):
+    """The binary tree of heap numbering (children 2r+1, 2r+2): 4 rounds for P = 8."""
+    me, p = rank(), dist.get_world_size()
+    if me:
+        dist.recv(tensor, src=(me - 1) // 2)
+    for child in (2 * me + 1, 2 * me + 2):
+        if child < p:
+            dist.send(tensor, dst=child)
+
+
+def spread_lecture(tensor):
+    """The lecture's binary tree, its helpers wrapped."""
+    from course_lib.collectives import tree_children, tree_parent
+
+    parent = tree_parent(rank())
+    if parent is not None:
+        dist.recv(tensor, src=parent)
+    for child in tree_children(rank(), dist.get_world_size()):
+        dist.send(tensor, dst=child)
+
+
+def spread_broadcast(tensor):
+    dist.broadcast(tensor, src=0)
+
+
+def spread_halves_of_it(tensor):
+    """A binomial tree sending each tensor in two halves: two receives per rank."""
+    me, p, step = rank(), dist.get_world_size(), 1
+    while step < p:
+        for part in tensor.view(-1).chunk(2):
+            if me < step and me + step < p:
+                dist.send(part.clone(), dst=me + step)
+            elif step <= me < 2 * step:
+                buffer = part.clone()
+                dist.recv(buffer, src=me - step)
+                part.copy_(buffer)
+        step *= 2
+
+
+@pytest.mark.parametrize("fn", [spread, spread_halves])
+def test_spread_accepts_right_schedules(fn, capsys):
+    # 120 s: check_spread starts fresh ranks for each world size, and each rank imports this
+    # module (and runs the solution's cells) first: over 60 s for 8 ranks on a busy machine
+    check_spread(fn, timeout=120)
+    assert (
+        "in 1 round(s) for P = 2, 2 round(s) for P = 3, 3 round(s) for P = 5, "
+        "3 round(s) for P = 8" in capsys.readouterr().out
+    )
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        # rounds: the chain and the star need P - 1 rounds, 4 for P = 5
+        (spread_chain, "rank 4 got the message in round 4 (0->1 in round 1, 1->2 in round 2"),
+        (spread_star, "rank 4 got the message in round 4 (0->4 in round 4)"),
+        # rounds: the lecture's heap tree is fine up to P = 7, not for P = 8
+        (spread_heap, "P = 8, message float64 (3, 5), seed 0: rank 6 got the message in round 4"),
+        # every rank must receive: a tree built for powers of two misses rank 2 of 3
+        (spread_floor, "P = 3, message float64 (3, 5), seed 0: rank 2 received 0 message(s)"),
+        # one receive per rank, each message the whole tensor
+        (spread_halves_of_it, "rank 1 received 2 message(s); it must receive 1"),
+        (spread_broadcast, "rank 0 used ['broadcast']"),
+        (spread_lecture, "your answer runs course_lib.collectives.tree_parent"),
+    ],
+)
+def test_spread_rejects_wrong_schedules(fn, message):
+    with pytest.raises(CheckFailed) as info:
+        check_spread(fn, timeout=120)  # fresh ranks, as above
     assert message in str(info.value)

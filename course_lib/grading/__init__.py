@@ -35,6 +35,7 @@ from course_lib.grading.processes import (
     check_dist_ping_pong,
     check_ping_pong,
     check_round_trip_time,
+    check_spread,
 )
 from course_lib.grading.sequence_parallel import (
     check_ring_attention,
@@ -79,6 +80,7 @@ __all__ = [
     "check_ring_attention",
     "check_ring_traffic",
     "check_round_trip_time",
+    "check_spread",
     "check_row_parallel_linear",
     "check_simulate_schedule",
     "check_sync_gradients",

@@ -4,6 +4,8 @@
     check_chain(relay, run_chain)           a chain of processes passing a message along
     check_dist_ping_pong(dist_ping_pong)    the ping-pong with torch.distributed send/recv
     check_round_trip_time(round_trip_time)  timing a message against its size
+    check_spread(spread)                    rank 0's tensor to every rank in few rounds
+                                            (the open part, in processes_spread.py)
 
 Each check plays the student's code against a reference written here (not the solution
 notebook's), so one side's bug cannot be hidden by the other side's matching bug.
@@ -18,6 +20,7 @@ from collections.abc import Callable
 
 from course_lib.comm import POINT_TO_POINT, CommCounter
 from course_lib.grading._harness import Child, describe, fail, passed, run_on_ranks
+from course_lib.grading.processes_spread import check_spread
 
 # --- ping-pong over a Pipe ----------------------------------------------------------------
 
@@ -399,4 +402,5 @@ __all__ = [
     "check_dist_ping_pong",
     "check_ping_pong",
     "check_round_trip_time",
+    "check_spread",
 ]

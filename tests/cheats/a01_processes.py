@@ -27,7 +27,26 @@ def pong(conn, rounds):
     pass
 '''
 
+LECTURE_TREE = '''
+from course_lib.collectives import tree_children, tree_parent
+
+
+def spread(tensor):
+    """Lecture 2's binary tree (its second half, down from rank 0), its helpers called."""
+    parent = tree_parent(rank())
+    if parent is not None:
+        dist.recv(tensor, src=parent)
+    for child in tree_children(rank(), world_size()):
+        dist.send(tensor, dst=child)
+'''
+
 CHEATS = [
+    Cheat(
+        "spread with the lecture's binary tree",
+        "spread",
+        LECTURE_TREE,
+        frozenset({"test_spread"}),
+    ),
     Cheat(
         "ping-pong without messages",
         "dist_ping_pong",
@@ -87,6 +106,21 @@ def round_trip_time(nbytes, repeats=5):
             dist.send(message, 0)
         times.append(time.monotonic() - start)
     return statistics.median(times)
+""",
+    ),
+    Alternative(
+        "spread halving the range of ranks, largest half first, with isend/irecv",
+        "spread",
+        """
+def spread(tensor):
+    low, high, me = 0, world_size(), rank()
+    while high - low > 1:
+        middle = low + (high - low + 1) // 2
+        if me == low:
+            dist.isend(tensor, dst=middle).wait()
+        elif me == middle:
+            dist.irecv(tensor, src=low).wait()
+        low, high = (low, middle) if me < middle else (middle, high)
 """,
     ),
 ]
