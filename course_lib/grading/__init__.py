@@ -29,6 +29,7 @@ from course_lib.grading.pipeline import (
     check_optimal_partition,
     check_pipeline_trainer,
     check_simulate_schedule,
+    check_split_schedule,
 )
 from course_lib.grading.processes import (
     check_chain,
@@ -83,6 +84,7 @@ __all__ = [
     "check_spread",
     "check_row_parallel_linear",
     "check_simulate_schedule",
+    "check_split_schedule",
     "check_sync_gradients",
     "check_ulysses_attention",
     "check_zero1",

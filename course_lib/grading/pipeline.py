@@ -3,6 +3,8 @@
     check_pipeline_trainer(pipeline_step, schedule)   GPipe or 1F1B on P processes
     check_simulate_schedule(simulate_schedule)        timelines and the bubble (P-1)/(m+P-1)
     check_optimal_partition(optimal_partition)        the A(j, m) dynamic program
+    check_split_schedule(split_schedule)              F, B, W orders: a smaller bubble than
+                                                      1F1B in its memory (open part)
 
 The assignment's plumbing is imported from here too: `send_tensor` / `recv_tensor` (a tensor
 of any shape between two ranks) and `InFlightProbe` (what the check wraps around a stage).
@@ -25,6 +27,7 @@ The checks stand on their parts:
     pipeline_trainer.py    the trainer's runs, the single-process reference, each step judged
     pipeline_timeline.py   a simulated schedule's timeline judged
     pipeline_partition.py  partition problems, brute force, a returned partition judged
+    pipeline_schedule.py   split-backward schedules validated, simulated and measured
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ from course_lib.grading.pipeline_plumbing import (
     schedule_order,
     send_tensor,
 )
+from course_lib.grading.pipeline_schedule import (
+    bubble_allowed,
+    judge_split,
+    makespan_allowed,
+    simulate_split,
+)
 from course_lib.grading.pipeline_timeline import check_timeline
 from course_lib.grading.pipeline_trainer import (
     ATOL,
@@ -65,7 +74,8 @@ from course_lib.grading.pipeline_trainer import (
 from course_lib.grading.provenance import Provenance
 
 # The lecture's pipeline module answers parts 5-7 as it stands (its trainer, simulator and
-# partition), and the checks' schedule order and brute force would help (defined in parts,
+# partition), its measure module holds a zero-bubble schedule (the open part), and the checks'
+# schedule order, brute force and split-schedule simulator would help (defined in parts,
 # named here, where the notebook sees them): an answer that runs any of them, or a copy, is
 # not the student's own.
 FORBIDDEN = (
@@ -74,6 +84,7 @@ FORBIDDEN = (
     "course_lib.grading.pipeline.schedule_order",
     "course_lib.grading.pipeline.in_flight_bound",
     "course_lib.grading.pipeline.brute_force_partition",
+    "course_lib.grading.pipeline.simulate_split",
 )
 
 
@@ -107,6 +118,10 @@ def _simulate_cases(simulate_schedule: Callable, cases: list[tuple]) -> dict:
             for P, m, schedule, f, b in cases
         ]
     )
+
+
+def _split_cases(split_schedule: Callable, cases: tuple[tuple[int, int], ...]) -> dict:
+    return _watched(lambda: [split_schedule(P, m) for P, m in cases])
 
 
 def _solve_all(optimal_partition: Callable, problems: list[PartitionProblem]) -> dict:
@@ -237,6 +252,44 @@ def check_optimal_partition(
     )
 
 
+def check_split_schedule(
+    split_schedule: Callable,
+    *,
+    cases: tuple[tuple[int, int], ...] = ((4, 4), (4, 8)),
+    timeout: float = 30.0,
+) -> None:
+    """`split_schedule(P, m)` returns, per stage, its ("F" | "B" | "W", micro_batch) ops in
+    order. Validated, simulated by the check (every op one unit) and measured: it scores when
+    it runs without deadlock, no stage holds more than P micro-batches (F done, W not yet)
+    and every step takes at most 3m + 2(P - 1) - 1 units, shorter than 1F1B's."""
+    __tracebackhide__ = True
+    check = "check_split_schedule"
+    found = run_on_ranks(
+        check,
+        _split_cases,
+        split_schedule,
+        cases,
+        world_size=1,
+        timeout=timeout,
+        what="your split_schedule",
+    )[0]
+    results = _unwatched(check, found)
+    verdict, measured = Verdict(check), []
+    for (P, m), orders in zip(cases, results, strict=True):
+        with verdict.case():
+            run = judge_split(check, P, m, orders)
+            measured.append(
+                f"P={P} m={m}: {run['makespan']:g} <= {makespan_allowed(P, m):g} units, "
+                f"bubble {run['bubble_fraction']:.3f} <= {bubble_allowed(P, m):.3f}, "
+                f"peak {max(run['peaks'])} <= {P}"
+            )
+    verdict.conclude(
+        f"{len(cases)} case(s), simulated by the check: every stage runs F, B, W of each "
+        "micro-batch once, in an order that can run, holding at most P micro-batches, in "
+        "fewer units than 1F1B (" + "; ".join(measured) + ")"
+    )
+
+
 def _solve_on_a_rank(
     check: str, optimal_partition: Callable, problems: list[PartitionProblem], limit: float
 ) -> list:
@@ -275,11 +328,13 @@ __all__ = [
     "check_optimal_partition",
     "check_pipeline_trainer",
     "check_simulate_schedule",
+    "check_split_schedule",
     "in_flight_bound",
     "partition_time",
     "recv_tensor",
     "schedule_order",
     "send_tensor",
+    "simulate_split",
     "stage_time",
     "stages",
 ]

@@ -45,6 +45,44 @@ def optimal_partition(layer_times, activation_sizes, n_machines, bandwidth=1.0, 
 '''
 
 
+LECTURE_ZERO_BUBBLE = '''
+from course_lib.measure.pipeline import zero_bubble_order
+
+
+def split_schedule(P, m):
+    """The lecture's zero-bubble order, as (kind, micro-batch) pairs."""
+    return [[(op.kind, op.micro) for op in ops] for ops in zero_bubble_order(P, m)]
+'''
+
+
+# A second right answer to Part 4: W's fill the waits, as in the solution, but stage s holds at
+# most min(P, P - s + 1) micro-batches (P on the first two stages, fewer further down).
+SPLIT_BY_STAGE = """
+def split_schedule(P, m):
+    orders = [[] for _ in range(P)]
+    ends = {}  # (kind, i, stage) -> the tick it ends
+    for tick in range(6 * (m + P)):
+        for s in range(P):
+            ran = [op for op in orders[s]]
+            f = sum(k == "F" for k, _ in ran)
+            b = sum(k == "B" for k, _ in ran)
+            w = sum(k == "W" for k, _ in ran)
+            if b < f and (s == P - 1 or ends.get(("B", b, s + 1), tick + 1) <= tick):
+                op = ("B", b)
+            elif f < m and f - w < min(P, P - s + 1) and (
+                s == 0 or ends.get(("F", f, s - 1), tick + 1) <= tick
+            ):
+                op = ("F", f)
+            elif w < b:
+                op = ("W", w)
+            else:
+                continue
+            orders[s].append(op)
+            ends[(*op, s)] = tick + 1
+    return orders
+"""
+
+
 CHEATS = [
     Cheat(
         "the lecture's pipeline trainer",
@@ -57,6 +95,12 @@ CHEATS = [
         "optimal_partition",
         EXHAUSTIVE_PARTITION,
         frozenset({"test_optimal_partition"}),
+    ),
+    Cheat(
+        "the lecture's zero-bubble order",
+        "split_schedule",
+        LECTURE_ZERO_BUBBLE,
+        frozenset({"test_split_schedule"}),
     ),
 ]
 
@@ -95,5 +139,10 @@ def optimal_partition(layer_times, activation_sizes, n_machines, bandwidth=1.0, 
     time, stages = best(n, n_machines)
     return time, list(stages)
 ''',
+    ),
+    Alternative(
+        "split schedule holding fewer micro-batches down the pipeline",
+        "split_schedule",
+        SPLIT_BY_STAGE,
     ),
 ]
