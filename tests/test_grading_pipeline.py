@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 import time
 
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,10 +25,6 @@ from course_lib.grading.pipeline_partition import (
 )
 from tests.adapters import mutant, planted, solution
 from tests.cheats.a08_pipeline import EXHAUSTIVE_PARTITION, SPLIT_BY_STAGE
-
-# Fresh workers cannot import this test module: ship its functions by value.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
 
 # --- the pipeline trainer -----------------------------------------------------------------
 
