@@ -19,10 +19,13 @@ averaging once at the end gives a poor model. Each rank draws its samples from a
 seed (as Parts 1-2 do) and reports them; the loss is measured on them in the checking process,
 so no rank can train on samples it was not given without receiving them.
 
-Thresholds, measured with this module's runs (seeds 0-5, P = 2 and 4; `tests`): per-step
-all-reduce sends 4x the budget; local SGD (averaging parameters every 4 or 8 steps) ends at
-1.0-1.7x the baseline's loss, gradient accumulation over 4 steps at 1.4-2.3x, averaging
-only once at the end at 3.7-7x, no communication leaves the ranks 0.1-1 apart.
+Thresholds, measured on the check's data (single-process replays of P ranks, seeds 2-4, two
+draws of samples each, P = 2 and 4): per-step all-reduce sends 4x the budget; local SGD
+(averaging the parameters every 4 or 8 steps, with or without 4 steps of per-step averaging
+first) ends at 0.9-2.2x the baseline's loss, gradient accumulation over 4 batches at
+1.6-2.7x, averaging only once at the end at 5.6-16x; without communication the ranks end
+about 0.8 apart. Other seeds separate less well (seed 0, P = 2: once at the end 3.4x; seed
+1, P = 4: accumulation 3.1x): the notebook uses seeds 2, 3 and 4.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from course_lib.models import MLP
 from course_lib.runtime import rank, world_size
 
 BYTES_FRACTION = 0.25  # of what per-step gradient all-reduce sends
-LOSS_FACTOR = 3.0  # times the per-step baseline's final loss
+LOSS_FACTOR = 4.0  # times the per-step baseline's final loss
 SAME_PARAMETERS = 1e-6  # max |difference| between two ranks' final parameters
 LEARNING_RATE = 0.03  # Adam's
 SAMPLES_PER_RANK = 32  # per batch
@@ -169,7 +172,7 @@ def check_communicate_less(
     communicate_less: Callable,
     *,
     world_sizes: tuple[int, ...] = (2, 4),
-    seed: int = 0,
+    seed: int = 2,
     steps: int = 128,
     timeout: float = 60.0,
 ) -> None:
