@@ -52,9 +52,17 @@ LEARNING_RATE = 0.03  # Adam's
 SAMPLES_PER_RANK = 32  # per batch
 REGION = 8.0  # the ranks' regions are centred on evenly spaced points of [-4, 4]
 NOISE = 0.05
-# Student code must not reach these; beyond Parts 1-2's, nothing: sync_gradients of Part 1
-# is the student's own and, called every step, sends 4x the budget anyway.
-FORBIDDEN_BUDGET = FORBIDDEN["ddp"]
+# What would answer this part for the student: Part 2's forbidden helpers (the lecture's
+# data-parallel code, the grader's bucket rule, torch's DDP) and the lecture's own local SGD
+# and gradient accumulation (Lecture 3, section 6). Part 1's sync_gradients is the student's
+# own: called every step it sends 4x the budget anyway.
+FORBIDDEN_BUDGET = (
+    *FORBIDDEN["ddp"],
+    *(
+        f"course_lib.data_parallel.{name}"
+        for name in ("local_sgd", "average_parameters", "flat_parameters", "accumulation_step")
+    ),
+)
 
 
 def teacher(seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -111,7 +119,9 @@ def baseline(seed: int, per_rank: list[list[tuple]]) -> tuple[float, list[tuple]
     """Single-process training on the whole batches (every rank's shard of each step), which
     averaging every gradient at every step reproduces; its final loss on all the samples."""
     model, optimizer = build(seed)
-    whole = [tuple(torch.cat(p) for p in zip(*step, strict=True)) for step in zip(*per_rank)]
+    whole = [
+        tuple(torch.cat(p) for p in zip(*step, strict=True)) for step in zip(*per_rank, strict=True)
+    ]
     for x, y in whole:
         optimizer.zero_grad()
         F.mse_loss(model(x), y).backward()
