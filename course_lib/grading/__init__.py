@@ -16,8 +16,11 @@ from course_lib.grading.collectives import (
     check_reduce_scatter,
 )
 from course_lib.grading.compression import check_powersgd, check_quantized_all_reduce
-from course_lib.grading.data_parallel import check_ddp, check_sync_gradients
-from course_lib.grading.data_parallel_budget import check_communicate_less
+from course_lib.grading.data_parallel import (
+    check_communicate_less,
+    check_ddp,
+    check_sync_gradients,
+)
 from course_lib.grading.expert_parallel import (
     check_moe_backward,
     check_moe_forward,

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from course_lib.comm import CommCounter
 from course_lib.costs import all_reduce_bytes
 from course_lib.grading._harness import Verdict, fail, run_on_ranks
-from course_lib.grading.data_parallel import FORBIDDEN
+from course_lib.grading.data_parallel_runs import FORBIDDEN
 from course_lib.grading.provenance import Provenance
 from course_lib.grading.training import snapshot
 from course_lib.models import MLP
