@@ -16,17 +16,19 @@ optimizer over its parameters, and this rank's T batches. The check measures, on
 The ranks' data is not identically distributed: rank r's inputs come from its own region of
 input space (`draw_batches`), so ranks that train alone drift towards different models, and
 averaging once at the end gives a poor model. Each rank draws its samples from a fresh secret
-seed (as Parts 1-2 do) and reports them; the loss is measured on them in the checking process,
-so no rank can train on samples it was not given without receiving them.
+seed (as Parts 1-2 do) and reports them; the loss is measured on them in the checking process.
+Samples may travel, but they count like every other byte, and there are many of them
+(`SAMPLES_PER_RANK` per batch): sending a rank's inputs to the others, even at 8 bits per
+number and without the targets, costs 5.5x the budget at P = 2 (11x at P = 4), so a rank cannot
+train on the whole batch by gathering it.
 
-Thresholds, measured on the check's data (seeds 2-4, P = 2 and 4; the check's own runs and
-single-process replays of the ranks with two draws of samples): per-step all-reduce sends 4x
-the budget; local SGD (averaging the parameters every 4 or 8 steps, with or without 4 steps
-of per-step averaging first) ends at 0.9-2.3x the baseline's loss, gradient accumulation over
-4 batches at 1.6-2.9x, averaging only once at the end at 4.1-12x on P = 2 and 7-16x on
-P = 4 (so it scores 0 on P = 4 with a wide margin); without communication the ranks end about
-0.8 apart. Other seeds separate less well (seed 0, P = 2: once at the end 3.4x; seed 1,
-P = 4: accumulation 3.1x): the notebook uses seeds 2, 3 and 4.
+Thresholds, measured on the check's data in single-process replays of the ranks (seeds 2-4,
+P = 2 and 4, three draws of samples each): averaging the parameters every 4 steps (local SGD,
+the solution) ends at 1.3-2.8x the per-step baseline's loss, every 8 steps at 1.6-4.0x, with 4
+steps of per-step averaging first then every 8 at 1.4-3.6x; averaging only once, at the end,
+at 8.7-37x. Gradient accumulation over 4 batches (a quarter of the optimizer steps) ends at
+3.0-5.4x: on either side of `LOSS_FACTOR`, which the notebook says. Without communication the
+ranks end about 0.8 apart.
 """
 
 from __future__ import annotations
@@ -47,10 +49,10 @@ from course_lib.models import MLP
 from course_lib.runtime import rank, world_size
 
 BYTES_FRACTION = 0.25  # of what per-step gradient all-reduce sends
-LOSS_FACTOR = 4.0  # times the per-step baseline's final loss
+LOSS_FACTOR = 5.0  # times the per-step baseline's final loss
 SAME_PARAMETERS = 1e-6  # max |difference| between two ranks' final parameters
 LEARNING_RATE = 0.03  # Adam's
-SAMPLES_PER_RANK = 32  # per batch
+SAMPLES_PER_RANK = 1024  # per batch: the data costs more to send than the budget
 REGION = 8.0  # the ranks' regions are centred on evenly spaced points of [-4, 4]
 NOISE = 0.05
 # What would answer this part for the student: Part 2's forbidden helpers (the lecture's
