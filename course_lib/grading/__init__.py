@@ -17,7 +17,11 @@ from course_lib.grading.collectives import (
 )
 from course_lib.grading.compression import check_powersgd, check_quantized_all_reduce
 from course_lib.grading.compression_budget import check_compressed_training
-from course_lib.grading.data_parallel import check_ddp, check_sync_gradients
+from course_lib.grading.data_parallel import (
+    check_communicate_less,
+    check_ddp,
+    check_sync_gradients,
+)
 from course_lib.grading.expert_parallel import (
     check_moe_backward,
     check_moe_forward,
@@ -60,6 +64,7 @@ __all__ = [
     "check_broadcast",
     "check_chain",
     "check_column_parallel_linear",
+    "check_communicate_less",
     "check_compressed_training",
     "check_ddp",
     "check_dist_ping_pong",

@@ -2,6 +2,8 @@
 
     check_sync_gradients(sync_gradients)   the full-batch gradient from shards of uneven sizes
     check_ddp(DDP)                         a DDP wrapper: broadcast, gradient buckets, overlap
+    check_communicate_less(fn)             Part 3 (open): a quarter of the bytes, a good model
+                                           (data_parallel_budget.py)
 
 Both train seeded models for a few steps of SGD and of AdamW with every global batch split
 across the ranks in shards of random, uneven sizes, and compare every rank's gradients, after
@@ -45,10 +47,13 @@ import torch
 from torch import nn
 
 from course_lib.grading._harness import RESULT, CheckFailed, Verdict, fail, run_on_ranks
+from course_lib.grading.data_parallel_budget import check_communicate_less
 from course_lib.grading.data_parallel_communication import _judge_communication
 from course_lib.grading.data_parallel_rank import AllReduceCall, AllReduceLog, _train_one
 from course_lib.grading.data_parallel_runs import (
     BUCKET_ELEMENTS,
+    FORBIDDEN,
+    LECTURE_DP,
     MB,
     TOLERANCE,
     DDPRun,
@@ -66,30 +71,6 @@ from course_lib.launch import LaunchTimeout
 # check_ddp's points: half for the buckets, half for the overlap, neither unless the result
 # (training, broadcast, every gradient all-reduced once) is right.
 DDP_WEIGHTS = {RESULT: 0.0, "buckets": 0.5, "overlap": 0.5}
-
-# What a student receives that would answer these parts: the lecture's data-parallel
-# helpers, this module's bucket rule (it ships with course_lib), and torch's DDP. (Not the
-# lecture's `_unflatten_into`: its five lines are what anyone writes to copy slices back.)
-LECTURE_DP = tuple(
-    f"course_lib.data_parallel.{name}"
-    for name in (
-        "allreduce_gradients",
-        "flat_gradients",
-        "gradients",
-        "train_data_parallel",
-        "host_step",
-    )
-)
-FORBIDDEN = {
-    "sync": LECTURE_DP,
-    "ddp": (
-        *LECTURE_DP,
-        "course_lib.grading.data_parallel.buckets",
-        "course_lib.grading.data_parallel.bucket_layout",
-        "torch.nn.parallel.DistributedDataParallel",
-    ),
-}
-
 
 # --- the assignment's bucket rule (students are pointed here: it stays in this module) ----
 
@@ -292,6 +273,9 @@ __all__ = [
     "DDPRun",
     "bucket_layout",
     "buckets",
+    "FORBIDDEN",
+    "LECTURE_DP",
+    "check_communicate_less",
     "check_ddp",
     "check_sync_gradients",
     "shard_sizes",

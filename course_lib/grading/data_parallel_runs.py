@@ -31,6 +31,29 @@ TOLERANCE = {torch.float32: (1e-5, 1e-6), torch.float64: (1e-10, 1e-10)}
 BUCKET_ELEMENTS = {"probe": 60, "mlp": 300, "gpt": 2048}
 
 
+# What a student receives that would answer these parts: the lecture's data-parallel
+# helpers, this module's bucket rule (it ships with course_lib), and torch's DDP. (Not the
+# lecture's `_unflatten_into`: its five lines are what anyone writes to copy slices back.)
+LECTURE_DP = tuple(
+    f"course_lib.data_parallel.{name}"
+    for name in (
+        "allreduce_gradients",
+        "flat_gradients",
+        "gradients",
+        "train_data_parallel",
+        "host_step",
+    )
+)
+FORBIDDEN = {
+    "sync": LECTURE_DP,
+    "ddp": (
+        *LECTURE_DP,
+        "course_lib.grading.data_parallel.buckets",
+        "course_lib.grading.data_parallel.bucket_layout",
+        "torch.nn.parallel.DistributedDataParallel",
+    ),
+}
+
 # --- the check's own model ----------------------------------------------------------------
 
 

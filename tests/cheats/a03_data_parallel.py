@@ -1,5 +1,6 @@
 """Assignment 3's cheats (each scores 0 on its part) and right answers written differently
-(full marks). Cells: "sync_gradients" (part 1) and "ddp" (part 2)."""
+(full marks). Cells: "sync_gradients" (part 1), "ddp" (part 2) and "communicate_less" (part 3,
+open)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from tests.cheats import Alternative, Cheat
 
 PART1 = frozenset({"test_sync_gradients"})
 PART2 = frozenset({"test_ddp"})
+PART3 = frozenset({"test_communicate_less"})
 
 # --- part 1 -------------------------------------------------------------------------------
 
@@ -322,6 +324,69 @@ class DDP(nn.Module):
 """
 )
 
+# --- part 3 -------------------------------------------------------------------------------
+
+LECTURE_AVERAGING_EVERY_4 = '''
+from course_lib.data_parallel import average_parameters
+
+
+def communicate_less(model, optimizer, batches):
+    """Local SGD every 4 steps, averaged by the lecture's average_parameters."""
+    for t, (x, y) in enumerate(batches):
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        if (t + 1) % 4 == 0 or t == len(batches) - 1:
+            average_parameters(model)
+'''
+
+AVERAGE_ONCE_AT_THE_END = '''
+def communicate_less(model, optimizer, batches):
+    """Train alone, then average the parameters once: a few bytes, equal ranks, but the
+    models drifted apart on their own regions and their average fits none."""
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.all_reduce(p)
+            p /= world_size()
+'''
+
+HALF_PRECISION_EVERY_2 = '''
+def communicate_less(model, optimizer, batches):
+    """Local SGD every 2 steps, the parameters averaged in float16: half the bytes per
+    average, so twice as many averages fit in the budget."""
+    params = list(model.parameters())
+    for t, (x, y) in enumerate(batches):
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        if t % 2 == 1 or t == len(batches) - 1:
+            with torch.no_grad():
+                flat = torch.cat([p.reshape(-1) for p in params]).half()
+                dist.all_reduce(flat)
+                flat = flat.float() / world_size()
+                for p, part in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                    p.copy_(part.view_as(p))
+'''
+
+WARM_UP_THEN_EVERY_8 = '''
+def communicate_less(model, optimizer, batches):
+    """Local SGD with a warm-up: parameters averaged after each of the first 4 steps, then
+    every 8, one all-reduce per parameter."""
+    for t, (x, y) in enumerate(batches):
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        if t < 4 or (t + 1) % 8 == 0 or t == len(batches) - 1:
+            with torch.no_grad():
+                for p in model.parameters():
+                    dist.all_reduce(p)
+                    p /= world_size()
+'''
+
 CHEATS = [
     Cheat(
         "every rank recomputes from its own samples, no communication",
@@ -352,6 +417,18 @@ CHEATS = [
         "the lecture's code pasted under new names", "sync_gradients", LECTURE_CODE_PASTED, PART1
     ),
     Cheat("buckets from the grader's own rule", "ddp", GRADERS_BUCKET_RULE, PART2),
+    Cheat(
+        "local SGD through the lecture's average_parameters",
+        "communicate_less",
+        LECTURE_AVERAGING_EVERY_4,
+        PART3,
+    ),
+    Cheat(
+        "parameters averaged only once, at the end",
+        "communicate_less",
+        AVERAGE_ONCE_AT_THE_END,
+        PART3,
+    ),
 ]
 
 ALTERNATIVES = [
@@ -369,4 +446,10 @@ ALTERNATIVES = [
         OTHER_STYLE,
     ),
     Alternative("buckets launched through the process-group object", "ddp", GROUP_OBJECT),
+    Alternative(
+        "parameters averaged every 2 steps in float16", "communicate_less", HALF_PRECISION_EVERY_2
+    ),
+    Alternative(
+        "local SGD every 8 steps after 4 steps of warm-up", "communicate_less", WARM_UP_THEN_EVERY_8
+    ),
 ]
