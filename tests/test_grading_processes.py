@@ -19,7 +19,8 @@ from course_lib.grading import (
     check_round_trip_time,
     check_spread,
 )
-from tests.adapters import mutant, solution
+from tests.adapters import mutant, planted, solution
+from tests.cheats import a01_processes as cheats
 
 FORK = multiprocessing.get_context("fork")  # for the answers written in other styles
 
@@ -326,16 +327,9 @@ def test_round_trip_time_rejects_wrong_implementations(fn, message):
 spread = A01.spread
 
 
-def spread_halves(tensor):
-    """Right, another schedule: rank 0 sends to the middle first, each half then recurses."""
-    lo, hi, me = 0, dist.get_world_size(), rank()
-    while hi - lo > 1:
-        mid = lo + (hi - lo + 1) // 2
-        if me == lo:
-            dist.isend(tensor, dst=mid).wait()
-        elif me == mid:
-            dist.irecv(tensor, src=lo).wait()
-        lo, hi = (lo, mid) if me < mid else (mid, hi)
+# Right, another schedule: rank 0 sends to the middle first, each half then recurses (the
+# alternative tests/cheats plants in the notebook).
+spread_halves = planted("processes", "spread", cheats.SPREAD_BY_HALVES).spread
 
 
 def spread_chain(tensor):
