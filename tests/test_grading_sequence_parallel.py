@@ -10,11 +10,21 @@ from course_lib import rank, world_size
 from course_lib.costs import ring_attention_bytes
 from course_lib.grading import (
     CheckFailed,
+    check_balanced_attention,
     check_ring_attention,
     check_ring_traffic,
     check_ulysses_attention,
 )
-from course_lib.grading.sequence_parallel import Case, lengths, reference, ring_budget
+from course_lib.grading.sequence_parallel import (
+    BALANCE,
+    WORK,
+    Case,
+    WorkMeter,
+    causal_attention_flops,
+    lengths,
+    reference,
+    ring_budget,
+)
 from tests.adapters import mutant, planted, solution
 from tests.cheats import a11_sequence_parallel as cheats
 
@@ -236,3 +246,142 @@ def test_the_lectures_ring_is_refused(check, source):
 def test_the_lectures_ulysses_is_refused():
     fn = planted("sequence_parallel", "ulysses_attention", cheats.LECTURE_ULYSSES)
     expect_failure(check_ulysses_attention, fn.ulysses_attention, "lecture", world_sizes=(2,))
+
+
+# --- Part 5: causal attention, balanced ----------------------------------------------------
+
+STRIPED = planted("sequence_parallel", "balanced_attention", cheats.STRIPED_ROWS)
+
+
+def balanced(module):
+    return module.layout, module.balanced_causal_attention
+
+
+def test_the_meter_counts_products_by_flops_and_the_rest_by_elements():
+    """A product costs 2 m n k, however it is written; an elementwise pass one per element of
+    its largest tensor; views, integer tensors and empty allocations nothing."""
+    a = torch.randn(3, 5, 7, dtype=torch.float64)
+    b = torch.randn(3, 7, 4, dtype=torch.float64)
+    flops = 2 * 3 * 5 * 7 * 4
+    for name, product in [
+        ("@", lambda: a @ b),
+        ("einsum", lambda: torch.einsum("bmk,bkn->bmn", a, b)),
+        ("broadcast and sum", lambda: (a[..., None] * b[:, None]).sum(-2)),
+    ]:
+        with WorkMeter() as meter:
+            product()
+        assert meter.work == flops, name
+    with WorkMeter() as meter:
+        torch.softmax(a, dim=-1)
+        a.transpose(-2, -1)
+        torch.empty_like(a)
+        _ = torch.arange(10) > 3
+    assert meter.work == a.numel()
+
+
+def test_fused_attention_costs_its_whole_rectangle():
+    q, k, v = (torch.randn(2, 6, 4, dtype=torch.float64) for _ in range(3))
+    with WorkMeter() as meter:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert meter.work >= 2 * (2 * 2 * 6 * 6 * 4)  # both products, every score
+
+
+def test_the_causal_minimum_is_torchs_flop_count_of_the_visible_pairs():
+    """causal_attention_flops against torch's FlopCounterMode on attention row by row, each
+    query against exactly the keys it sees."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    heads, tokens, d = 2, 9, 4
+    q, k, v = (torch.randn(heads, tokens, d, dtype=torch.float64) for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        for i in range(tokens):
+            scores = q[:, i : i + 1] @ k[:, : i + 1].transpose(-2, -1)
+            torch.softmax(scores, dim=-1) @ v[:, : i + 1]
+    assert counter.get_total_flops() == causal_attention_flops(tokens, heads, d)
+
+
+@pytest.mark.parametrize("module", [A11, STRIPED], ids=["zigzag-solution", "striped-rows"])
+def test_balanced_check_accepts_right_layouts(module, capsys):
+    check_balanced_attention(*balanced(module), world_sizes=(2, 3, 4))
+    out = capsys.readouterr().out
+    assert out.startswith("check_balanced_attention: passed."), out
+    assert f"(allowed {BALANCE:g})" in out and f"(allowed {WORK:g})" in out
+
+
+CONTIGUOUS = planted("sequence_parallel", "balanced_attention", cheats.CONTIGUOUS_RING)
+# zigzag shards, but every query against every key, then the mask: right, twice the work
+FULL_SCORES = mutant(
+    "sequence_parallel", "balanced_attention", ("seen = int(pos[-1]) + 1", "seen = n * P")
+)
+# the mask by positions inside a chunk instead of the sequence's
+LOCAL_MASK_5 = mutant(
+    "sequence_parallel",
+    "balanced_attention",
+    ("> pos[:, None]", "> torch.arange(len(pos))[:, None]"),
+)
+# the scores computed in numpy: out of the meter's sight
+NUMPY_SCORES = mutant(
+    "sequence_parallel",
+    "balanced_attention",
+    (
+        "scores = q[:, rows] @ whole_k[:, :seen].transpose(-2, -1)",
+        "scores = torch.from_numpy(q[:, rows].numpy() @ "
+        "whole_k[:, :seen].transpose(-2, -1).numpy())",
+    ),
+)
+# the same scores, with the meter taken off torch's dispatch stack meanwhile
+METER_OFF = mutant(
+    "sequence_parallel",
+    "balanced_attention",
+    (
+        "scores = q[:, rows] @ whole_k[:, :seen].transpose(-2, -1)",
+        "with __import__('torch').utils._python_dispatch._disable_current_modes():\n"
+        "            scores = q[:, rows] @ whole_k[:, :seen].transpose(-2, -1)\n"
+        "        scores = scores",
+    ),
+)
+
+
+def everyone_holds_chunk_zero(tokens, world_size):
+    """Not a partition: every rank the first tokens."""
+    return [torch.arange(tokens // world_size) for _ in range(world_size)]
+
+
+WRONG_BALANCE = [
+    ("contiguous shards: unbalanced", balanced(CONTIGUOUS), "balance", "x the ranks' mean"),
+    ("every score, then the mask", balanced(FULL_SCORES), "work", "x the causal minimum"),
+    ("mask by chunk positions", balanced(LOCAL_MASK_5), "result", "differs"),
+    ("scores in numpy", balanced(NUMPY_SCORES), "result", "Tensor.numpy()"),
+    ("meter switched off", balanced(METER_OFF), "result", "work meter"),
+    (
+        "not a partition",
+        (everyone_holds_chunk_zero, A11.balanced_causal_attention),
+        "result",
+        "not a partition",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "fns, prop, message", [w[1:] for w in WRONG_BALANCE], ids=[w[0] for w in WRONG_BALANCE]
+)
+def test_balanced_check_rejects(fns, prop, message):
+    with pytest.raises(CheckFailed) as info:
+        check_balanced_attention(*fns, world_sizes=(2,))
+    error = info.value
+    assert message in str(error), str(error)
+    assert error.score == 0 and prop in error.failed, (error.failed, str(error))
+
+
+def test_unbalanced_fails_on_every_world_size():
+    """Contiguous shards: the last rank's share grows with P (2P/(P+1) of the mean)."""
+    for P in (2, 3, 4):
+        with pytest.raises(CheckFailed, match=f"world size {P}"):
+            check_balanced_attention(*balanced(CONTIGUOUS), world_sizes=(P,))
+
+
+def test_the_lectures_balanced_attention_is_refused():
+    module = planted("sequence_parallel", "balanced_attention", cheats.LECTURE_BALANCED)
+    with pytest.raises(CheckFailed, match="the course's own implementation") as info:
+        check_balanced_attention(*balanced(module), world_sizes=(2,))
+    assert info.value.score == 0

@@ -43,6 +43,7 @@ from course_lib.grading.processes import (
     check_spread,
 )
 from course_lib.grading.sequence_parallel import (
+    check_balanced_attention,
     check_ring_attention,
     check_ring_traffic,
     check_ulysses_attention,
@@ -61,6 +62,7 @@ __all__ = [
     "check_all_gather",
     "check_all_reduce",
     "check_all_reduce_fast",
+    "check_balanced_attention",
     "check_broadcast",
     "check_chain",
     "check_column_parallel_linear",

@@ -3,6 +3,7 @@
     check_ring_attention(ring_attention, causal=False)   equal to attention on one process
     check_ring_traffic(ring_attention)                   K/V pass between ring neighbours only
     check_ulysses_attention(ulysses_attention)           two all-to-alls; ValueError if H % P
+    check_balanced_attention(layout, attention)          causal, every rank's work measured
 
 Each rank holds chunk r of `torch.tensor_split` of the tokens of q, k, v, shaped (heads,
 tokens, head_dim), float64 (the shards differ by a token when P does not divide the length;
@@ -18,6 +19,9 @@ plus, per hop, 8 bytes per token of the block and 64 bytes (lengths, positions);
 a rank larger than a block of scores or one K/V message (`largest_tensor`). Ulysses rules:
 all-to-alls (dist.all_to_all, dist.all_to_all_single, or sends and receives), at most
 `costs.ulysses_bytes` (four all-to-alls of this rank's q-sized tensor) plus 64 bytes a peer.
+Balance rules (`check_balanced_attention`, in `sequence_parallel_balance`): the student's
+layout, each rank's floating-point work measured, within `BALANCE` of the mean and `WORK`
+times the causal minimum.
 """
 
 from __future__ import annotations
@@ -30,17 +34,30 @@ import torch
 from course_lib import compare
 from course_lib.costs import ring_attention_bytes, ulysses_bytes
 from course_lib.grading._harness import RESULT, CheckFailed, Verdict, fail, run_on_ranks
+from course_lib.grading.sequence_parallel_balance import (
+    BALANCE,
+    WORK,
+    WorkMeter,
+    balance_cases,
+    causal_attention_flops,
+    judge_balance,
+    judge_balanced_result,
+    judge_work,
+    layout_problem,
+    run_balanced,
+    run_layout,
+    work_ratios,
+)
 from course_lib.grading.sequence_parallel_ranks import (
+    ATOL,
     POINT_TO_POINT,
+    RTOL,
     Case,
     inputs,
     run_cases,
     shard,
 )
 
-# float64: the online softmax adds the blocks in another order than one softmax does, which
-# moves the result by ~1e-15; a merge gone wrong moves it by 1e-2 or more.
-RTOL, ATOL = 1e-9, 1e-12
 # The ring's points: the result must be right (it gates), the traffic is what scores.
 RING_WEIGHTS = {RESULT: 0.0, "ring": 1.0}
 # Ulysses: half for the result (and the ValueError), half for communicating by all-to-all.
@@ -357,8 +374,80 @@ def check_ulysses_attention(
     )
 
 
+def check_balanced_attention(
+    layout: Callable,
+    balanced_causal_attention: Callable,
+    *,
+    world_sizes: Iterable[int] = (2, 3, 4),
+    seeds: Iterable[int] = (0,),
+    timeout: float = 30.0,
+) -> None:
+    """Part 5: `layout(N, P)` gives each rank N/P positions (a partition of 0..N-1);
+    `balanced_causal_attention(q, k, v)` on those shards returns each rank's rows of causal
+    attention, while the busiest rank's measured work stays within `BALANCE` of the
+    mean and the total within `WORK` times the causal minimum."""
+    __tracebackhide__ = True
+    check = "check_balanced_attention"
+    for fn in (layout, balanced_causal_attention):
+        if not callable(fn):
+            fail(check, f"expected your functions, got {type(fn).__name__} {fn!r:.60}")
+    verdict, count, worst = Verdict(check), 0, (0.0, 0.0)
+    world_sizes = sorted(set(world_sizes))
+    for P in world_sizes:
+        cases = balance_cases(P, seeds)
+        tokens = sorted({case.tokens for case in cases})
+        what = f"(world size {P}, {len(cases)} cases)"
+        found = run_on_ranks(
+            check,
+            run_layout,
+            layout,
+            tokens,
+            world_size=P,
+            timeout=timeout,
+            what=f"your layout {what}",
+        )
+        if found[0]["copied"]:
+            fail(check, found[0]["copied"])
+        for i, n in enumerate(tokens):
+            problem = layout_problem([f["layouts"][i] for f in found], n, P)
+            if problem:
+                fail(check, f"world size {P}: {problem}")
+        found = run_on_ranks(
+            check,
+            run_balanced,
+            layout,
+            balanced_causal_attention,
+            cases,
+            world_size=P,
+            timeout=timeout,
+            what=f"your balanced_causal_attention {what}",
+        )
+        if found[0]["copied"]:
+            fail(check, found[0]["copied"])
+        for i, case in enumerate(cases):
+            records, count = [f["cases"][i] for f in found], count + 1
+            with verdict.case():
+                judge_balanced_result(check, case, records)
+            with verdict.case():
+                judge_work(check, case, records)
+            with verdict.case():
+                judge_balance(check, case, records)
+            worst = tuple(map(max, worst, work_ratios(case, records)))
+    verdict.conclude(
+        f"{count} causal case(s) on {', '.join(map(str, world_sizes))} rank(s): every rank's "
+        f"rows equal torch's causal attention (rtol {RTOL:g}, atol {ATOL:g}); the busiest "
+        f"rank did at most {worst[0]:.2f} x the ranks' mean work (allowed {BALANCE:g}) "
+        f"and the ranks {worst[1]:.2f} x the causal minimum in all (allowed {WORK:g})"
+    )
+
+
 __all__ = [
+    "BALANCE",
+    "WORK",
     "Case",
+    "WorkMeter",
+    "causal_attention_flops",
+    "check_balanced_attention",
     "check_ring_attention",
     "check_ring_traffic",
     "check_ulysses_attention",

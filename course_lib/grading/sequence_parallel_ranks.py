@@ -26,6 +26,9 @@ from course_lib.runtime import rank, world_size
 # `_all_to_all` are the pieces of them): an answer that runs any of it, or a copy, is not the
 # student's own.
 LECTURE_SP = ("course_lib.sequence_parallel",)
+# float64: the online softmax adds the blocks in another order than one softmax does, which
+# moves the result by ~1e-15; a merge gone wrong moves it by 1e-2 or more.
+RTOL, ATOL = 1e-9, 1e-12
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,15 @@
 """Assignment 11's cheats (each scores 0 on its part) and right answers written differently
 (full marks). tests/test_grading_sequence_parallel.py holds the checks against the same texts
 and against named wrong implementations (block order, softmax rescale, local causal mask,
-K/V sent to every rank, Ulysses without its ValueError)."""
+K/V sent to every rank, Ulysses without its ValueError, causal attention unbalanced or
+computed in full)."""
 
 from __future__ import annotations
 
 from tests.cheats import Alternative, Cheat
 
 RING_TESTS = frozenset({"test_ring_attention", "test_ring_causal", "test_ring_traffic"})
+BALANCED_TESTS = frozenset({"test_balanced"})
 
 LECTURE_RING = '''
 import course_lib.sequence_parallel as sp
@@ -96,6 +98,31 @@ def ring_attention(q, k, v, causal=False):
     return F.scaled_dot_product_attention(q, whole_k, whole_v, attn_mask=mask)
 """
 
+# Part 5 by the lecture's zigzag positions and its ring attention, which skips hidden blocks.
+LECTURE_BALANCED = """
+import course_lib.sequence_parallel as sp
+
+
+def layout(tokens, world_size):
+    return [sp.sequence_positions(tokens, r, world_size, "zigzag") for r in range(world_size)]
+
+
+def balanced_causal_attention(q, k, v):
+    positions = layout(q.shape[-2] * world_size(), world_size())[rank()]
+    return sp.ring_attention(q, k, v, positions, causal=True)
+"""
+
+# Part 5 on contiguous shards with Part 2's ring attention: exact, and hidden blocks skipped,
+# but the last rank works about P times as much as the first.
+CONTIGUOUS_RING = """
+def layout(tokens, world_size):
+    return list(torch.arange(tokens).tensor_split(world_size))
+
+
+def balanced_causal_attention(q, k, v):
+    return ring_attention(q, k, v, causal=True)
+"""
+
 CHEATS = [
     Cheat("the lecture's ring_attention, wrapped", "ring_attention", LECTURE_RING, RING_TESTS),
     Cheat(
@@ -110,6 +137,18 @@ CHEATS = [
         "ring_attention",
         SDPA_ALL_GATHERED,
         frozenset({"test_ring_traffic"}),
+    ),
+    Cheat(
+        "the lecture's zigzag ring attention, wrapped",
+        "balanced_attention",
+        LECTURE_BALANCED,
+        BALANCED_TESTS,
+    ),
+    Cheat(
+        "causal attention on contiguous shards: exact, unbalanced",
+        "balanced_attention",
+        CONTIGUOUS_RING,
+        BALANCED_TESTS,
     ),
 ]
 
@@ -190,9 +229,36 @@ def ulysses_attention(q, k, v, causal=False):
     return torch.cat(exchange(list(out.chunk(P, dim=1))), dim=0)
 '''
 
+# Part 5 striped (round robin: rank r holds positions r, r + P, r + 2P, ...): K and V
+# all-gathered and interleaved back into sequence order, then one query row at a time against
+# only the keys it sees, so no hidden score is computed.
+STRIPED_ROWS = """
+def layout(tokens, world_size):
+    return [torch.arange(r, tokens, world_size) for r in range(world_size)]
+
+
+def balanced_causal_attention(q, k, v):
+    P, r = world_size(), rank()
+    heads, n, d = q.shape
+
+    def interleave(x):
+        parts = [torch.empty_like(x) for _ in range(P)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.stack(parts, dim=2).reshape(heads, n * P, d)  # row j of rank s: jP + s
+
+    whole_k, whole_v = interleave(k), interleave(v)
+    rows = []
+    for j in range(n):
+        seen = j * P + r + 1
+        scores = torch.einsum("hd,hkd->hk", q[:, j], whole_k[:, :seen]) / d**0.5
+        rows.append(torch.einsum("hk,hkd->hd", torch.softmax(scores, dim=-1), whole_v[:, :seen]))
+    return torch.stack(rows, dim=1)
+"""
+
 ALTERNATIVES = [
     Alternative("log-sum-exp merge, K/V passed leftwards", "ring_attention", RING_LOGSUMEXP),
     Alternative(
         "Ulysses from isend/irecv with torch's attention", "ulysses_attention", ULYSSES_P2P
     ),
+    Alternative("striped layout, one query row at a time", "balanced_attention", STRIPED_ROWS),
 ]
