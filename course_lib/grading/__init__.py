@@ -53,6 +53,7 @@ from course_lib.grading.tensor_parallel import (
     check_parallel_attention,
     check_parallel_mlp,
     check_row_parallel_linear,
+    check_vocab_parallel_cross_entropy,
 )
 from course_lib.grading.zero import check_zero1, check_zero2, check_zero3, check_zero3_peak
 
@@ -94,6 +95,7 @@ __all__ = [
     "check_split_schedule",
     "check_sync_gradients",
     "check_ulysses_attention",
+    "check_vocab_parallel_cross_entropy",
     "check_zero1",
     "check_zero2",
     "check_zero3",

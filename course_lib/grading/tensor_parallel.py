@@ -4,6 +4,7 @@
     check_row_parallel_linear(RowParallelLinear)         y = sum_r x_r A_r^T + b, one all-reduce
     check_parallel_mlp(ParallelMLP)                      MLPBlock: column, GELU, row
     check_parallel_attention(ParallelSelfAttention)      CausalSelfAttention split by heads
+    check_vocab_parallel_cross_entropy(fn)               the loss of vocabulary-split logits
 
 Every layer is built on each rank from the same dense layer (`torch.nn.Linear`,
 `course_lib.models.MLPBlock`, `course_lib.models.CausalSelfAttention`, seeded, float64), run
@@ -26,6 +27,7 @@ The checks stand on their parts:
     tensor_parallel_shards.py   the cases, the dense layers, where each rank's shard sits
     tensor_parallel_ranks.py    what runs on each rank: the layer built, run, nudged, run again
     tensor_parallel_judge.py    each rank's shards, numbers and collective calls judged
+    tensor_parallel_loss.py     Part 5: the loss without the full logits, and its byte budget
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ from collections.abc import Callable
 
 from course_lib.grading._harness import RESULT, Verdict, fail, run_on_ranks
 from course_lib.grading.tensor_parallel_judge import ATOL, COMMUNICATION, RTOL, judge_case
+from course_lib.grading.tensor_parallel_loss import (
+    LOSS_WORLD_SIZES,
+    NUMBERS_PER_TOKEN,
+    VOCAB,
+    judge_loss_case,
+    loss_cases,
+    run_loss_cases,
+)
 from course_lib.grading.tensor_parallel_ranks import run_cases
 from course_lib.grading.tensor_parallel_shards import (
     Case,
@@ -162,6 +172,45 @@ def check_parallel_attention(
     _check("check_parallel_attention", ParallelSelfAttention, cases, world_sizes, timeout)
 
 
+def check_vocab_parallel_cross_entropy(
+    vocab_parallel_cross_entropy: Callable,
+    *,
+    world_sizes: tuple[int, ...] = (2, 4),
+    seeds: tuple[int, ...] = (0,),
+    timeout: float = 30.0,
+) -> None:
+    """`vocab_parallel_cross_entropy(local_logits, targets)`, rank r holding columns
+    r*V/P .. (r+1)*V/P - 1 of the (tokens, V) logits: the mean cross-entropy on every rank,
+    each rank's block of the gradient in backward, and at most NUMBERS_PER_TOKEN float64
+    numbers per token sent (and received) by a rank, forward and backward together."""
+    __tracebackhide__ = True
+    check = "check_vocab_parallel_cross_entropy"
+    if not seeds:
+        raise ValueError("nothing to check: give at least one seed")
+    for P in world_sizes:
+        if P not in LOSS_WORLD_SIZES:
+            raise ValueError(f"world sizes must divide V = {VOCAB}: use 1 to 4, got {P}")
+    cases = [case for seed in seeds for case in loss_cases(seed)]
+    verdict, most = Verdict(check), 0
+    for P in world_sizes:
+        found = run_on_ranks(
+            check, run_loss_cases, vocab_parallel_cross_entropy, cases, world_size=P,
+            timeout=timeout, what="your vocab_parallel_cross_entropy",
+        )  # fmt: skip
+        if found[0]["copied"]:
+            fail(check, found[0]["copied"])
+        for i, case in enumerate(cases):
+            results = [per_rank["cases"][i] for per_rank in found]
+            most = max(most, judge_loss_case(check, verdict, case, results, P))
+    verdict.conclude(
+        f"{len(cases)} cases (V = {VOCAB}, float64, logits near 1000 among them) on "
+        f"{', '.join(str(P) for P in world_sizes)} rank(s): every rank's loss equals "
+        f"F.cross_entropy's on the whole logits and its gradient is its block of the full "
+        f"gradient (rtol {RTOL:g}, atol {ATOL:g}); a rank sent or received at most "
+        f"{most:g} numbers per token (budget {NUMBERS_PER_TOKEN})"
+    )
+
+
 __all__ = [
     "Case",
     "block",
@@ -169,6 +218,7 @@ __all__ = [
     "check_parallel_attention",
     "check_parallel_mlp",
     "check_row_parallel_linear",
+    "check_vocab_parallel_cross_entropy",
     "dense_layer",
     "assemble",
     "expected_shards",

@@ -41,6 +41,41 @@ class ParallelSelfAttention(nn.Module):
 '''
 
 
+LECTURE_LOSS = '''
+import course_lib.tensor_parallel as tp_lecture
+
+
+def vocab_parallel_cross_entropy(local_logits, targets):
+    """The lecture's per-token loss, averaged."""
+    return tp_lecture.vocab_parallel_cross_entropy(local_logits, targets).mean()
+'''
+
+
+# Part 5 in another design: one all-gather of each rank's (log-sum-exp of its block, target
+# logit or 0) per token, then the whole log-sum-exp computed locally; plain autograd.
+LOSS_ONE_ALL_GATHER = """
+def vocab_parallel_cross_entropy(local_logits, targets):
+    n, width = local_logits.shape
+    first = rank() * width
+    biggest = local_logits.detach().max(dim=-1).values  # this rank's own maximum only
+    block_lse = biggest + (local_logits - biggest[:, None]).exp().sum(dim=-1).log()
+    owned = (targets >= first) & (targets < first + width)
+    index = torch.where(owned, targets - first, 0)
+    target = torch.where(owned, local_logits.gather(1, index[:, None]).squeeze(1), 0.0)
+    stats = torch.stack([block_lse.detach(), target.detach()], dim=1)  # (n, 2)
+    everyone = torch.empty(world_size() * n, 2, dtype=stats.dtype)
+    dist.all_gather_into_tensor(everyone, stats)
+    everyone = everyone.view(world_size(), n, 2)
+    lse = torch.logsumexp(everyone[..., 0], dim=0)
+    # d lse / d block_lse = exp(block_lse - lse): the value from all ranks, the gradient of
+    # this rank's own terms.
+    weight = (block_lse.detach() - lse).exp()
+    per_token = lse + weight * (block_lse - block_lse.detach())
+    per_token = per_token - everyone[..., 1].sum(dim=0) - (target - target.detach())
+    return per_token.mean()
+"""
+
+
 CHEATS = [
     Cheat(
         "MLP computed from a full copy",
@@ -54,9 +89,18 @@ CHEATS = [
         LECTURE_ATTENTION,
         frozenset({"test_parallel_attention"}),
     ),
+    Cheat(
+        "the lecture's vocabulary-parallel loss, averaged",
+        "vocab_loss",
+        LECTURE_LOSS,
+        frozenset({"test_vocab_loss"}),
+    ),
 ]
 
 ALTERNATIVES = [
+    Alternative(
+        "loss from one all-gather of per-rank statistics", "vocab_loss", LOSS_ONE_ALL_GATHER
+    ),
     Alternative(
         "row-parallel with its own autograd function and torch.matmul",
         "row_parallel",

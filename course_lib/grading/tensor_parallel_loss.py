@@ -1,0 +1,191 @@
+"""Part of Assignment 9's checks (grading/tensor_parallel.py): a loss without the full logits.
+
+A column-parallel LM head leaves rank r of P with the logits of its block of the vocabulary,
+columns r*V/P .. (r+1)*V/P - 1. The student's `vocab_parallel_cross_entropy(local_logits,
+targets)` returns the mean cross-entropy over the tokens, the same on every rank, and its
+backward gives each rank its block of the full gradient. It is judged by
+
+- the numbers: loss and gradient against `F.cross_entropy` on the whole logits in the
+  checking process (float64, `RTOL` / `ATOL`), on cases with ordinary logits, with logits
+  near 1000 (exp overflows float64 above 709: an answer that does not subtract a maximum
+  fails there) and with every target in one rank's block;
+- a measurement: the bytes each rank sends and receives, forward and backward together, as
+  the grading ranks' counted group sees every collective, may not exceed
+  `NUMBERS_PER_TOKEN` float64 numbers per token (`budget_bytes`). Gathering the logits costs
+  (P-1) V/P numbers per token (`gathered_logits_bytes`), 48 at V = 96 and P = 2.
+
+Several answers fit: all-reduces of a maximum, a sum of exponentials and the target's logit
+(2(P-1)/P numbers per token each); one all-gather of each rank's (maximum, sum, target logit)
+and a log-sum-exp computed locally (3(P-1)); with or without communication in backward.
+
+The budget's two formulas live here, next to the check, rather than in `course_lib.costs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from course_lib import compare
+from course_lib.comm import CommCounter
+from course_lib.costs import all_gather_bytes
+from course_lib.grading._harness import Verdict, fail
+from course_lib.grading.provenance import Provenance
+from course_lib.grading.tensor_parallel_judge import ATOL, RTOL
+from course_lib.grading.tensor_parallel_ranks import LECTURE_TP
+from course_lib.grading.tensor_parallel_shards import block
+from course_lib.runtime import rank, world_size
+
+VOCAB = 96  # divides by 1, 2, 3 and 4
+NUMBERS_PER_TOKEN = 12  # what a rank may send (and receive) per token, forward + backward
+ELEMENT_SIZE = 8  # float64
+LOSS_WORLD_SIZES = (1, 2, 3, 4)
+
+
+def budget_bytes(tokens: int, element_size: int = ELEMENT_SIZE) -> int:
+    """The most a rank may send, or receive, for one loss's forward and backward."""
+    return NUMBERS_PER_TOKEN * tokens * element_size
+
+
+def gathered_logits_bytes(
+    tokens: int, vocab: int, world_size: int, element_size: int = ELEMENT_SIZE
+) -> int:
+    """What one rank sends to all-gather the logits: (P-1) blocks of V/P logits per token."""
+    return all_gather_bytes(tokens * (vocab // world_size) * element_size, world_size)
+
+
+@dataclass(frozen=True)
+class LossCase:
+    """Logits of `tokens` tokens over the vocabulary: `offset + spread * N(0, 1)`; targets
+    uniform over the vocabulary, or all in the last rank's block; the loss is multiplied by
+    `upstream` before backward (the gradient must follow it)."""
+
+    name: str
+    seed: int
+    tokens: int
+    spread: float = 3.0
+    offset: float = 0.0
+    last_block_only: bool = False
+    upstream: float = 1.0
+
+    def describe(self, ranks: int) -> str:
+        return f"{self.name} ({self.tokens} tokens, V = {VOCAB}, seed {self.seed}, {ranks} rank(s))"
+
+
+def loss_cases(seed: int) -> list[LossCase]:
+    return [
+        LossCase("ordinary logits", seed, tokens=24, upstream=1.0 + seed),
+        LossCase("logits near 1000", seed, tokens=16, spread=300.0, offset=800.0, upstream=0.5),
+        LossCase("targets in the last block", seed, tokens=9, last_block_only=True, upstream=2.0),
+    ]
+
+
+def loss_data(case: LossCase, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole logits (tokens, V) and the targets, the same on every rank."""
+    g = torch.Generator().manual_seed(20_000 + case.seed)
+    logits = case.offset + case.spread * torch.randn(
+        case.tokens, VOCAB, generator=g, dtype=torch.float64
+    )
+    last = block(VOCAB, ranks - 1, ranks)
+    low, high = (last.start, last.stop) if case.last_block_only else (0, VOCAB)
+    targets = torch.randint(low, high, (case.tokens,), generator=g)
+    return logits, targets
+
+
+# --- on each rank ------------------------------------------------------------------------
+
+
+def run_loss_cases(fn: Callable, cases: list[LossCase]) -> dict:
+    with Provenance(LECTURE_TP) as seen:
+        results = [_run_loss(fn, case) for case in cases]
+    return {"cases": results, "copied": seen.complaint()}
+
+
+def _run_loss(fn: Callable, case: LossCase) -> dict:
+    r, ranks = rank(), world_size()
+    logits, targets = loss_data(case, ranks)
+    local = logits[:, block(VOCAB, r, ranks)].clone().requires_grad_(True)
+    with CommCounter() as counter:
+        loss = fn(local, targets.clone())
+        problem = _not_a_loss(loss)
+        if problem is None:
+            (loss * case.upstream).backward()
+    return {
+        "problem": problem,
+        "loss": None if problem else loss.detach().clone(),
+        "grad": None if local.grad is None else local.grad.detach().clone(),
+        "sent": counter.bytes_sent,
+        "received": counter.bytes_received,
+        "calls": dict(counter.calls),
+    }
+
+
+def _not_a_loss(loss: object) -> str | None:
+    if not isinstance(loss, torch.Tensor):
+        return f"it returned a {type(loss).__name__}, not a tensor"
+    if loss.dim() != 0:
+        return f"it returned a tensor of shape {tuple(loss.shape)}, not one number (the mean)"
+    if not loss.requires_grad:
+        return "its loss does not require grad: backward cannot reach local_logits"
+    return None
+
+
+# --- in the checking process ---------------------------------------------------------------
+
+
+def _reference(case: LossCase, ranks: int) -> dict:
+    logits, targets = loss_data(case, ranks)
+    logits.requires_grad_(True)
+    loss = F.cross_entropy(logits, targets)
+    (loss * case.upstream).backward()
+    return {"loss": loss.detach(), "grad": logits.grad}
+
+
+def judge_loss_case(check: str, verdict: Verdict, case: LossCase, results: list, P: int) -> float:
+    """Numbers then bytes of one case on P ranks, each as a case of the verdict; returns the
+    most a rank sent or received, in float64 numbers per token."""
+    __tracebackhide__ = True
+    ref = _reference(case, P)
+    with verdict.case():
+        for r, res in enumerate(results):
+            _judge_numbers(check, case, ref, res, r, P)
+    most = max(max(res["sent"], res["received"]) for res in results)
+    with verdict.case():
+        allowed = budget_bytes(case.tokens)
+        for r, res in enumerate(results):
+            if max(res["sent"], res["received"]) > allowed:
+                gathered = gathered_logits_bytes(case.tokens, VOCAB, P)
+                fail(
+                    check,
+                    f"rank {r}, {case.describe(P)}: forward and backward sent "
+                    f"{res['sent']:,} bytes and received {res['received']:,} ({res['calls']}); "
+                    f"at most {allowed:,} allowed ({NUMBERS_PER_TOKEN} float64 numbers per "
+                    f"token). Gathering the logits would send {gathered:,}.\nHint: the loss "
+                    "needs a few numbers per token from each rank, never its logits",
+                    prop="bytes",
+                )
+    return most / (case.tokens * ELEMENT_SIZE)
+
+
+def _judge_numbers(check: str, case: LossCase, ref: dict, res: dict, r: int, P: int) -> None:
+    __tracebackhide__ = True
+    at = f"rank {r}, {case.describe(P)}"
+    if res["problem"]:
+        fail(check, f"{at}: {res['problem']}")
+    got = {"loss": res["loss"], "local_logits.grad": res["grad"]}
+    if res["grad"] is None:
+        fail(check, f"{at}: local_logits got no gradient in backward")
+    want = {"loss": ref["loss"], "local_logits.grad": ref["grad"][:, block(VOCAB, r, P)]}
+    problem = compare.find_mismatch(got, want, rtol=RTOL, atol=ATOL)
+    if not problem:
+        return
+    hint = "the loss is the mean over the tokens; the gradient follows the upstream gradient"
+    if not all(torch.isfinite(t).all() for t in got.values()):
+        hint = (
+            "exp() of a logit above 709 is inf in float64: subtract each token's largest "
+            "logit over the whole vocabulary (all ranks) before exponentiating"
+        )
+    fail(check, f"{at}: against F.cross_entropy on the whole logits, {problem}.\nHint: {hint}")
