@@ -20,6 +20,7 @@ from course_lib.grading.compression_budget import check_compressed_training
 from course_lib.grading.data_parallel import check_ddp, check_sync_gradients
 from course_lib.grading.expert_parallel import (
     check_moe_backward,
+    check_moe_dedup,
     check_moe_forward,
     check_moe_traffic,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "check_ddp",
     "check_dist_ping_pong",
     "check_moe_backward",
+    "check_moe_dedup",
     "check_moe_forward",
     "check_moe_traffic",
     "check_optimal_partition",
