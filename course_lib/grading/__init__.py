@@ -24,6 +24,7 @@ from course_lib.grading.data_parallel import (
 )
 from course_lib.grading.expert_parallel import (
     check_moe_backward,
+    check_moe_dedup,
     check_moe_forward,
     check_moe_traffic,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "check_ddp",
     "check_dist_ping_pong",
     "check_moe_backward",
+    "check_moe_dedup",
     "check_moe_forward",
     "check_moe_traffic",
     "check_optimal_partition",

@@ -4,6 +4,8 @@ different ranks.
     check_moe_forward(expert_parallel_moe)                    equal to the layer on one process
     check_moe_backward(expert_parallel_moe, sync_router_grads)  and so are its gradients
     check_moe_traffic(expert_parallel_moe, sync_router_grads)   tokens only where they must go
+    check_moe_dedup(dedup_moe)                                the layer, each token sent once
+                                                              to each rank (Part 4, open)
 
 Each rank holds chunk r of `torch.tensor_split` of a seeded float64 batch x [T, d_model], the
 router (nn.Linear(d_model, E, bias=False), the same on every rank) and experts r E/P to
@@ -20,7 +22,7 @@ counted by its split sizes, or all_to_all) or send/recv/isend/irecv; other colle
 forward and backward, a rank sends at most the bytes of its kept choices that go to other
 ranks' experts and of the outputs it sends back, twice (backward mirrors forward,
 `traffic_budget`), plus `HOP_BYTES` per peer for each of four all-to-alls and 16 E bytes per
-peer.
+peer. Part 4's cases, budget and bytes are `expert_parallel_dedup`'s.
 """
 
 from __future__ import annotations
@@ -33,12 +35,18 @@ import torch.nn.functional as F
 from course_lib import compare
 from course_lib.costs import expert_capacity
 from course_lib.grading._harness import RESULT, CheckFailed, Verdict, fail, run_on_ranks
+from course_lib.grading.expert_parallel_dedup import (
+    DEDUP_FRACTION,
+    dedup_cases,
+    judge_dedup,
+    rank_rows,
+    row_bytes,
+)
 from course_lib.grading.expert_parallel_ranks import (
-    SMALL_CALLS,
-    TOKEN_CALLS,
     Case,
     expert_ids,
     inputs,
+    judge_calls,
     layer,
     lengths,
     run_cases,
@@ -48,6 +56,7 @@ from course_lib.grading.expert_parallel_ranks import (
 # token at the wrong expert, a wrong drop or a missing gate weight moves it by 1e-2 or more.
 RTOL, ATOL = 1e-9, 1e-12
 TRAFFIC_WEIGHTS = {RESULT: 0.0, "dispatch": 1.0}  # right first; the traffic is what scores
+DEDUP_WEIGHTS = {RESULT: 0.0, "bytes": 1.0}
 HOP_BYTES = 64
 ITEMSIZE = 8  # float64
 
@@ -240,27 +249,9 @@ def judge_traffic(check: str, case: Case, records: list[dict]) -> None:
     """The "dispatch" property: tokens by all-to-all or point-to-point only, small collectives
     only, at most `traffic_budget` bytes per rank."""
     __tracebackhide__ = True
-    budget, limit = traffic_budget(case), 2 * case.n_experts
+    judge_calls(check, case, records, "dispatch")
+    budget = traffic_budget(case)
     for r, record in enumerate(records):
-        for op, _, _, size in record["messages"]:
-            if op in TOKEN_CALLS:
-                continue
-            if op not in SMALL_CALLS:
-                fail(
-                    check,
-                    f"{case}: rank {r} called dist.{op}; tokens travel by all-to-alls "
-                    "(dist.all_to_all_single, dist.all_to_all) or dist.send/recv/isend/irecv "
-                    "only",
-                    prop="dispatch",
-                )
-            if size > limit:
-                fail(
-                    check,
-                    f"{case}: rank {r} called dist.{op} on a tensor of {size} numbers; "
-                    f"collectives may carry per-expert numbers only (at most {limit} here). "
-                    "Tokens go only to the ranks of their experts, by all-to-all.",
-                    prop="dispatch",
-                )
         if record["sent"] > budget[r]:
             fail(
                 check,
@@ -415,15 +406,55 @@ def check_moe_traffic(
     )
 
 
+def check_moe_dedup(
+    dedup_moe: Callable,
+    *,
+    world_sizes: Iterable[int] = (2, 4),
+    seeds: Iterable[int] = (0,),
+    timeout: float = 30.0,
+) -> None:
+    """Part 4 (open): `dedup_moe`, with Part 1's interface, returns this rank's rows of the
+    single-process layer (rtol 1e-9, atol 1e-12), and in the forward all ranks together send
+    at most DEDUP_FRACTION of the bytes of Part 1's token rows (`expert_parallel_dedup`)."""
+    __tracebackhide__ = True
+    check = "check_moe_dedup"
+    name = getattr(dedup_moe, "__name__", "dedup_moe")
+    verdict, shares = Verdict(check, DEDUP_WEIGHTS), []
+    world_sizes = sorted(set(world_sizes))
+    for P in world_sizes:
+        todo = dedup_cases(P, seeds)
+        for case, records in zip(
+            todo, _run(check, dedup_moe, None, todo, P, timeout, name), strict=True
+        ):
+            with verdict.case():
+                judge_forward(check, name, case, records, reference(case))
+            with verdict.case():
+                shares.append(judge_dedup(check, case, records, kept_rows(case)))
+    verdict.conclude(
+        f"{len(shares)} case(s) on {', '.join(map(str, world_sizes))} ranks, k = 2, 4 experts "
+        "a rank, with and without dropped choices: every rank's output equals the layer on one "
+        f"process (rtol {RTOL:g}, atol {ATOL:g}), and the ranks sent at most "
+        f"{max(shares, default=0):.0%} of the bytes of one token row per (token, expert) "
+        f"(allowed {DEDUP_FRACTION:.0%})"
+    )
+
+
 __all__ = [
     "Case",
+    "DEDUP_FRACTION",
     "cases",
     "check_moe_backward",
+    "check_moe_dedup",
     "check_moe_forward",
     "check_moe_traffic",
+    "dedup_cases",
     "dropped",
+    "inputs",
     "kept_rows",
+    "layer",
+    "rank_rows",
     "reference",
     "routing",
+    "row_bytes",
     "traffic_budget",
 ]

@@ -8,6 +8,7 @@ router's gradients synchronised), and what its messages did, recorded for
     inputs(case)                 the whole batch x and the output gradient g
     mine(case, r)                rank r's tokens (torch.tensor_split) and experts (E/P in order)
     run_cases(fn, sync, cases)   what every rank runs: one record per case
+    judge_calls(check, case, records, prop)   the message rules: which calls carry what
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from course_lib import comm, models
 from course_lib.comm import POINT_TO_POINT, CommCounter
+from course_lib.grading._harness import fail
 from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank, world_size
 
@@ -33,11 +35,13 @@ LECTURE_EP = (
 )
 TOKEN_CALLS = (*POINT_TO_POINT, "all_to_all", "all_to_all_single")  # what may carry tokens
 SMALL_CALLS = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast")
+PAIR_SPREAD = 0.03  # how far a paired expert's router row is from its twin's (see `layer`)
 
 
 @dataclass(frozen=True)
 class Case:
-    """One run of the layer: P ranks, `tokens` in the whole batch, E experts, top-k routing."""
+    """One run of the layer: P ranks, `tokens` in the whole batch, E experts, top-k routing;
+    `paired`: experts 2i and 2i + 1 have nearly the same router row (see `layer`)."""
 
     world_size: int
     tokens: int
@@ -47,23 +51,29 @@ class Case:
     seed: int
     d_model: int = 8
     d_ff: int = 12
+    paired: bool = False
 
     def __str__(self) -> str:
         return (
             f"world size {self.world_size}, {self.tokens} tokens, {self.n_experts} experts, "
             f"k={self.k}, capacity_factor {self.capacity_factor:g}, seed {self.seed}"
+            + (f", d_model {self.d_model}, paired router" if self.paired else "")
         )
 
 
 def layer(case: Case) -> tuple[nn.Linear, list[nn.Module]]:
     """The router (d_model -> E, no bias) and the E experts (`models.MLPBlock`), float64, the
     same on every rank and in the checking process. Router logits of a few units, so that the
-    routing is far from ties and the gate weights differ."""
+    routing is far from ties and the gate weights differ. A paired router gives expert 2i + 1
+    the row of expert 2i plus 3% of its own: a token's two most probable experts are then
+    mostly such a pair, which lives on one rank when P divides E / 2."""
     config = models.GPTConfig(d_model=case.d_model, d_ff=case.d_ff)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1_000 + 7 * case.seed + case.n_experts)
         router = nn.Linear(case.d_model, case.n_experts, bias=False, dtype=torch.float64)
         with torch.no_grad():
+            if case.paired:
+                router.weight[1::2] = router.weight[0::2] + PAIR_SPREAD * router.weight[1::2]
             router.weight.mul_(3.0)
         experts = [models.MLPBlock(config, torch.float64) for _ in range(case.n_experts)]
     return router, experts
@@ -151,3 +161,30 @@ def run_cases(fn: Callable, sync: Callable | None, cases: list[Case]) -> dict:
     with CommCounter(), Provenance(LECTURE_EP) as seen:
         results = [_run_case(fn, sync, case) for case in cases]
     return {"cases": results, "copied": seen.complaint()}
+
+
+def judge_calls(check: str, case: Case, records: list[dict], prop: str) -> None:
+    """The message rules of Parts 3 and 4: tokens travel by all-to-alls or point-to-point
+    only; any other call carries at most 2 E numbers (counts per expert)."""
+    __tracebackhide__ = True
+    limit = 2 * case.n_experts
+    for r, record in enumerate(records):
+        for op, _, _, size in record["messages"]:
+            if op in TOKEN_CALLS:
+                continue
+            if op not in SMALL_CALLS:
+                fail(
+                    check,
+                    f"{case}: rank {r} called dist.{op}; tokens travel by all-to-alls "
+                    "(dist.all_to_all_single, dist.all_to_all) or dist.send/recv/isend/irecv "
+                    "only",
+                    prop=prop,
+                )
+            if size > limit:
+                fail(
+                    check,
+                    f"{case}: rank {r} called dist.{op} on a tensor of {size} numbers; "
+                    f"collectives may carry per-expert numbers only (at most {limit} here). "
+                    "Tokens go only to the ranks of their experts, by all-to-all.",
+                    prop=prop,
+                )

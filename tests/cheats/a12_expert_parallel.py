@@ -1,13 +1,17 @@
 """Assignment 12's cheats (each scores 0 on its part) and right answers written differently
 (full marks). tests/test_grading_expert_parallel.py holds the checks against the same texts
 and against named wrong implementations (experts on the wrong ranks, capacity ignored,
-rank-local queues, no gate weights, router gradients not summed, every token to every rank)."""
+rank-local queues, no gate weights, router gradients not summed, every token to every rank;
+for Part 4, one row per (token, expert), every token to every rank, outputs summed without
+their gates)."""
 
 from __future__ import annotations
 
 from tests.cheats import Alternative, Cheat
 
 ALL_TESTS = frozenset({"test_forward", "test_backward", "test_traffic"})
+# Part 4's dedup_moe (the solution's) sends its rows through the exchange cell's ExchangeRows.
+WITH_DEDUP = ALL_TESTS | {"test_dedup"}
 
 # The lecture's layer, wrapped: its experts and router copied from the ones handed in.
 LECTURE_LAYER = """
@@ -135,16 +139,30 @@ def expert_parallel_moe(x, router, experts, k, capacity_factor):
     return out[start : start + x.shape[0]]
 """
 
+# Part 4 answered by the lecture's layer, which sends one row per (token, expert).
+LECTURE_DEDUP = """
+from course_lib.expert_parallel import ExpertParallelMoE, MoE
+
+
+def dedup_moe(x, router, experts, k, capacity_factor):
+    moe = MoE(x.shape[1], 12, router.out_features, k=k, capacity_factor=capacity_factor)
+    layer = ExpertParallelMoE(moe)
+    layer.router = router
+    layer.experts = experts
+    return layer(x)[0]
+"""
+
 CHEATS = [
     Cheat("the lecture's ExpertParallelMoE, wrapped", "moe_layer", LECTURE_LAYER, ALL_TESTS),
     Cheat("the lecture's routing, rebound", "moe_layer", LECTURE_ROUTING, ALL_TESTS),
-    Cheat("the lecture's all-to-all, pasted", "exchange", PASTED_ALL_TO_ALL, ALL_TESTS),
+    Cheat("the lecture's all-to-all, pasted", "exchange", PASTED_ALL_TO_ALL, WITH_DEDUP),
     Cheat(
         "every token all-gathered, outputs all-reduced",
         "moe_layer",
         ALL_GATHERED,
         frozenset({"test_traffic"}),
     ),
+    Cheat("the lecture's layer as dedup_moe", "dedup", LECTURE_DEDUP, frozenset({"test_dedup"})),
 ]
 
 # torch's all_to_all_single with uneven split sizes (gloo runs it; its list version,
@@ -205,9 +223,53 @@ def expert_parallel_moe(x, router, experts, k, capacity_factor):
     return torch.zeros_like(x).index_add(0, token, back * gates[token, slot].unsqueeze(1))
 """
 
+# Part 4's other design: one row per (token, rank) there, with a 0/1 column per expert of that
+# rank; every kept expert's output comes back on its own and is weighted at home.
+PER_EXPERT_RETURN = """
+def dedup_moe(x, router, experts, k, capacity_factor):
+    P, r = world_size(), rank()
+    n_experts = router.out_features
+    if n_experts % P:
+        raise ValueError("the experts do not split evenly over the ranks")
+    per_rank, (n, d) = n_experts // P, x.shape
+    gates, chosen = torch.softmax(router(x), dim=-1).topk(k, dim=-1)
+    picked = torch.zeros(n, n_experts, dtype=torch.long).scatter(1, chosen, 1)
+    flat = torch.empty(P * n_experts, dtype=torch.long)
+    dist.all_gather_into_tensor(flat, picked.sum(0))
+    counts = flat.view(P, n_experts)
+    capacity = expert_capacity(int(counts.sum()) // k, n_experts, k, capacity_factor)
+    queue = counts[:r].sum(0) + picked.cumsum(0) - picked
+    kept = (picked == 1) & (queue < capacity)
+    by_rank = kept.view(n, P, per_rank)
+    token, dest = torch.nonzero(by_rank.any(2), as_tuple=True)
+    order = torch.argsort(dest * n + token)
+    token, dest = token[order], dest[order]
+    sizes = torch.bincount(dest, minlength=P)
+    table = torch.empty(P * P, dtype=torch.long)
+    dist.all_gather_into_tensor(table, sizes)
+    send, recv = sizes.tolist(), table.view(P, P)[:, r].tolist()
+    rows = torch.cat([x[token], by_rank[token, dest].to(x.dtype)], dim=1)
+    arrived = ExchangeRows.apply(rows, send, recv)
+    here, wanted = arrived[:, :d], arrived[:, d:] > 0.5
+    row, which = torch.nonzero(wanted, as_tuple=True)  # by source rank, token, expert
+    outs = torch.zeros(len(row), d, dtype=x.dtype)
+    for i, expert in enumerate(experts):
+        sel = torch.nonzero(which == i).flatten()
+        outs = outs.index_copy(0, sel, expert(here[row[sel]]))
+    back_send = [int(w.sum()) for w in wanted.split(recv)]
+    t, e = torch.nonzero(kept, as_tuple=True)
+    order = torch.argsort((e // per_rank) * n * n_experts + t * n_experts + e)
+    t, e = t[order], e[order]
+    back_recv = torch.bincount(e // per_rank, minlength=P).tolist()
+    back = ExchangeRows.apply(outs, back_send, back_recv)
+    weight = torch.zeros(n, n_experts, dtype=x.dtype).scatter(1, chosen, gates)
+    return torch.zeros_like(x).index_add(0, t, weight[t, e, None] * back)
+"""
+
 ALTERNATIVES = [
     Alternative("all_to_all_single with uneven splits", "exchange", ALL_TO_ALL_SINGLE),
     Alternative(
         "token order inside a destination, expert ids sent along", "moe_layer", TOKEN_ORDER
     ),
+    Alternative("dedup: each expert's output back, weighted at home", "dedup", PER_EXPERT_RETURN),
 ]
