@@ -213,11 +213,16 @@ def test_group_all_reduce_averages_within_the_drawn_groups(pool4):
     assert len({m for _, m in drawn}) > 2, "the same groups every step: are they re-drawn?"
 
 
-def async_push_sum(seconds):
+def async_push_sum(seconds, rounds=10):
     x0 = start_values(rank(), n=3)
     pusher = AsyncPushSum(ExponentialGraph(P), x0, interval=0.001)
     if rank() == 2:
         time.sleep(seconds)  # a slow rank: the others keep gossiping meanwhile
+    # At least `rounds` rounds before the step, however loaded the machine (a fixed sleep
+    # gave some rank only 5 under load): the test is about what gossip keeps, not its pace.
+    deadline = time.monotonic() + 30
+    while pusher.rounds < rounds and time.monotonic() < deadline:
+        time.sleep(0.005)
     pusher.step(torch.full_like(x0, 0.5))  # one "gradient step" per rank
     x, w = pusher.finish()
     totals = torch.cat([x, w.reshape(1), x0]).clone()
@@ -232,7 +237,7 @@ def test_async_push_sum_conserves_the_totals(pool4):
     # Each rank subtracted w * 0.5 from x at some moment: the total of x moved by 0.5 times
     # the weights held then, which we cannot know; but the weights' total is exact.
     assert w.item() == pytest.approx(P, abs=1e-12)
-    assert all(rounds > 5 for _, rounds, _ in results), "the gossip thread did not run"
+    assert all(rounds >= 10 for _, rounds, _ in results), "the gossip thread did not run"
     # The ranks' estimates agree more than their starting values did.
     spread = torch.stack([z for _, _, z in results]).std(dim=0).max()
     assert spread < torch.stack([start_values(r, 3) for r in range(P)]).std(dim=0).max()
