@@ -60,18 +60,18 @@ def all_gone(pids: list[int], timeout: float = 10.0) -> bool:
 
 
 def descendants() -> set[int]:
-    """Pids of this process's descendants, except the graded course's build (which runs
-    alongside the tests and starts processes of its own)."""
+    """Pids of this process's descendants, except the background builds' (the graded course
+    and the site run alongside the tests and start processes of their own)."""
     children = psutil.Process().children(recursive=True)
     parent = {}
     for child in children:
         with contextlib.suppress(psutil.NoSuchProcess):
             parent[child.pid] = child.ppid()
-    builder = _course_build.process.pid if _course_build is not None else None
+    builders = {build.process.pid for build in _builds.values()}
 
     def in_build(pid: int | None) -> bool:
         while pid in parent:
-            if pid == builder:
+            if pid in builders:
                 return True
             pid = parent[pid]
         return False
@@ -100,36 +100,32 @@ def run_script(tmp_path: Path) -> Callable[..., subprocess.Popen]:
     return start
 
 
-# --- the graded course: built in a process of its own, alongside the other tests ------------
+# --- built in processes of their own, alongside the other tests -------------------------------
 
 
-class _CourseBuild:
-    """`python -m tests.grading_course FOLDER`: a course folder released, with every test
-    submission autograded through `make autograde`. Grading ~50 notebooks is most of a test
-    run and leaves the CPU idle part of the time (kernels starting, ranks meeting), so it
-    starts as soon as the tests are collected and runs while the others do."""
+class Background:
+    """A command run in a session of its own (one killpg stops it and everything it started),
+    its output kept, while the tests run. Grading a class (~50 notebooks) and running every
+    lecture are most of a test run, and both leave the CPU idle part of the time (kernels
+    starting, ranks meeting, emulated networks sleeping): they start as soon as the tests are
+    collected, and the tests that read what they built run last."""
 
-    def __init__(self) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="graded-course-"))
+    def __init__(self, *argv: str | Path, folder: Path | None = None) -> None:
+        self.argv, self.folder = [str(a) for a in argv], folder  # folder: where it builds
         self.log = tempfile.TemporaryFile("w+")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.grading_course", str(self.folder)],
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # one killpg stops it and everything it started
+            self.argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
-    def result(self, timeout: float) -> tuple[Path, float]:
+    def result(self, timeout: float) -> tuple[int | str, str]:
+        """(exit code, or why it has none; its output), once it has ended."""
         try:
-            code = self.process.wait(timeout)
+            code: int | str = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.stop()
-            code = "killed: it ran out of time"
+            code = f"killed: it ran out of time ({timeout:g} s)"
         self.log.seek(0)
-        text = self.log.read()
-        assert code == 0, f"building the graded course failed ({code}):\n{text[-6000:]}"
-        return self.folder, float(re.search(r"autograde took ([\d.]+) s", text).group(1))
+        return code, self.log.read()
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -138,16 +134,54 @@ class _CourseBuild:
             self.process.wait()
 
 
-_course_build: _CourseBuild | None = None
+# What is built in the background, each for the fixture of its name; the tests using one run
+# last (`pytest_collection_modifyitems`):
+# - graded_course: a course folder released, with every test submission autograded through
+#   `make autograde` (tests/grading_course.py); its tests are e2e.
+# - released_course: a course folder with the solutions released (`make release`), as CI's.
+# - built_site: every lecture run into build/site (tools/build_site.py), which `make test` asks
+#   for with COURSE_REQUIRE_SITE=1; with COURSE_SITE_FIRST=1 too, before the other tests start.
+BUILDS = ("released_course", "built_site", "graded_course")  # the order their tests run in
+SITE = ROOT / "build" / "site"
+_builds: dict[str, Background] = {}
+
+
+def _uses(item: pytest.Item, fixture: str) -> bool:
+    return fixture in getattr(item, "fixturenames", ())
+
+
+def _start(name: str) -> Background:
+    if name not in _builds:
+        folder = SITE if name == "built_site" else Path(tempfile.mkdtemp(prefix=f"{name}-"))
+        argv = {
+            "graded_course": ["-m", "tests.grading_course", folder],
+            "released_course": ["-m", "tests.grading_course", folder, "--release-only"],
+            "built_site": ["tools/build_site.py", "--out", folder],
+        }[name]
+        _builds[name] = Background(sys.executable, *argv, folder=folder)
+    return _builds[name]
+
+
+def _finished(name: str, timeout: float) -> Background:
+    """The build `name`, ended with exit code 0: else the test using it fails with its log."""
+    build = _start(name)  # started at collection, unless its test was selected some other way
+    code, log = build.result(timeout)
+    if code != 0:
+        pytest.fail(f"building {name} failed ({code}):\n{log[-6000:]}")
+    return build
+
+
+def site_required() -> bool:
+    return os.environ.get("COURSE_REQUIRE_SITE") == "1"
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests that read the graded course are end to end (marked `e2e`: `make test-e2e`
-    runs them, `make test` does not) and run last, while its build has been running. The
-    grading tests' functions and the cheats travel to the ranks by value."""
+    runs them, `make test` does not). Those reading a build run last, in the order of BUILDS.
+    The grading tests' functions and the cheats travel to the ranks by value."""
     for item in items:
-        if "graded_course" in getattr(item, "fixturenames", ()):
+        if _uses(item, "graded_course"):
             item.add_marker(pytest.mark.e2e)
         module = getattr(item, "module", None)
         if module is not None and module.__name__.startswith("tests.test_grading_"):
@@ -158,34 +192,68 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             cloudpickle.register_pickle_by_value(module)
     if "tests.cheats" in sys.modules:  # the cheats and alternatives these modules run, too
         cloudpickle.register_pickle_by_value(sys.modules["tests.cheats"])
-    items.sort(key=lambda item: "graded_course" in getattr(item, "fixturenames", ()))
+    items.sort(key=lambda item: [_uses(item, name) for name in reversed(BUILDS)])
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    global _course_build
-    wanted = any(
-        "graded_course" in getattr(item, "fixturenames", ())
-        and item.get_closest_marker("skip") is None
-        for item in session.items
-    )
-    if wanted and not session.config.option.collectonly:
-        _course_build = _CourseBuild()
+    if session.config.option.collectonly:
+        return
+    wanted = [item for item in session.items if item.get_closest_marker("skip") is None]
+    for name in BUILDS:
+        if any(_uses(item, name) for item in wanted) and (name != "built_site" or site_required()):
+            build = _start(name)
+            if name == "built_site" and os.environ.get("COURSE_SITE_FIRST") == "1":
+                build.result(timeout=1800)  # `make test-all`: alone, before a class's grading
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How long each lecture ran in the site's build: each should take about 2 minutes or less."""
+    if "built_site" in _builds and _builds["built_site"].process.poll() is not None:
+        _, log = _builds["built_site"].result(timeout=0)
+        lines = [
+            line for line in log.splitlines() if re.match(r"(\S+\.ipynb: ran in|FAILED )", line)
+        ]
+        terminalreporter.write_sep("=", "lectures run by the site's build")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _course_build is not None:
-        _course_build.stop()
-        if exitstatus == 0:
-            shutil.rmtree(_course_build.folder, ignore_errors=True)
-        else:
-            print(f"\nThe graded course folder is kept for a look: {_course_build.folder}")
+    for build in _builds.values():
+        build.stop()
+    for name in ("graded_course", "released_course"):
+        if name in _builds:
+            folder = _builds[name].folder
+            if exitstatus == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+            else:
+                print(f"\nThe {name} folder is kept for a look: {folder}")
+
+
+@pytest.fixture(scope="session")
+def built_site() -> str:
+    """The output of building the site in the background (`make test`), once it has ended;
+    without COURSE_REQUIRE_SITE=1, the site a `make site` left in build/site, if any."""
+    if not site_required():
+        if not (SITE / "index.html").exists():
+            pytest.skip("no site: run `make site` (make test builds it)")
+        return ""
+    code, log = _start("built_site").result(timeout=1800)
+    if code != 0 and "FAILED " not in log:  # a lecture that fails is named by its page's test
+        pytest.fail(f"building the site failed ({code}):\n{log[-6000:]}")
+    return log
+
+
+@pytest.fixture(scope="session")
+def released_course() -> Path:
+    """A course folder released from the solutions (see tests/grading_course.py)."""
+    return _finished("released_course", timeout=1200).folder
 
 
 @pytest.fixture(scope="session")
 def graded_course() -> tuple[Path, float]:
     """The graded course folder (see tests/grading_course.py) and how long `make autograde`
     took."""
-    global _course_build
-    if _course_build is None:  # not started at collection (a test selected some other way)
-        _course_build = _CourseBuild()
-    return _course_build.result(timeout=3000)
+    build = _finished("graded_course", timeout=3000)
+    _, log = build.result(timeout=0)
+    return build.folder, float(re.search(r"autograde took ([\d.]+) s", log).group(1))

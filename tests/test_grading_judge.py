@@ -164,9 +164,15 @@ def test_a_rank_that_patches_the_checks_code_scores_zero_as_tampering(patch, cha
     assert any(f"changed {changed}" in t for t in verdict.tampering), verdict.tampering
 
 
+# A wrong answer that finishes (its receivers add 1): one that deadlocks would cost the check's
+# whole timeout, and test_grading_collectives already proves deadlocks fail.
+WRONG = BROADCAST.replace(
+    "dist.recv(tensor, src=src)", "dist.recv(tensor, src=src)\n        tensor += 1"
+)
+
+
 def test_a_wrong_answer_scores_zero_with_the_checks_message():
-    wrong = BROADCAST.replace("dist.recv(tensor, src=src)", "pass")
-    (verdict,) = list(judge.grade(cells(wrong)))
+    (verdict,) = list(judge.grade(cells(WRONG)))
     assert verdict.score == 0 and not verdict.tampering
     assert verdict.outputs()[-1]["ename"] == "CheckFailed"
 
@@ -174,9 +180,8 @@ def test_a_wrong_answer_scores_zero_with_the_checks_message():
 def test_a_failed_result_ends_the_test_cell_as_in_a_notebook():
     """Later statements cannot change a 0, so the judge does not wait for them (a deadlocked
     answer would otherwise time out once per check in the cell)."""
-    wrong = BROADCAST.replace("dist.recv(tensor, src=src)", "pass")
     test = TEST + "\nprint('the next statement ran')\n"
-    (verdict,) = list(judge.grade(cells(wrong, test)))
+    (verdict,) = list(judge.grade(cells(WRONG, test)))
     assert verdict.score == 0 and "the next statement ran" not in verdict.output
     (verdict,) = list(judge.grade(cells(BROADCAST, test)))
     assert verdict.score == 2 and "the next statement ran" in verdict.output

@@ -1,9 +1,9 @@
 """The course site (`make site`): every lecture run, a page each with its figures, an index.
 
 The builder is tested here on small notebooks written by the tests; the site itself is built by
-`make test` before the tests run (building it is how every lecture is run), and checked page
-by page below. Without a site (a test file run alone) those checks are skipped, visibly; `make
-test` sets COURSE_REQUIRE_SITE=1, and there they must run.
+`make test` (COURSE_REQUIRE_SITE=1) in the background while the other tests run (building it
+is how every lecture is run: tests/conftest.py), and checked page by page below, last. Run
+alone, those checks read the site `make site` left, or are skipped, visibly.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -22,9 +21,8 @@ import nbformat
 import pytest
 
 from course_lib.topics import TOPICS
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SITE
 
-SITE = ROOT / "build" / "site"
 BUILDER = ROOT / "tools" / "build_site.py"
 DRAWS = re.compile(r"\bplot\w*\(|\bplt\.|_figure\(")
 IMAGE = re.compile(r'<img[^>]*src="data:image/png;base64,([^"]+)"')
@@ -94,13 +92,6 @@ def test_nbval_markers_keep_their_meaning(tmp_path):
     assert "after" in (tmp_path / "site" / "02_collectives.html").read_text()
 
 
-def _site_marker() -> pytest.MarkDecorator:
-    if (SITE / "index.html").exists() or os.environ.get("COURSE_REQUIRE_SITE") == "1":
-        return pytest.mark.skipif(False, reason="the site is built")
-    return pytest.mark.skip(reason="no site: run `make site` (make test builds it)")
-
-
-@_site_marker()
 def builder_module():
     spec = importlib.util.spec_from_file_location("build_site", BUILDER)
     module = importlib.util.module_from_spec(spec)
@@ -143,9 +134,12 @@ def test_no_reply_raises_empty_at_the_deadline_not_before():
     assert len(channel.polls) >= 5 and max(channel.polls) <= 0.05
 
 
+@pytest.mark.timeout(1800)  # the first one waits for the site's build to end
 @pytest.mark.parametrize("topic", TOPICS, ids=lambda t: t.name)
-def test_every_lecture_has_a_page_with_its_figures(topic):
+def test_every_lecture_has_a_page_with_its_figures(topic, built_site):
     page_path = SITE / f"{topic.number:02d}_{topic.name}.html"
+    failed = built_site.find(f"FAILED {page_path.stem}.ipynb")
+    assert failed < 0, built_site[failed : failed + 4000]  # the cell that raised, and why
     assert page_path.exists(), f"{topic.lecture} has no page: did it fail in `make site`?"
     page = page_path.read_text()
     assert topic.title in page
