@@ -121,7 +121,7 @@ NoGather = mutant(
     "parallel_3d",
     "sharded_adamw",
     (
-        "dist.all_gather_into_tensor(flat, mine, group=self.group)",
+        "dist.all_gather_single(flat, mine, group=self.group)",
         "flat[self.me * chunk : (self.me + 1) * chunk] = mine",
     ),
 ).ShardedAdamW
@@ -141,8 +141,8 @@ class GatheredState(ShardedAdamW):
             grad = p.new_zeros(chunk * self.d)
             grad[:n] = p.grad.reshape(-1) / self.d
             full_m, full_v = p.new_empty(chunk * self.d), p.new_empty(chunk * self.d)
-            dist.all_gather_into_tensor(full_m, m, group=self.group)
-            dist.all_gather_into_tensor(full_v, v, group=self.group)
+            dist.all_gather_single(full_m, m, group=self.group)
+            dist.all_gather_single(full_v, v, group=self.group)
             flat = p.new_zeros(chunk * self.d)
             flat[:n] = p.reshape(-1)
             self.adamw(flat, grad, full_m, full_v)

@@ -104,7 +104,7 @@ class ShardedAdamW:
             mine = p.new_zeros(chunk)
             mine[: hi - lo] = view
             full = p.new_empty(chunk * self.d)
-            dist.all_gather_into_tensor(full, mine, group=self.group)
+            dist.all_gather_single(full, mine, group=self.group)
             p.copy_(full[: p.numel()].view_as(p))
 '''
 
