@@ -30,6 +30,7 @@ from course_lib.grading.expert_parallel import (
 )
 from course_lib.grading.gossip import check_one_peer_schedule, check_push_sum
 from course_lib.grading.parallel_3d import check_2d_training, check_process_grid
+from course_lib.grading.parallel_3d_zero import check_sharded_adamw
 from course_lib.grading.pipeline import (
     check_optimal_partition,
     check_pipeline_trainer,
@@ -93,6 +94,7 @@ __all__ = [
     "check_round_trip_time",
     "check_spread",
     "check_row_parallel_linear",
+    "check_sharded_adamw",
     "check_simulate_schedule",
     "check_split_schedule",
     "check_sync_gradients",

@@ -2,6 +2,7 @@
 
     check_process_grid(process_grid)                 which ranks form each TP and DP group
     check_2d_training(make_groups, GPT2D, train_step)   TinyGPT trained on a DP x TP grid
+    check_sharded_adamw(make_groups, GPT2D, ShardedAdamW)   AdamW's state sharded in DP groups
 
 The student's interface (the contract between the notebook, these checks and the tests):
 
@@ -26,7 +27,7 @@ the rank's TP and DP groups) and the batch each rank's model saw (TP partners se
 shard, DP groups different ones). For the notebook, memory and communication per rank of a
 configuration, measured and by formula.
 
-This module holds the two checks and everything the notebook imports; their parts:
+This module holds the first two checks and everything the notebook imports; the parts:
 
     parallel_3d_layout.py          the grid's rule and TinyGPT's TP shards (tp_shard, gather_dense)
     parallel_3d_grid.py            check_process_grid: calling process_grid, judging layouts
@@ -34,6 +35,8 @@ This module holds the two checks and everything the notebook imports; their part
     parallel_3d_rank.py            check_2d_training on each rank: Run2D, secret batches
     parallel_3d_judge.py           check_2d_training judged: reference, groups, batches, ...
     parallel_3d_configurations.py  memory and traffic per configuration, for the notebook
+    parallel_3d_zero.py            check_sharded_adamw (Part 4, open): ZeRO-1 in the DP group,
+                                   judged by its result, the bytes kept and the bytes sent
 """
 
 from __future__ import annotations
@@ -67,6 +70,12 @@ from course_lib.grading.parallel_3d_judge import (
 from course_lib.grading.parallel_3d_layout import CONFIG, gather_dense, tp_shard
 from course_lib.grading.parallel_3d_rank import ATOL, RTOL, Run2D, _train_on_rank
 from course_lib.grading.parallel_3d_recording import CollectiveLog
+from course_lib.grading.parallel_3d_zero import (
+    check_sharded_adamw,
+    comm_budget,
+    sharded_adamw_report,
+    state_budget,
+)
 
 # --- check_process_grid (on one rank) ------------------------------------------------------
 
@@ -179,10 +188,14 @@ __all__ = [
     "Measured",
     "check_2d_training",
     "check_process_grid",
+    "check_sharded_adamw",
+    "comm_budget",
     "configuration_table",
     "formula",
     "gather_dense",
     "measure_configuration",
+    "sharded_adamw_report",
     "split_counts",
+    "state_budget",
     "tp_shard",
 ]

@@ -1,7 +1,8 @@
 """Assignment 10's cheats (the capstone; each scores 0 on its part) and right answers
 written differently (full marks). Cells: "process_grid" (part 1), "make_groups", "gpt_2d"
-and "train_step" (part 2). A make_groups built on lecture 10's new_groups is refused too; it
-is proven in tests/test_grading_parallel_3d.py, to keep the graded notebooks few."""
+and "train_step" (part 2), "sharded_adamw" (part 4). A make_groups built on lecture 10's
+new_groups is refused too; it is proven in tests/test_grading_parallel_3d.py, to keep the
+graded notebooks few. Part 4's wrong answers are in tests/test_grading_parallel_3d_zero.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from tests.cheats import Alternative, Cheat
 
 GRID = frozenset({"test_process_grid"})
 TRAIN = frozenset({"test_train_2d"})
+SHARDED = frozenset({"test_sharded_adamw"})
 
 PLANNER_GRID = '''
 from course_lib.parallel_3d import ProcessGrid
@@ -34,6 +36,76 @@ def train_step(model, optimizer, x, y, dp_group):
     loss.backward()
     optimizer.step()
     return loss.item()
+'''
+
+ZERO_REDUNDANCY = '''
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+class ShardedAdamW:
+    """torch's ZeRO-1 (lecture 7's) in the DP group, after an all-reduce of the gradients."""
+
+    def __init__(self, model, dp_group, lr, betas, eps, weight_decay):
+        self.params = list(model.parameters())
+        self.group = dp_group
+        self.zero = ZeroRedundancyOptimizer(
+            self.params,
+            torch.optim.AdamW,
+            process_group=dp_group,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            foreach=False,
+        )
+
+    def zero_grad(self):
+        self.zero.zero_grad()
+
+    def step(self):
+        for p in self.params:
+            dist.all_reduce(p.grad, group=self.group)
+            p.grad /= dist.get_world_size(self.group)
+        self.zero.step()
+'''
+
+# Right: every gradient all-reduced, torch.optim.AdamW steps views of this rank's chunk of each
+# parameter in place, the updated chunks all-gathered (1.5 all-reduces: at the budget's limit).
+ALL_REDUCE_THEN_GATHER = '''
+class ShardedAdamW:
+    """All-reduce the gradients; AdamW on views of my chunk of each parameter; all-gather."""
+
+    def __init__(self, model, dp_group, lr, betas, eps, weight_decay):
+        self.params = list(model.parameters())
+        self.group = dp_group
+        self.d, me = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        self.spans = []  # (chunk, lo, hi) of each parameter's flattened elements
+        for p in self.params:
+            chunk = -(-p.numel() // self.d)
+            self.spans.append((chunk, min(me * chunk, p.numel()), min((me + 1) * chunk, p.numel())))
+        # Views share the parameters' storage: AdamW updates them in place, no copy is kept.
+        self.views = [p.detach().view(-1)[lo:hi] for p, (_, lo, hi) in zip(self.params, self.spans)]
+        self.inner = torch.optim.AdamW(
+            self.views, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+        )
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        for p, view, (_, lo, hi) in zip(self.params, self.views, self.spans):
+            dist.all_reduce(p.grad, group=self.group)
+            view.grad = p.grad.view(-1)[lo:hi] / self.d
+        self.inner.step()
+        for p, view, (chunk, lo, hi) in zip(self.params, self.views, self.spans):
+            view.grad = None
+            mine = p.new_zeros(chunk)
+            mine[: hi - lo] = view
+            full = p.new_empty(chunk * self.d)
+            dist.all_gather_single(full, mine, group=self.group)
+            p.copy_(full[: p.numel()].view_as(p))
 '''
 
 REBIND_CHECK = '''
@@ -68,9 +140,15 @@ def train_step(model, optimizer, x, y, dp_group):
 
 CHEATS = [
     # make_groups calls process_grid, so the planner's grid spoils part 2 as well.
-    Cheat("lecture 10's ProcessGrid as the grid", "process_grid", PLANNER_GRID, GRID | TRAIN),
+    Cheat(
+        "lecture 10's ProcessGrid as the grid",
+        "process_grid",
+        PLANNER_GRID,
+        GRID | TRAIN | SHARDED,  # part 4 builds its groups with make_groups too
+    ),
     Cheat("every rank trains on the whole batch", "train_step", WHOLE_BATCH_EVERYWHERE, TRAIN),
     Cheat("rebinding the check", "train_step", REBIND_CHECK, TRAIN, alone=True),
+    Cheat("torch's ZeroRedundancyOptimizer", "sharded_adamw", ZERO_REDUNDANCY, SHARDED),
 ]
 
 ALTERNATIVES = [
@@ -91,5 +169,10 @@ def process_grid(world_size, tp_size):
         "one flat DP all-reduce with ReduceOp.AVG, the loss averaged in the DP group too",
         "train_step",
         FLAT_AVG_TRAIN_STEP,
+    ),
+    Alternative(
+        "gradients all-reduced, AdamW on views of my chunks, chunks all-gathered",
+        "sharded_adamw",
+        ALL_REDUCE_THEN_GATHER,
     ),
 ]
