@@ -148,12 +148,18 @@ def run_agents(
             agent.wait(timeout=max(0.0, deadline - time.monotonic()))
             seconds.append(time.perf_counter() - start)
     except subprocess.TimeoutExpired:
-        for agent in agents:
+        ended = [agent.poll() for agent in agents]  # an agent that failed leaves the others
+        for agent in agents:  # waiting for it at torchrun's exit barrier
             _kill_tree(agent.pid)
             agent.wait()
+        said = "\n".join(
+            f"--- agent {i} ({'still running' if code is None else f'exit code {code}'}):\n"
+            f"{_read(out)[-3000:]}"
+            for i, (code, out) in enumerate(zip(ended, outs, strict=True))
+        )
         raise TimeoutError(
             f"torchrun did not finish within {timeout:g} s; its agents and workers were "
-            f"killed. Its output:\n{_read(outs[0])}"
+            f"killed. What each agent printed:\n{said}"
         ) from None
     finally:
         for agent in agents:  # an error while starting the second agent: stop the first

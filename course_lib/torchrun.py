@@ -16,6 +16,7 @@ import ast
 import importlib
 import os
 import runpy
+import sys
 from collections.abc import Callable
 
 import torch
@@ -113,3 +114,12 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # Leave without Python's clean-up. A gloo thread may still hold the last collective's
+    # tensors when the function returns, and frees them as soon as it gets the GIL; if that
+    # happens while the interpreter shuts down, the thread is killed inside C++ and the
+    # process aborts ("terminate called without an active exception", exit code -6) after
+    # its work is done: 2 runs in 8 of two torchrun agents on this machine. torchrun then
+    # reports the job as failed, and the other node waits out its exit barrier.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -70,6 +70,15 @@ def test_two_torchrun_agents_train_as_two_nodes(tmp_path, reference):
     assert [row["loss"] for row in loss_log(tmp_path)] == reference[:4]
 
 
+def test_a_torchrun_that_runs_out_of_time_is_killed_and_says_what_each_agent_printed():
+    args = ["--standalone", "--nproc-per-node", "1"]
+    with pytest.raises(TimeoutError) as error:
+        run_agents([args, args], "time:sleep", 120, timeout=10)
+    message = str(error.value)
+    assert "did not finish within 10 s" in message
+    assert "--- agent 0 (still running)" in message and "--- agent 1 (still running)" in message
+
+
 def test_the_async_checkpoint_is_the_state_when_save_was_called(tmp_path):
     model = torch.nn.Linear(64, 64)
     optimizer = torch.optim.AdamW(model.parameters())
