@@ -162,13 +162,14 @@ def _start(name: str) -> Background:
     return _builds[name]
 
 
-def _finished(name: str, timeout: float) -> Background:
-    """The build `name`, ended with exit code 0: else the test using it fails with its log."""
+def _finished(name: str, timeout: float) -> tuple[Path, str]:
+    """The folder of build `name` and its log, once it has ended with exit code 0: else the
+    test using it fails with its log."""
     build = _start(name)  # started at collection, unless its test was selected some other way
     code, log = build.result(timeout)
     if code != 0:
         pytest.fail(f"building {name} failed ({code}):\n{log[-6000:]}")
-    return build
+    return build.folder, log
 
 
 def site_required() -> bool:
@@ -247,13 +248,12 @@ def built_site() -> str:
 @pytest.fixture(scope="session")
 def released_course() -> Path:
     """A course folder released from the solutions (see tests/grading_course.py)."""
-    return _finished("released_course", timeout=1200).folder
+    return _finished("released_course", timeout=1200)[0]
 
 
 @pytest.fixture(scope="session")
 def graded_course() -> tuple[Path, float]:
     """The graded course folder (see tests/grading_course.py) and how long `make autograde`
     took."""
-    build = _finished("graded_course", timeout=3000)
-    _, log = build.result(timeout=0)
-    return build.folder, float(re.search(r"autograde took ([\d.]+) s", log).group(1))
+    folder, log = _finished("graded_course", timeout=3000)
+    return folder, float(re.search(r"autograde took ([\d.]+) s", log).group(1))

@@ -67,7 +67,7 @@ from course_lib.grading.parallel_3d_judge import (
     _global_batches,
     _revive_calls,
 )
-from course_lib.grading.parallel_3d_layout import CONFIG, gather_dense, tp_shard
+from course_lib.grading.parallel_3d_layout import gather_dense, tp_shard
 from course_lib.grading.parallel_3d_rank import ATOL, RTOL, Run2D, _train_on_rank
 from course_lib.grading.parallel_3d_recording import CollectiveLog
 from course_lib.grading.parallel_3d_zero import (
@@ -119,16 +119,6 @@ def check_process_grid(
 # --- check_2d_training ----------------------------------------------------------------------
 
 
-def _validate(world_size: int, tp_size: int, batch_size: int) -> None:
-    """Refuse a grid that cannot be built before any rank starts."""
-    if world_size < 1 or tp_size < 1 or world_size % tp_size:
-        raise ValueError(f"tp_size={tp_size} must divide world_size={world_size}")
-    if CONFIG.n_heads % tp_size:
-        raise ValueError(f"tp_size={tp_size} must divide TinyGPT's {CONFIG.n_heads} heads")
-    if batch_size % (world_size // tp_size):
-        raise ValueError(f"batch_size={batch_size} must divide evenly over the DP groups")
-
-
 def check_2d_training(
     make_groups: Callable[[int], tuple],
     model_2d: Callable[..., nn.Module],
@@ -148,7 +138,7 @@ def check_2d_training(
     __tracebackhide__ = True
     check = "check_2d_training"
     run = Run2D(tp_size=tp_size, seed=seed, steps=steps, batch_size=batch_size)
-    _validate(world_size, tp_size, batch_size)
+    run.validate(world_size)
     results = run_on_ranks(
         check,
         _train_on_rank,

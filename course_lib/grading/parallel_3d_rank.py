@@ -37,6 +37,15 @@ class Run2D:
             f"batch of {self.batch_size}"
         )
 
+    def validate(self, world: int) -> None:
+        """Refuse a grid that cannot be built before any rank starts."""
+        if world < 1 or self.tp_size < 1 or world % self.tp_size:
+            raise ValueError(f"tp_size={self.tp_size} must divide world_size={world}")
+        if CONFIG.n_heads % self.tp_size:
+            raise ValueError(f"tp_size={self.tp_size} must divide TinyGPT's {CONFIG.n_heads} heads")
+        if self.batch_size % (world // self.tp_size):
+            raise ValueError(f"batch_size={self.batch_size} must divide evenly over the DP groups")
+
     def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The same global batches on every rank and in the reference."""
         c = CONFIG

@@ -215,15 +215,6 @@ def reference_adamw(run: Run2D) -> list[dict[str, torch.Tensor]]:
     return after
 
 
-def _validate(world_size: int, tp_size: int, batch_size: int) -> None:
-    if world_size < 1 or tp_size < 1 or world_size % tp_size:
-        raise ValueError(f"tp_size={tp_size} must divide world_size={world_size}")
-    if CONFIG.n_heads % tp_size:
-        raise ValueError(f"tp_size={tp_size} must divide TinyGPT's {CONFIG.n_heads} heads")
-    if batch_size % (world_size // tp_size):
-        raise ValueError(f"batch_size={batch_size} must divide evenly over the DP groups")
-
-
 def _judge_result(run: Run2D, results: list[dict], where: str) -> None:
     __tracebackhide__ = True
     tp, initial = run.tp_size, models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE)
@@ -253,50 +244,40 @@ def _judge_result(run: Run2D, results: list[dict], where: str) -> None:
                 )
 
 
-def _judge_memory(run: Run2D, results: list[dict], where: str) -> float:
+def _judge_budget(run: Run2D, results: list[dict], where: str, prop: str) -> float:
+    """Every rank's every step within its budget of `prop` ("memory": the bytes kept,
+    "communication": the bytes sent); the largest share of its budget any rank used."""
     __tracebackhide__ = True
+    key, budget = ("kept", state_budget) if prop == "memory" else ("sent", comm_budget)
     worst = 0.0
     for r, result in enumerate(results):
-        sizes = rank_sizes(r % run.tp_size, run.tp_size).values()
+        sizes = list(rank_sizes(r % run.tp_size, run.tp_size).values())
         dp = len(result["groups"]["dp"])
-        allowed, unsharded = state_budget(sizes, dp), unsharded_state(sizes)
+        allowed = budget(sizes, dp)
         for s, step in enumerate(result["steps"]):
-            worst = max(worst, step["kept"] / allowed)
-            if step["kept"] > allowed:
-                fail(
-                    CHECK,
-                    f"rank {r}, after step {s} ({where}): your code keeps {step['kept']:,} "
-                    f"bytes of tensors besides the model's parameters and gradients; at most "
-                    f"{allowed:,} allowed (AdamW's two moments of 1/{dp} of each parameter, "
-                    f"plus those of the largest; unsharded AdamW keeps {unsharded:,}). "
-                    f"Largest: {', '.join(step['largest'])}.\nHint: keep the moments of "
-                    "your chunk of each parameter only, and free gradient chunks, buffers "
-                    "and copies before step() returns",
-                    prop="memory",
-                )
+            worst = max(worst, step[key] / allowed) if allowed else worst
+            if step[key] > allowed:
+                where_ = f"rank {r}, after step {s} ({where})"
+                fail(CHECK, _over_budget(prop, where_, step, allowed, sizes, dp), prop=prop)
     return worst
 
 
-def _judge_traffic(run: Run2D, results: list[dict], where: str) -> float:
-    __tracebackhide__ = True
-    worst = 0.0
-    for r, result in enumerate(results):
-        sizes = rank_sizes(r % run.tp_size, run.tp_size).values()
-        dp = len(result["groups"]["dp"])
-        allowed = comm_budget(sizes, dp)
-        for s, step in enumerate(result["steps"]):
-            worst = max(worst, step["sent"] / allowed) if allowed else worst
-            if step["sent"] > allowed:
-                fail(
-                    CHECK,
-                    f"rank {r}, step {s} ({where}): sent {step['sent']:,} bytes outside the "
-                    f"TP all-reduces of forward and backward; at most {allowed:,} allowed "
-                    f"(1.5 ring all-reduces of its parameters in a DP group of {dp}, plus "
-                    f"{dp - 1} x its largest parameter).\nHint: a rank needs the averaged "
-                    "gradient of its own chunk only, and sends each updated chunk once",
-                    prop="communication",
-                )
-    return worst
+def _over_budget(prop: str, where: str, step: dict, allowed: int, sizes: list, dp: int) -> str:
+    if prop == "memory":
+        return (
+            f"{where}: your code keeps {step['kept']:,} bytes of tensors besides the model's "
+            f"parameters and gradients; at most {allowed:,} allowed (AdamW's two moments of "
+            f"1/{dp} of each parameter, plus those of the largest; unsharded AdamW keeps "
+            f"{unsharded_state(sizes):,}). Largest: {', '.join(step['largest'])}.\nHint: keep "
+            "the moments of your chunk of each parameter only, and free gradient chunks, "
+            "buffers and copies before step() returns"
+        )
+    return (
+        f"{where}: sent {step['sent']:,} bytes outside the TP all-reduces of forward and "
+        f"backward; at most {allowed:,} allowed (1.5 ring all-reduces of its parameters in a "
+        f"DP group of {dp}, plus {dp - 1} x its largest parameter).\nHint: a rank needs the "
+        "averaged gradient of its own chunk only, and sends each updated chunk once"
+    )
 
 
 def check_sharded_adamw(
@@ -317,7 +298,7 @@ def check_sharded_adamw(
     at most `state_budget`; the bytes sent outside Part 2's TP traffic, `comm_budget`."""
     __tracebackhide__ = True
     run = Run2D(tp_size=tp_size, seed=seed, steps=steps, batch_size=batch_size)
-    _validate(world_size, tp_size, batch_size)
+    run.validate(world_size)
     results = run_on_ranks(
         CHECK, _train_sharded_on_rank, make_groups, model_2d, sharded_adamw, run,
         world_size=world_size, timeout=timeout, what="your ShardedAdamW (with Part 2's code)",
@@ -330,9 +311,9 @@ def check_sharded_adamw(
     with verdict.case():
         _judge_result(run, results, where)
     worst = {}
-    for prop, judge in (("memory", _judge_memory), ("communication", _judge_traffic)):
+    for prop in ("memory", "communication"):
         with verdict.case():
-            worst[prop] = judge(run, results, where)
+            worst[prop] = _judge_budget(run, results, where, prop)
     verdict.conclude(
         f"{where}, {steps} steps: every rank's parameters equal its TP shard of "
         f"torch.optim.AdamW on the whole batch (rtol {RTOL:g}, atol {ATOL:g}); the tensors "
@@ -348,7 +329,7 @@ def sharded_adamw_report(
     rank after the last step, the largest parameter error, the bytes kept against unsharded
     AdamW and the budget, and the bytes sent against their budget."""
     run = Run2D(tp_size=tp_size)
-    _validate(world_size, tp_size, run.batch_size)
+    run.validate(world_size)
     results = launch(
         _train_sharded_on_rank, make_groups, model_2d, sharded_adamw, run,
         world_size=world_size, timeout=60,
