@@ -66,18 +66,14 @@ class Topology:
         """Every rank `node` ever receives from, over one period."""
         return sorted({j for s in range(self.period()) for j in self.in_neighbors(node, s)})
 
-    def mixing_matrix(self, step: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """W with W[i, j] = the share of rank j's values that rank i holds after one round.
+    def out_neighbor_lists(self, step: int = 0) -> list[list[int]]:
+        """Every rank's out-neighbours at `step`, in rank order: the graph of one round."""
+        return [self.out_neighbors(j, step) for j in range(self.world_size)]
 
-        Rank j keeps 1 / (1 + d_j) and sends as much to each of its d_j out-neighbours, so every
-        column sums to 1 (column-stochastic: the total is conserved). Rows sum to 1 too (doubly
-        stochastic: plain averaging converges to the mean) only on regular graphs.
-        """
-        w = torch.zeros(self.world_size, self.world_size, dtype=dtype)
-        for j in range(self.world_size):
-            targets = [j, *self.out_neighbors(j, step)]
-            w[targets, j] = 1.0 / len(targets)
-        return w
+    def mixing_matrix(self, step: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """W with W[i, j] = the share of rank j's values that rank i holds after one round
+        (`push_mixing_matrix` of this step's graph)."""
+        return push_mixing_matrix(self.out_neighbor_lists(step), dtype)
 
     def _check(self, node: int) -> None:
         if not 0 <= node < self.world_size:
@@ -85,6 +81,24 @@ class Topology:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.world_size})"
+
+
+def push_mixing_matrix(
+    out_neighbors: Sequence[Sequence[int]], dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """The mixing matrix of one push-style round in which rank j sends to `out_neighbors[j]`.
+
+    Rank j keeps 1 / (1 + d_j) and sends as much to each of its d_j out-neighbours:
+    W[i, j] = 1 / (1 + d_j) when i = j or i is an out-neighbour of j, else 0. Every column sums
+    to 1 (column-stochastic: the total is conserved). Rows sum to 1 too (doubly stochastic:
+    plain averaging converges to the mean) only when every rank receives as much as it keeps,
+    as on the ring and the exponential graph."""
+    p = len(out_neighbors)
+    w = torch.zeros(p, p, dtype=dtype)
+    for j, sends_to in enumerate(out_neighbors):
+        targets = [j, *sends_to]
+        w[targets, j] = 1.0 / len(targets)
+    return w
 
 
 class Ring(Topology):
@@ -292,8 +306,11 @@ def simulate_consensus(
 
 def contraction_rate(topology: Topology, rounds: int | None = None) -> float:
     """Per-round factor by which the distance from the average shrinks at least, for a
-    doubly-stochastic mixing: the spectral norm of (W_T ... W_1 - J)^(1/T), J = 11^T/P, over
-    one period T (for a fixed graph: its second-largest eigenvalue modulus)."""
+    doubly-stochastic mixing: ||W_T ... W_1 - J||_2^(1/T), the spectral norm over one period
+    of T rounds, J = 11^T/P. For a fixed graph (T = 1) it is ||W - J||_2, which equals W's
+    second-largest eigenvalue modulus only when W is normal (W W^T = W^T W: symmetric, as on
+    the ring, or a circulant such as one exponential-graph step); for a non-normal W the
+    norm can be larger than that modulus."""
     rounds = rounds or topology.period()
     p = topology.world_size
     product = torch.eye(p, dtype=torch.float64)

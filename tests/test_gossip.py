@@ -28,7 +28,9 @@ from course_lib.gossip import (
     RandomPeer,
     Ring,
     consensus_error,
+    contraction_rate,
     gossip_round,
+    push_mixing_matrix,
     push_sum_step,
     simulate_consensus,
 )
@@ -104,6 +106,23 @@ def test_mixing_matrices_are_column_stochastic(topology):
     for step in range(3):
         w = topology.mixing_matrix(step)
         torch.testing.assert_close(w.sum(dim=0), torch.ones(w.shape[0], dtype=w.dtype))
+
+
+def test_push_mixing_matrix_of_an_irregular_graph():
+    # rank 0 sends to 1 and 2, rank 1 to 2, rank 2 to nobody: shares 1/3, 1/2 and 1
+    w = push_mixing_matrix([[1, 2], [2], []])
+    third = 1 / 3
+    expected = [[third, 0.0, 0.0], [third, 0.5, 0.0], [third, 0.5, 1.0]]
+    torch.testing.assert_close(w, torch.tensor(expected, dtype=torch.float64))
+    ring = Ring(5)
+    assert ring.out_neighbor_lists() == [ring.out_neighbors(j) for j in range(5)]
+    torch.testing.assert_close(push_mixing_matrix(ring.out_neighbor_lists()), ring.mixing_matrix())
+
+
+def test_contraction_rate_of_a_symmetric_mixing_is_its_second_eigenvalue_modulus():
+    ring = Ring(8).mixing_matrix()  # symmetric: the norm is the second eigenvalue modulus
+    second = sorted(torch.linalg.eigvals(ring).abs().tolist())[-2]
+    assert contraction_rate(Ring(8)) == pytest.approx(second, abs=1e-12)
 
 
 def test_exponential_graph_averages_exactly_in_log2_p_rounds():
