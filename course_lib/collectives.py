@@ -325,6 +325,16 @@ def halving_doubling_rounds(world_size: int, rank: int) -> list[HalvingRound]:
     return rounds
 
 
+def halving_round(world_size: int, rank: int, k: int) -> tuple[int, int, int]:
+    """Round `k` (0 .. log2 P - 1) of halving-doubling's reduce-scatter on `rank`, as
+    (partner, first, end): it swaps with `partner` and keeps chunks first .. end-1, adding the
+    partner's copy of them (the k-th of `halving_doubling_rounds`)."""
+    if not 0 <= k < _log2_world(world_size, "halving_round"):
+        raise ValueError(f"k must be in 0..log2({world_size}) - 1, got {k}")
+    step = halving_doubling_rounds(world_size, rank)[k]
+    return (step.partner, *step.recv)
+
+
 def halving_doubling_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over all ranks in place by recursive halving, then recursive doubling:
     log2 P rounds each way, 2(P-1)/P * N bytes per rank; P a power of two."""

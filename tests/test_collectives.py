@@ -21,6 +21,7 @@ from course_lib.collectives import (
     bytes_sent,
     chunk_sizes,
     halving_doubling_rounds,
+    halving_round,
     messages_sent,
     model_seconds,
     ring_all_reduce,
@@ -41,7 +42,9 @@ from course_lib.measure.collectives import (
     ring_frame,
     ring_steps_figure,
     sweep_all_reduce,
+    time_against_model,
     time_all_reduce,
+    two_level_model,
 )
 
 # Tolerances against dist.all_reduce. The algorithms add the same numbers in another order, so
@@ -409,6 +412,21 @@ def halving_schedule_holds(p: int) -> None:
     assert all(chunk == set(range(p)) for row in held for chunk in row)
 
 
+def test_halving_round_is_the_reduce_scatter_part_of_the_schedule():
+    # 8 ranks, rank 5: partners 4, 2, 1 apart; it keeps chunks 4-7, then 4-5, then 5 alone
+    assert [halving_round(8, 5, k) for k in range(3)] == [(1, 4, 8), (7, 4, 6), (4, 5, 6)]
+    for p in (2, 4, 16):
+        for r in range(p):
+            d = p // 2
+            for k in range(p.bit_length() - 1):  # partner r xor d; keep the d chunks holding r
+                assert halving_round(p, r, k) == (r ^ d, r // d * d, r // d * d + d)
+                d //= 2
+    with pytest.raises(ValueError, match="k must be in"):
+        halving_round(8, 0, 3)
+    with pytest.raises(ValueError, match="power-of-two"):
+        halving_round(6, 0, 0)
+
+
 @pytest.mark.parametrize("p", [1, 2, 4, 8, 16])
 def test_halving_doubling_rounds_sum_everything_in_2_log2_p_rounds(p):
     halving_schedule_holds(p)
@@ -463,6 +481,11 @@ def test_on_an_emulated_network_the_naive_root_is_the_bottleneck_the_model_says(
     naive, ring = measured["naive"][0], measured["ring"][0]
     assert naive == pytest.approx(model["naive"], rel=0.25), (naive, model)
     assert 0.95 * model["ring"] <= ring < naive, (ring, naive, model)
+    # two levels with nodes of 2 on the same links: 2 Nb inside the node, Nb for 2 leaders
+    two_level = measured["two_level"][0]
+    (two_level_formula,) = two_level_model([4 * sizes[0]], 4, 2, network)
+    assert two_level_formula == pytest.approx(3 * 4 * sizes[0] / network["bandwidth"])
+    assert 0.95 * two_level_formula <= two_level <= 1.5 * two_level_formula, two_level
     fig = plot_all_reduce_sweep(sizes, measured, 4, {**network, "latency": 1e-3})
     assert isinstance(fig, Figure)
 
@@ -510,3 +533,23 @@ def test_two_levels_beat_a_flat_ring_when_nodes_are_fast_as_the_model_says(pool4
     model = two_level_all_reduce_seconds(4 * numel, 4, 2, 0.0, 1 / 2.5e6, 0.0, 1 / 100e6)
     assert 0.95 * model <= measured["two_level"] <= 1.5 * model, (measured, model)
     assert measured["two_level"] < measured["ring"], measured
+
+
+def test_two_level_model_uses_the_node_links_only_when_the_network_has_those_nodes():
+    nbytes = 400_000
+    nodes = {"bandwidth": 2.5e6, "latency": 1e-3, "node_size": 2, "node_bandwidth": 100e6}
+    fast_inside = two_level_all_reduce_seconds(nbytes, 4, 2, 1e-3, 1 / 2.5e6, 0.0, 1 / 100e6)
+    assert two_level_model([nbytes], 4, 2, nodes) == [pytest.approx(fast_inside)]
+    flat = {"bandwidth": 2.5e6, "latency": 1e-3}
+    same_links = two_level_all_reduce_seconds(nbytes, 4, 2, 1e-3, 1 / 2.5e6, 1e-3, 1 / 2.5e6)
+    assert two_level_model([nbytes], 4, 2, flat) == [pytest.approx(same_links)]
+
+
+def test_time_against_model_prints_a_row_per_algorithm_and_returns_both_times(capsys):
+    measured, model = time_against_model(1000, 2, 10e-6, 8 / 10e9, repeats=1)
+    assert list(measured) == ["torch", *ALGORITHMS] and list(model) == list(ALGORITHMS)
+    assert all(seconds > 0 for seconds in measured.values())
+    assert model["ring"] == model_seconds("ring", 1000, 2, 10e-6, 8 / 10e9)
+    lines = capsys.readouterr().out.splitlines()
+    assert "model, 10 Gbit/s" in lines[0] and len(lines) == 1 + 1 + len(ALGORITHMS)
+    assert lines[-1].split()[0] == "halving_doubling" and lines[-1].endswith("2 N")

@@ -10,20 +10,25 @@
 - `ring_steps_figure(4)`: every step as a strip of small panels, for reading without widgets.
 - `record_peers()` counts whom a rank talks to; `time_all_reduce(algorithm, N)` times one
   all-reduce (on an emulated network with `network=`).
+- `time_against_model(N, P, alpha, beta)` times each algorithm on this machine's loopback and
+  prints the table of measured and modelled times.
 - `sweep_all_reduce(sizes, network)` (on every rank, under `launch`) times each algorithm of
-  `course_lib.collectives` on an emulated network; `plot_all_reduce_sweep` draws the times
-  over the alpha-beta model's lines and marks where the model's fastest algorithm changes.
+  `course_lib.collectives`, and the two-level all-reduce, on an emulated network;
+  `plot_all_reduce_sweep` draws the times over the alpha-beta model's lines and marks where
+  the model's fastest algorithm changes.
 - `AllReduceModelWidget()`: sliders for latency, bandwidth and ranks over the model's lines.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import ipywidgets as widgets
@@ -39,10 +44,14 @@ from course_lib.collectives import (
     ALGORITHMS,
     ALL_GATHER,
     REDUCE_SCATTER,
+    bytes_sent,
     model_seconds,
     ring_schedule,
     ring_state,
+    two_level_all_reduce,
 )
+from course_lib.costs import two_level_all_reduce_seconds
+from course_lib.launch import launch
 from course_lib.network import SlowNetwork
 from course_lib.plots import NotebookFigure
 from course_lib.progress import progress
@@ -263,17 +272,63 @@ def time_all_reduce(
     return sorted(times)[len(times) // 2]
 
 
+def time_against_model(
+    numel: int, world_size: int, alpha: float, beta: float, repeats: int = 7
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Time one all-reduce of `numel` float32s on `world_size` ranks of this machine (torch's
+    own, then each algorithm: the slowest rank's median of `repeats`), print it next to the
+    alpha-beta model's time and the bytes all ranks send together, and return
+    ({name: measured seconds}, {name: model seconds})."""
+    measured, model = {}, {}
+    link = f"model, {8 / beta / 1e9:g} Gbit/s"
+    print(f"{'algorithm':<17} {'measured here':>14} {link:>17} {'all ranks send':>15}")
+    for name in ["torch", *ALGORITHMS]:
+        measured[name] = max(launch(time_all_reduce, name, numel, repeats, world_size=world_size))
+        if name == "torch":  # gloo's own: no model of ours, no count of its bytes
+            print(f"{name:<17} {1000 * measured[name]:11.0f} ms")
+            continue
+        model[name] = model_seconds(name, numel, world_size, alpha, beta)
+        total = sum(bytes_sent(name, numel, world_size, r) for r in range(world_size))
+        print(
+            f"{name:<17} {1000 * measured[name]:11.0f} ms {1000 * model[name]:14.0f} ms "
+            f"{total / (4 * numel):13.0f} N"
+        )
+    return measured, model
+
+
 # --- all-reduce against its model, on an emulated network ---------------------------------
 
+TWO_LEVEL = "two_level"  # the sweep's sixth algorithm: `collectives.two_level_all_reduce`
 
-def sweep_all_reduce(sizes: list[int], network: dict, repeats: int = 3) -> dict[str, list[float]]:
+
+def sweep_all_reduce(
+    sizes: list[int], network: dict, repeats: int = 3, node_size: int = 2
+) -> dict[str, list[float]]:
     """On every rank: {algorithm: median seconds per size} for one all-reduce of each number
-    of float32s in `sizes`, inside `SlowNetwork(**network)`, message by message."""
-    runs = [(name, n) for name in ALGORITHMS for n in sizes]
-    seconds = {name: [] for name in ALGORITHMS}
+    of float32s in `sizes`, inside `SlowNetwork(**network)`, message by message: each
+    algorithm of `ALGORITHMS`, then "two_level" (`two_level_all_reduce` with nodes of
+    `node_size` ranks, on the same network: its links inside a node are only faster if
+    `network` says so with its own `node_size` and `node_bandwidth`)."""
+    algorithms = {**ALGORITHMS, TWO_LEVEL: partial(two_level_all_reduce, node_size=node_size)}
+    runs = [(name, n) for name in algorithms for n in sizes]
+    seconds = {name: [] for name in algorithms}
     for name, n in progress(runs, "all-reduces"):
-        seconds[name].append(time_all_reduce(name, n, repeats, network))
+        seconds[name].append(time_all_reduce(algorithms[name], n, repeats, network))
     return seconds
+
+
+def two_level_model(nbytes: list[float], world_size: int, node_size: int, network: dict) -> list:
+    """The model's seconds of `two_level_all_reduce` for each size in bytes on `network`: the
+    links inside a node are the network's own unless it gives nodes faster ones."""
+    alpha, beta = network["latency"], 1 / network["bandwidth"]
+    if network.get("node_size") == node_size:  # SlowNetwork's defaults for the node links
+        inside = (network.get("node_latency", 0.0), 1 / network.get("node_bandwidth", math.inf))
+    else:
+        inside = (alpha, beta)
+    return [
+        two_level_all_reduce_seconds(round(n), world_size, node_size, alpha, beta, *inside)
+        for n in nbytes
+    ]
 
 
 def model_lines(
@@ -321,15 +376,25 @@ def _draw_model(ax: Axes, nbytes: list[float], world_size: int, alpha: float, be
 
 
 def plot_all_reduce_sweep(
-    sizes: list[int], measured: dict[str, list[float]], world_size: int, network: dict
+    sizes: list[int],
+    measured: dict[str, list[float]],
+    world_size: int,
+    network: dict,
+    node_size: int = 2,
 ) -> Figure:
-    """Measured times (dots) over the model's lines, for `sizes` float32s on `network`."""
+    """Measured times (dots) over the model's lines, for `sizes` float32s on `network`
+    (`sweep_all_reduce`'s result; its "two_level" with nodes of `node_size`)."""
     alpha, beta = network["latency"], 1 / network["bandwidth"]
     nbytes = [4 * n for n in sizes]
     fig = NotebookFigure(figsize=(7, 4.2), layout="constrained")
     ax = fig.add_subplot()
     grid = list(np.logspace(np.log10(nbytes[0]), np.log10(nbytes[-1]), 60))
     _draw_model(ax, grid, world_size, alpha, beta)
+    if TWO_LEVEL in measured:  # not in the crossovers: those compare the flat algorithms
+        colour = f"C{list(measured).index(TWO_LEVEL)}"
+        seconds = two_level_model(grid, world_size, node_size, network)
+        label = f"{TWO_LEVEL} (nodes of {node_size}): model"
+        ax.plot(grid, seconds, "-", color=colour, alpha=0.5, lw=3, label=label)
     for i, (name, seconds) in enumerate(measured.items()):
         ax.plot(nbytes, seconds, "o", color=f"C{i}", label=f"{name}: measured")
     ax.set_title(
