@@ -385,19 +385,19 @@ def plot_step_time_vs_bandwidth(
     """Measured step time (dots) and the alpha-beta network time alone (lines) of each method
     against the bandwidth, log-log: the gap between a dot and its line is the compute. One
     legend entry per method (methods with the same bytes share a line)."""
-    fig = NotebookFigure(figsize=(6.5, 4.2), layout="constrained")
+    fig = NotebookFigure(figsize=(7.5, 3.8), layout="constrained")
     ax = fig.add_subplot()
     gbits = [8 * b / 1e9 for b in bandwidths]
     for i, m in enumerate(measured):
         ax.plot(gbits, [1e3 * s for s in predicted[m]], "-", color=f"C{i}", alpha=0.4, lw=2)
         ax.plot(gbits, [1e3 * s for s in measured[m]], "o", color=f"C{i}", label=m)
-    ax.plot([], [], "-", color="grey", alpha=0.4, lw=2, label="lines: network time (model)")
-    ax.plot([], [], "o", color="grey", label="dots: measured step")
+    ax.plot([], [], "-", color="black", alpha=0.4, lw=2, label="lines: network time (model)")
+    ax.plot([], [], "o", color="black", label="dots: measured step")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("bandwidth (Gbit/s)")
     ax.set_ylabel("time per step (ms)")
     ax.set_title("step time against bandwidth, emulated network", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncols=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
