@@ -13,7 +13,8 @@ loss, the bytes sent (`CommCounter`) and the wall-clock time of every step, opti
 emulated slow network (`SlowNetwork`).
 
 - "fp32": torch's `allreduce_hook`, the uncompressed reference (a ring all-reduce).
-- "fp16": torch's `fp16_compress_hook`, the same all-reduce of gradients cast to fp16.
+- "fp16", "bf16": torch's `fp16_compress_hook` and `bf16_compress_hook` (`bf16_hook`), the
+  same all-reduce of gradients cast to 16 bits (`cast_error` measures what each cast does).
 - "int8": `quantized_hook`, an all-reduce whose payloads are 8-bit (fp32 arithmetic).
 - "topk", "sign" and their "+ef" versions: `feedback_hook`, all-gathers of top-k or 1-bit
   compressed gradients, with or without error feedback.
@@ -31,13 +32,47 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from course_lib.costs import all_gather_bytes, all_reduce_bytes, alpha_beta_time, collective_steps
 
 LEVELS = 127  # int8 values -127..127: symmetric, so 0 is exact and no value is wasted
 CHUNK = 256  # elements per scale: 4 scale bytes per 256 value bytes, a 1.6% overhead
 ONE_BUCKET_MB = 1024  # DDP bucket size larger than any model here
-METHODS = ("fp32", "fp16", "int8", "topk", "topk+ef", "dgc", "sign", "sign+ef", "vote", "powersgd")
+METHODS = (
+    "fp32",
+    "fp16",
+    "bf16",
+    "int8",
+    "topk",
+    "topk+ef",
+    "dgc",
+    "sign",
+    "sign+ef",
+    "vote",
+    "powersgd",
+)
+
+
+# --- 16-bit casts: the same bytes, different ranges ---------------------------------------
+
+
+def cast_error(tensor: torch.Tensor, dtype: torch.dtype) -> dict[str, float]:
+    """What sending `tensor` in `dtype` does to it, measured on the round trip fp32 -> dtype ->
+    fp32: the median and largest relative error of the entries that stay finite and nonzero,
+    and the fractions of nonzero entries that overflow to inf or underflow to 0."""
+    x = tensor.detach().reshape(-1).float()
+    back = x.to(dtype).float()
+    nonzero = x != 0
+    kept = nonzero & back.isfinite() & (back != 0)
+    relative = ((back - x).abs() / x.abs())[kept]
+    n = max(int(nonzero.sum()), 1)
+    return {
+        "median": relative.median().item() if relative.numel() else math.nan,
+        "max": relative.max().item() if relative.numel() else math.nan,
+        "inf": (nonzero & back.isinf()).sum().item() / n,
+        "zero": (nonzero & (back == 0)).sum().item() / n,
+    }
 
 
 # --- 8-bit quantization -------------------------------------------------------------------
@@ -178,6 +213,12 @@ class QuantizeState:
     """State of `quantized_hook`: the chunk size of its scales."""
 
     chunk_size: int = CHUNK
+
+
+def bf16_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's `bf16_compress_hook` (cast to bf16, all-reduce, cast back) under another name:
+    DDP refuses that name unless it runs on NCCL, while gloo sums bf16 on the CPU as well."""
+    return bf16_compress_hook(state, bucket)
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -409,7 +450,7 @@ def bytes_per_step(
     numel = sum(math.prod(shape) for shape in shapes)
     if method == "fp32":
         return fp32_all_reduce_bytes(numel, world_size)
-    if method == "fp16":
+    if method in ("fp16", "bf16"):
         return all_reduce_bytes(2 * numel, world_size)
     if method == "int8":
         return quantized_bytes(numel, world_size, chunk_size)
@@ -428,6 +469,7 @@ def latency_steps(method: str, world_size: int) -> int:
     collectives = {
         "fp32": ("all_reduce",),
         "fp16": ("all_reduce",),
+        "bf16": ("all_reduce",),
         "int8": ("all_to_all", "all_gather"),
         "powersgd": ("all_reduce",) * 3,
     }

@@ -22,6 +22,7 @@ from course_lib.compression import (
     Sign,
     TopK,
     bytes_per_step,
+    cast_error,
     comm_seconds,
     compress_with_feedback,
     dequantize,
@@ -37,6 +38,8 @@ from course_lib.compression import (
 from course_lib.measure.compression import (
     CompressionLog,
     build_ddp,
+    measure_quantized_all_reduce,
+    network_table,
     plot_quantization_error,
     slow_network_table,
     sweep_bandwidth,
@@ -138,6 +141,34 @@ def test_byte_formulas():
     shapes = [torch.Size([64, 32]), torch.Size([64]), torch.Size([4, 64])]
     # r = 2: 64x32 -> P 128 + Q 64; 4x64 at r=2 gains 256 / 136 < 2: uncompressed with the bias
     assert powersgd_bytes(shapes, 2, 4) == sum(fp32_all_reduce_bytes(c, 4) for c in (128, 64, 320))
+
+
+def test_cast_error_measures_rounding_overflow_and_underflow():
+    x = torch.tensor([1.0, 1 + 2**-10, 3.0, 2.0**-30, 2.0**17, 0.0])
+    fp16 = cast_error(x, torch.float16)
+    bf16 = cast_error(x, torch.bfloat16)
+    # of the 5 nonzero entries fp16 sends 2^17 (> 65,504) as inf and 2^-30 as 0; the others
+    # are exact in fp16 (1 + 2^-10 needs 10 bits after the point: fp16 has them)
+    assert fp16["inf"] == fp16["zero"] == 1 / 5 and fp16["max"] == 0.0
+    # bf16 keeps all of them, exactly but for 1 + 2^-10, which rounds to 1 (7 bits)
+    assert bf16["inf"] == bf16["zero"] == 0.0 and bf16["median"] == 0.0
+    assert bf16["max"] == pytest.approx(2**-10 / (1 + 2**-10))
+
+
+def test_bf16_sends_fp16_bytes_in_as_many_messages():
+    shapes = [torch.Size([64, 32]), torch.Size([64])]
+    assert bytes_per_step("bf16", shapes, 4) == bytes_per_step("fp16", shapes, 4)
+    assert latency_steps("bf16", 4) == latency_steps("fp16", 4)
+
+
+def test_network_table_is_the_formulas():
+    shapes = [torch.Size([64, 32]), torch.Size([64])]
+    links = {"slow": 1e6, "fast": 1e8}
+    network_s, table = network_table(("fp32", "int8"), shapes, 2, links, 1e-3)
+    for (m, link), seconds in network_s.items():
+        assert seconds == comm_seconds(m, shapes, 2, links[link], 1e-3)
+    assert len(network_s) == 4 and table.splitlines()[0].startswith("2,112 parameters")
+    assert table.splitlines()[-1].startswith("int8     saves per parameter:")
 
 
 def test_ef_momentum_applies_momentum_to_the_received_average_by_hand():
@@ -270,6 +301,24 @@ def test_fp16_compression_stays_within_fp16_rounding_of_fp32(pool4):
     assert 0 < worst < 1e-4  # lr x gradient x fp16's 2^-11 relative rounding, and not exact
 
 
+def test_bf16_compression_stays_within_bf16_rounding_of_fp32(pool4):
+    fp32 = pool4.launch(_one_step, "fp32", 0.1, timeout=60)[0]
+    bf16 = pool4.launch(_one_step, "bf16", 0.1, timeout=60)[0]
+    worst = max((bf16[n] - fp32[n]).abs().max().item() for n in fp32)
+    assert 0 < worst < 1e-3  # lr x gradient x bf16's 2^-8 relative rounding, and not exact
+
+
+def test_measure_quantized_all_reduce_counts_and_measures_its_bytes(pool4):
+    n = 10_000
+    for result in pool4.launch(measure_quantized_all_reduce, n, timeout=60):
+        assert result["max error"] <= result["bound"]
+        assert result["counted"] == quantized_bytes(n, P)
+        # what reached the sockets: the payloads, plus gloo's headers (a few percent)
+        assert quantized_bytes(n, P) <= result["written"] <= 1.2 * quantized_bytes(n, P)
+        fp32 = fp32_all_reduce_bytes(n, P)
+        assert fp32 <= result["fp32 written"] <= 1.2 * fp32
+
+
 def _dgc_and_ef(momentum):
     runs = [
         train_compressed(m, batches(3), sizes=SIZES, topk_fraction=0.1, dgc_momentum=momentum)
@@ -291,7 +340,9 @@ def _bytes_of(method):
     return run.bytes_sent
 
 
-@pytest.mark.parametrize("method", ["fp32", "fp16", "int8", "topk+ef", "dgc", "sign", "vote"])
+@pytest.mark.parametrize(
+    "method", ["fp32", "fp16", "bf16", "int8", "topk+ef", "dgc", "sign", "vote"]
+)
 def test_bytes_per_step_match_formula(pool4, method):
     shapes = [p.shape for p in models.MLP(SIZES).parameters()]
     expected = bytes_per_step(method, shapes, P, topk_fraction=0.1)

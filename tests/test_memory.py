@@ -27,7 +27,10 @@ from course_lib.measure.memory import (
     layer_activations,
     plot_activation_sweep,
     plot_losses,
+    plot_sequence_split,
     scaled_training,
+    sequence_split,
+    sequence_table,
     train_losses,
 )
 from course_lib.memory import (
@@ -208,6 +211,26 @@ def test_activation_bytes_grow_with_sequence_linearly_plus_attention_squares():
     # Everything else grows by the same amount per 16 more tokens: linear in seq.
     steps = [b - a for a, b in zip(rest[:-1], rest[1:], strict=True)]
     assert steps[0] > 0 and steps == [steps[0]] * 3, rest
+
+
+def test_sequence_split_measures_the_square_part_and_lays_a_line_through_the_rest():
+    model = models.TinyGPT(CONFIG)
+
+    def measure(batch, seq):
+        x, y = (t.clone() for t in data.tokens(batch, seq_len=seq, vocab_size=CONFIG.vocab_size))
+        return saved_by_forward(model, x, y, models.lm_loss)
+
+    seqs = [16, 32, 48]
+    split = sequence_split(measure, CONFIG, seqs, batch=3)
+    for i, seq in enumerate(seqs):
+        saved = measure(3, seq)
+        assert split.total[i] == saved.live_bytes
+        assert split.square[i] == split.formula[i] == square_bytes(saved, seq)
+        assert split.rest[i] == saved.live_bytes - split.square[i]
+    assert split.line == pytest.approx(split.rest)  # the rest is linear in seq
+    rows = sequence_table(split).splitlines()
+    assert len(rows) == 4 and rows[1].split()[:2] == ["16", f"{split.total[0]:,}"]
+    assert len(plot_sequence_split(split).axes[0].lines) == 5  # 3 measured, 2 formula lines
 
 
 # --- activation checkpointing -----------------------------------------------------------------

@@ -12,6 +12,7 @@ histogram; a slow-network run as a table, and step time swept over bandwidths.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -45,19 +46,51 @@ from course_lib.compression import (
     QuantizeState,
     Sign,
     TopK,
+    bf16_hook,
+    bytes_per_step,
+    comm_seconds,
     dequantize,
     dgc_hook,
     error_bound,
     feedback_hook,
+    latency_steps,
     majority_vote_hook,
     quantize,
+    quantized_all_reduce,
     quantized_hook,
+    quantized_sum_bound,
 )
 from course_lib.data import shard
 from course_lib.network import SlowNetwork
 from course_lib.plots import NotebookFigure
 from course_lib.progress import progress
 from course_lib.runtime import device, rank, world_size
+
+# --- the quantized all-reduce on its own ----------------------------------------------------
+
+
+def measure_quantized_all_reduce(n: int, seed: int = 0) -> dict[str, float]:
+    """Run on every rank in `launch`: `quantized_all_reduce` of a random tensor of `n` values
+    (seeded by seed + rank), its largest error against the exact sum and the bound of
+    `quantized_sum_bound`; the bytes this rank sent by `CommCounter` (the all-to-all's tensors,
+    the all-gather by its formula) and written to its sockets (`WireCounter`); and the bytes
+    written by an fp32 all-reduce of the same tensor."""
+    generator = torch.Generator().manual_seed(seed + rank())
+    x = torch.randn(n, generator=generator)
+    with CommCounter() as counter, WireCounter() as wire:
+        total = quantized_all_reduce(x)
+    with WireCounter() as fp32_wire:
+        torch.distributed.all_reduce(x.clone())
+    everyone = [torch.empty(n) for _ in range(world_size())]
+    torch.distributed.all_gather(everyone, x)  # for checking only, outside the counters
+    return {
+        "max error": (total - torch.stack(everyone).sum(dim=0)).abs().max().item(),
+        "bound": quantized_sum_bound(everyone).max().item(),
+        "counted": counter.bytes_sent,
+        "written": wire.bytes_written,
+        "fp32 written": fp32_wire.bytes_written,
+    }
+
 
 # --- one training loop for every method ----------------------------------------------------
 
@@ -83,6 +116,8 @@ def build_ddp(
         ddp.register_comm_hook(None, allreduce_hook)
     elif method == "fp16":
         ddp.register_comm_hook(None, fp16_compress_hook)  # torch's: cast, all-reduce, cast back
+    elif method == "bf16":
+        ddp.register_comm_hook(None, bf16_hook)  # torch's bf16_compress_hook
     elif method == "vote":
         ddp.register_comm_hook(None, majority_vote_hook)
     elif method == "dgc":
@@ -230,6 +265,41 @@ def plot_quantization_error(tensor: torch.Tensor, chunk_sizes: Sequence[int | No
 # --- the slow network: a table of one run, and a sweep over bandwidths -----------------------
 
 
+def network_table(
+    methods: Sequence[str],
+    shapes: Sequence[torch.Size],
+    world_size: int,
+    links: dict[str, float],
+    latency: float,
+    **options,
+) -> tuple[dict[tuple[str, str], float], str]:
+    """The alpha-beta model's network time per step of each method at each of `links` ({name:
+    bytes/s}), as {(method, link): seconds}, and a table of it: bytes and messages per step,
+    the time at every link, and what each method saves against fp32 per parameter. All by
+    the formulas (`bytes_per_step`, `comm_seconds`); `options` go to them (powersgd_rank)."""
+    n_params = sum(math.prod(s) for s in shapes)
+    network_s = {
+        (m, link): comm_seconds(m, shapes, world_size, bw, latency, **options)
+        for m in methods
+        for link, bw in links.items()
+    }
+    lines = [f"{n_params:,} parameters, {4 * n_params / 1e6:.1f} MB of fp32 gradients"]
+    for m in methods:
+        sent = bytes_per_step(m, shapes, world_size, **options)
+        times = ", ".join(f"{1e3 * network_s[m, link]:5.1f} ms at {link}" for link in links)
+        lines.append(
+            f"{m:<8} {sent:>9,} bytes/step, {latency_steps(m, world_size)} messages: "
+            f"network {times}"
+        )
+    for m in [m for m in methods if m != "fp32"]:
+        saved = ", ".join(
+            f"{1e9 * (network_s['fp32', link] - network_s[m, link]) / n_params:3.0f} ns at {link}"
+            for link in links
+        )
+        lines.append(f"{m:<8} saves per parameter: {saved}")
+    return network_s, "\n".join(lines)
+
+
 def slow_network_table(
     rank_runs: Sequence[dict[str, CompressionLog]],
     network_s: dict[tuple[str, str], float],
@@ -313,28 +383,21 @@ def plot_step_time_vs_bandwidth(
     predicted: dict[str, Sequence[float]],
 ) -> Figure:
     """Measured step time (dots) and the alpha-beta network time alone (lines) of each method
-    against the bandwidth, log-log: the gap between a dot and its line is the compute."""
-    fig = NotebookFigure(figsize=(6.5, 3.8), layout="constrained")
+    against the bandwidth, log-log: the gap between a dot and its line is the compute. One
+    legend entry per method (methods with the same bytes share a line)."""
+    fig = NotebookFigure(figsize=(7.5, 3.8), layout="constrained")
     ax = fig.add_subplot()
     gbits = [8 * b / 1e9 for b in bandwidths]
     for i, m in enumerate(measured):
-        ax.plot(
-            gbits,
-            [1e3 * s for s in predicted[m]],
-            "-",
-            color=f"C{i}",
-            alpha=0.5,
-            lw=2,
-            label=f"{m}: network time (model)",
-        )
-        ax.plot(
-            gbits, [1e3 * s for s in measured[m]], "o", color=f"C{i}", label=f"{m}: measured step"
-        )
+        ax.plot(gbits, [1e3 * s for s in predicted[m]], "-", color=f"C{i}", alpha=0.4, lw=2)
+        ax.plot(gbits, [1e3 * s for s in measured[m]], "o", color=f"C{i}", label=m)
+    ax.plot([], [], "-", color="black", alpha=0.4, lw=2, label="lines: network time (model)")
+    ax.plot([], [], "o", color="black", label="dots: measured step")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("bandwidth (Gbit/s)")
     ax.set_ylabel("time per step (ms)")
     ax.set_title("step time against bandwidth, emulated network", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig

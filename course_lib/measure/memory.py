@@ -5,6 +5,7 @@ frameworks run it (autocast, fp32 master weights, fp16 loss scaling with skipped
     block = PaperBlock(h=64, a=4)                      # 16-bit, dropout, fused mask-softmax
     layer_activations(block, s=128, b=2).live_bytes    # bytes saved for backward, one layer
     rows = activation_sweep(SWEEP); activation_table(rows); plot_activation_sweep(rows)
+    split = sequence_split(activations, config, [16, 64], batch=4); sequence_table(split)
     autocast_memory(model, optimizer, lambda m: lm_loss(m(x), y))  # 16-bit copies, fp32 rest
     losses = train_losses(model, optimizer, steps=30, autocast=torch.bfloat16)
     log = scaled_training(model, LossScaler(2.0**30, growth_interval=3), steps=12)
@@ -31,9 +32,76 @@ from course_lib.memory import (
     Row,
     SavedSnapshot,
     SavedTensors,
+    attention_square_bytes,
+    square_bytes,
     training_memory,
 )
-from course_lib.plots import NotebookFigure
+from course_lib.models import GPTConfig
+from course_lib.plots import NotebookFigure, plot_against_formula
+
+# --- activation memory against the sequence length ------------------------------------------
+
+
+@dataclass
+class SequenceSplit:
+    """Bytes a model saved for backward at each sequence length: the storages ending in (s, s)
+    (measured, and by `attention_square_bytes`) and the rest (measured, and the straight line
+    through its first two points)."""
+
+    seqs: list[int]
+    total: list[int]
+    square: list[int]
+    formula: list[int]
+    rest: list[int]
+    line: list[float]
+
+
+def sequence_split(
+    measure: Callable[[int, int], SavedSnapshot],
+    config: GPTConfig,
+    seqs: Sequence[int],
+    batch: int,
+) -> SequenceSplit:
+    """Measure `measure(batch, seq)` (the saved tensors of one forward) at every length in
+    `seqs` and split it: the (s, s) part against its formula, the rest against a line."""
+    saved = [measure(batch, s) for s in seqs]
+    total = [v.live_bytes for v in saved]
+    square = [square_bytes(v, s) for v, s in zip(saved, seqs, strict=True)]
+    rest = [t - q for t, q in zip(total, square, strict=True)]
+    slope = (rest[1] - rest[0]) / (seqs[1] - seqs[0])
+    return SequenceSplit(
+        list(seqs),
+        total,
+        square,
+        [attention_square_bytes(config, batch=batch, seq=s) for s in seqs],
+        rest,
+        [rest[0] + slope * (s - seqs[0]) for s in seqs],
+    )
+
+
+def sequence_table(split: SequenceSplit) -> str:
+    """One row per sequence length: total, (s, s) part, its formula, the rest, the line."""
+    columns = ("total", "square", "formula", "rest", "line")
+    lines = [f"{'seq':>4}{'total':>12}{'s x s part':>12}{'formula':>12}{'rest':>12}{'line':>12}"]
+    for i, s in enumerate(split.seqs):
+        lines.append(f"{s:>4}" + "".join(f"{getattr(split, c)[i]:>12,.0f}" for c in columns))
+    return "\n".join(lines)
+
+
+def plot_sequence_split(split: SequenceSplit) -> Figure:
+    """The (s, s) part, the rest and the total in MB against s: dots measured, lines the
+    (s, s) formula and the rest's straight line."""
+    mb = lambda values: [v / 1e6 for v in values]
+    square = "s x s part (attention)"
+    return plot_against_formula(
+        split.seqs,
+        {square: mb(split.square), "rest": mb(split.rest), "total": mb(split.total)},
+        {square: mb(split.formula), "rest": mb(split.line)},
+        xlabel="sequence length s",
+        ylabel="MB saved for backward",
+        title="activation memory: linear in s, plus b·a·s² per block from attention",
+    )
+
 
 # --- a layer as the formula counts it ---------------------------------------------------------
 
