@@ -25,6 +25,7 @@ from course_lib.costs import (
 from course_lib.measure.tensor_parallel import (
     LAYERS,
     comm_formula,
+    f_and_g_all_reduces,
     measure_mlp_saved,
     plot_activation_memory,
     run_against_dense,
@@ -289,16 +290,25 @@ def test_vocab_parallel_cross_entropy_equals_f_cross_entropy(pool4):
 
 
 def runner_and_torch():
-    return [run_against_dense(layer) for layer in LAYERS], run_torch_mlp()
+    return [run_against_dense(layer) for layer in LAYERS], run_torch_mlp(), f_and_g_all_reduces()
 
 
 def test_run_against_dense_on_the_world_group_and_torchs_parallelize_module(pool4):
     tokens = BATCH * CONFIG.seq_len
     activation = tokens * CONFIG.d_model * F64
-    for r, (runs, torch_mlp) in enumerate(pool4.launch(runner_and_torch, timeout=120)):
+    for r, (runs, torch_mlp, f_g) in enumerate(pool4.launch(runner_and_torch, timeout=120)):
+        assert f_g == {"f": (0, 1), "g": (1, 0)}, f"rank {r}: {f_g}"
         for run in runs:
             worst = max(run.output_error, run.input_grad_error, run.weight_grad_error)
             assert worst <= ATOL, f"rank {r}, {run.layer}: error {worst}"
+            # the sockets carry the ring's volume plus gloo's headers (a few hundred bytes a
+            # message, 2(t-1) messages an all-reduce), and nothing when nothing is sent
+            passes = [
+                (run.forward_bytes, run.forward_wire),
+                (run.backward_bytes, run.backward_wire),
+            ]
+            for counted, wire in passes:
+                assert counted <= wire <= counted + 8192 * (counted > 0), (r, run.layer, wire)
         mlp = next(run for run in runs if run.layer == "mlp")
         assert (mlp.forward_bytes, mlp.backward_bytes) == (1.5 * activation, 1.5 * activation)
         for name in ("ours", "torch"):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import models
-from course_lib.comm import CommCounter
+from course_lib.comm import CommCounter, WireCounter
 from course_lib.costs import (
     TransformerShape,
     activation_memory,
@@ -38,7 +38,9 @@ from course_lib.tensor_parallel import (
     ParallelSelfAttention,
     RowParallelLinear,
     VocabParallelEmbedding,
+    copy_to_tp,
     local_view,
+    reduce_from_tp,
     shard_range,
     tp_rank,
     tp_size,
@@ -81,8 +83,9 @@ def comm_formula(
 
 @dataclass
 class LayerRun:
-    """One layer run forward and backward on a rank: its errors against the dense layer and
-    the bytes and calls CommCounter saw in each pass."""
+    """One layer run forward and backward on a rank: its errors against the dense layer, the
+    bytes and calls CommCounter counted in each pass (per call, by the ring model: a formula),
+    and the bytes the process really wrote to its sockets meanwhile (WireCounter: measured)."""
 
     layer: str
     output_error: float
@@ -92,6 +95,8 @@ class LayerRun:
     backward_bytes: int
     forward_calls: dict[str, int]
     backward_calls: dict[str, int]
+    forward_wire: int = 0
+    backward_wire: int = 0
 
 
 def _pair(
@@ -172,9 +177,9 @@ def run_against_dense(
     xp = local_in(x.detach())
     if xp.is_floating_point():
         xp = xp.clone().requires_grad_()
-    with CommCounter() as forward:
+    with CommCounter() as forward, WireCounter() as forward_wire:
         yp = parallel_fn(xp)
-    with CommCounter() as backward:
+    with CommCounter() as backward, WireCounter() as backward_wire:
         yp.backward(local_out(upstream))
 
     dense_grads = local_view(parallel, {n: p.grad for n, p in dense.named_parameters()})
@@ -191,27 +196,35 @@ def run_against_dense(
         backward_bytes=backward.bytes_sent,
         forward_calls=dict(forward.calls),
         backward_calls=dict(backward.calls),
+        forward_wire=forward_wire.bytes_written,
+        backward_wire=backward_wire.bytes_written,
     )
 
 
 def run_all_layers(config: models.GPTConfig | None = None, batch: int = 2) -> list[LayerRun]:
     """`run_against_dense` for every layer in `LAYERS` (on every rank, inside `launch`)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(torch.zeros(1))  # gloo's first call sets up its connections: not counted
     return [run_against_dense(layer, config, batch) for layer in LAYERS]
 
 
 def layer_table(runs: list[LayerRun], tokens: int, hidden: int, world_size: int) -> str:
-    """One row per layer: worst error, and bytes sent per pass against `comm_formula`."""
+    """One row per layer: worst error; per pass, the bytes CommCounter counted (ring model),
+    `comm_formula`'s, and the bytes written to the sockets (WireCounter); the all-reduces."""
     rows = [
-        f"{'layer':<22}{'max error':>11}{'fwd sent':>10}{'formula':>10}"
-        f"{'bwd sent':>10}{'formula':>10}  all-reduces (fwd, bwd)"
+        f"{'':<33}{'-------- forward --------':>27}{'------- backward --------':>27}",
+        f"{'layer':<22}{'max error':>11}"
+        + f"{'counted':>9}{'formula':>9}{'wire':>9}" * 2
+        + "  all-reduces (fwd, bwd)",
     ]
     for run in runs:
         fwd, bwd = comm_formula(run.layer, tokens, hidden, world_size, element_size=8)
         error = max(run.output_error, run.input_grad_error, run.weight_grad_error)
         calls = (run.forward_calls.get("all_reduce", 0), run.backward_calls.get("all_reduce", 0))
         rows.append(
-            f"{run.layer:<22}{error:>11.1e}{run.forward_bytes:>10,}{fwd:>10,.0f}"
-            f"{run.backward_bytes:>10,}{bwd:>10,.0f}  {calls}"
+            f"{run.layer:<22}{error:>11.1e}"
+            f"{run.forward_bytes:>9,}{fwd:>9,.0f}{run.forward_wire:>9,}"
+            f"{run.backward_bytes:>9,}{bwd:>9,.0f}{run.backward_wire:>9,}  {calls}"
         )
     return "\n".join(rows)
 
@@ -347,3 +360,20 @@ def link_table(
         times = ", ".join(f"{name} {nbytes / bw * 1e3:.1f} ms" for name, bw in links.items())
         rows.append(f"{kind}: {nbytes / 1e9:.2f} GB sent per micro-batch -> {times}")
     return "\n".join(rows)
+
+
+# --- f and g: which pass talks ---------------------------------------------------------------
+
+
+def f_and_g_all_reduces(numel: int = 8) -> dict[str, tuple[int, int]]:
+    """The all-reduces f (`copy_to_tp`) and g (`reduce_from_tp`) run on this rank, as
+    (forward, backward), counted by CommCounter around each pass (inside `launch`)."""
+    counts = {}
+    for name, fn in (("f", copy_to_tp), ("g", reduce_from_tp)):
+        x = torch.ones(numel, dtype=torch.float64, requires_grad=True)
+        with CommCounter() as forward:
+            y = fn(x)
+        with CommCounter() as backward:
+            y.backward(torch.ones_like(y))
+        counts[name] = (forward.calls["all_reduce"], backward.calls["all_reduce"])
+    return counts
