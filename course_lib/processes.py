@@ -5,6 +5,7 @@
     fit = fit_latency_bandwidth(SIZES, times)         # t(n) = alpha + n * beta
     plot_message_times(ax, SIZES, times, "pipe")      # points and fitted line, log-log
     launch(hogwild, workers=2, world_size=1)          # lock-free SGD on shared memory
+    nxt, prev = ring_neighbours(rank(), world_size())  # whom a rank sends to on a ring
 
 Every timing is one way: the sender reads `time.perf_counter()` just before it sends, the
 receiver just after the message has arrived. Both clocks are the machine's monotonic clock,
@@ -209,6 +210,14 @@ def hogwild(workers: int = 2, steps: int = 1000, lr: float = 0.02) -> dict[str, 
 
 
 # --- torch.distributed point-to-point -----------------------------------------------------
+
+
+def ring_neighbours(rank: int, world_size: int) -> tuple[int, int]:
+    """(next, previous): the ranks `rank` sends to and receives from on a ring of
+    `world_size` ranks, the last rank's next being rank 0."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not one of {world_size} ranks")
+    return (rank + 1) % world_size, (rank - 1) % world_size
 
 
 def _sync() -> None:

@@ -10,7 +10,7 @@ ways to give it that while no rank holds the whole sequence:
 
 - `ring_attention` (Liu et al., 2023): the K/V blocks travel around a ring of ranks, one
   neighbour to the next, P - 1 times; each rank meets every block once and merges the partial
-  results with the online softmax (`_merge`), so the N x N score matrix is never whole on a
+  results with the online softmax (`merge_block`), so the N x N score matrix is never whole on a
   rank, only (N/P) x (N/P) pieces of it.
 - `ulysses_attention` (DeepSpeed-Ulysses, Jacobs et al., 2023): an all-to-all swaps sequence
   shards for head shards, so that each rank holds the whole sequence for H/P heads; ordinary
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.models import causal_attention
+from course_lib.processes import ring_neighbours
 from course_lib.tensor_parallel import ParallelBlock
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -106,9 +107,11 @@ def _block_scores(q, k, q_pos, k_pos, causal: bool, work: list | None):
     return scores
 
 
-def _merge(state, scores, v):
-    """The online softmax: fold one block's scores and values into the running (max, sum,
-    unnormalised output) of every query, rescaling what was there by exp(old max - new max)."""
+def merge_block(state, scores, v):
+    """The online softmax: fold one block's scores ([..., queries, keys]) and values into the
+    running (max, sum, unnormalised output) of every query ([..., queries, 1], [..., queries,
+    1], [..., queries, d]), rescaling what was there by exp(old max - new max). Returns the
+    new (max, sum, output); the attention result is output / sum once every block is in."""
     row_max, row_sum, acc = state
     new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
     # A query that has seen only masked keys so far has max -inf; shift by 0 there instead,
@@ -128,8 +131,7 @@ def _start_pass(payload: list[torch.Tensor], group) -> tuple[list, torch.Tensor,
     """Start sending `payload` to the next rank and receiving the previous rank's. The sizes
     go first (shards may differ in length), then one flat message that travels while this
     rank computes; `_finish_pass` waits for it. Only neighbours talk."""
-    p, me = dist.get_world_size(group), dist.get_rank(group)
-    right, left = (me + 1) % p, (me - 1) % p
+    right, left = ring_neighbours(dist.get_rank(group), dist.get_world_size(group))
     if group is not None:
         right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
     sizes_out = torch.tensor([t.numel() for t in payload])
@@ -172,7 +174,7 @@ def ring_attention(q, k, v, positions, causal: bool = False, group=None, work=No
         if hop < p - 1:  # send this block on before computing with it: the two overlap
             started = _start_pass([bk, bv, bpos.to(bk.dtype)], group)
         if bk.shape[-2] and q.shape[-2]:  # a shard may be empty: fewer tokens than ranks
-            state = _merge(state, _block_scores(q, bk, positions, bpos, causal, work), bv)
+            state = merge_block(state, _block_scores(q, bk, positions, bpos, causal, work), bv)
         if hop < p - 1:
             lead = bk.shape[:-2]
             nk, nv, npos = _finish_pass(started)

@@ -22,6 +22,7 @@ from course_lib.measure.parallel_3d import (
     STEP_CONFIG,
     PlannerWidget,
     candidate_table,
+    check_plan,
     close_calls,
     gather_dense,
     grid_table,
@@ -334,6 +335,27 @@ def test_plans_within_two_percent_of_the_best_are_called_too_close():
     tiny = Model("tiny", 1e9, TransformerShape(4, 64, 1, 8, 1), global_batch=4)
     only_one = Cluster(4, 4, gpu_memory=5e9, flops_per_s=1e7)
     assert close_calls(tiny, only_one, zero_stages=("ddp",), checkpointing=("none",)) == []
+
+
+def test_the_plan_check_says_right_too_big_or_slower_and_never_names_the_best(capsys):
+    cluster = Cluster(512, gpu_memory=40e9)  # 40 GB GPUs, as lecture 10's exercise
+    top = best(LLAMA_70B, cluster).plan
+    fields = ("tp", "pp", "dp", "zero", "checkpointing")
+    assert check_plan({k: getattr(top, k) for k in fields}, LLAMA_70B, cluster) is True
+    assert "✓ Right" in capsys.readouterr().out
+    # Without checkpointing stage 0 keeps all 80 layers' activations: 65 GB, over 40.
+    too_big = dict(tp=8, pp=4, dp=16, zero="zero1", checkpointing="none")
+    assert check_plan(too_big, LLAMA_70B, cluster) is False
+    out = capsys.readouterr().out
+    assert "Too big" in out and "of it activations" in out
+    # ZeRO-3 alone gathers the whole model twice per micro-batch across nodes: DP dominates.
+    fsdp = dict(tp=1, pp=1, dp=512, zero="zero3", checkpointing="full")
+    assert check_plan(fsdp, LLAMA_70B, cluster) is False
+    out = capsys.readouterr().out
+    assert "slower than the planner's best, most of the gap in dp" in out and str(top) not in out
+    assert check_plan(dict(tp=..., pp=4, dp=16), LLAMA_70B, cluster) is None
+    assert check_plan(dict(tp=4, pp=4, dp=16), LLAMA_70B, cluster) is False
+    assert "uses 256 GPUs, not 512" in capsys.readouterr().out
 
 
 # --- one real DP x TP x PP step against one process, and against the planner ----------------

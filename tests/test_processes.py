@@ -19,6 +19,7 @@ from course_lib.processes import (
     pipe_send_send_finishes,
     plot_message_times,
     plot_overlap,
+    ring_neighbours,
     threads_vs_processes,
 )
 
@@ -235,3 +236,12 @@ def test_hogwild_trains_one_shared_model_and_copies_train_nothing(pool1):
     assert runs["one process"]["loss"] < 0.01 * start
     assert runs["HOGWILD"]["loss"] < 0.01 * start
     assert runs["copies"]["loss"] == start
+
+
+def test_ring_neighbours_wrap_around_the_ends():
+    assert ring_neighbours(0, 5) == (1, 4)
+    assert ring_neighbours(4, 5) == (0, 3)
+    assert ring_neighbours(2, 5) == (3, 1)
+    assert ring_neighbours(0, 1) == (0, 0)
+    with pytest.raises(ValueError, match="rank 5 is not one of 5 ranks"):
+        ring_neighbours(5, 5)

@@ -17,6 +17,7 @@ from course_lib.costs import (
 )
 from course_lib.measure.collectives import record_peers
 from course_lib.measure.sequence_parallel import (
+    check_merge,
     peak_bytes,
     sweep_peak_bytes,
     torch_context_parallel,
@@ -26,6 +27,7 @@ from course_lib.sequence_parallel import (
     ScatterTokens,
     SequenceParallelBlock,
     attention,
+    merge_block,
     ring_attention,
     sequence_positions,
     ulysses_attention,
@@ -238,3 +240,41 @@ def test_sequence_parallel_sends_what_tp_sends_and_saves_less():
         assert tp["bytes sent"] == sp["bytes sent"] == tp_layer_bytes(2 * 16 * 32 * 8, 2)
         assert sp["activations saved"] < tp["activations saved"]
         assert max(tp["largest error"], sp["largest error"]) < 1e-12
+
+
+def test_merging_blocks_one_by_one_is_the_softmax_of_the_whole_row():
+    # Reference: torch.softmax over all the keys at once; float64, so only rounding differs.
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    scores = q @ k.transpose(-2, -1)
+    state = (torch.full((2, 5, 1), float("-inf")), torch.zeros(2, 5, 1), torch.zeros(2, 5, 8))
+    state = tuple(t.double() for t in state)
+    for keys in (slice(0, 2), slice(2, 3), slice(3, 8)):
+        state = merge_block(state, scores[..., keys], v[..., keys, :])
+    expected = torch.softmax(scores, dim=-1) @ v
+    assert torch.allclose(state[2] / state[1], expected, rtol=1e-12, atol=1e-14)
+
+
+def test_the_merge_check_takes_a_right_merge_and_refuses_one_that_does_not_rescale(capsys):
+    def right(state, scores, v):  # written out here, not the library's
+        old_max, old_sum, old_out = state
+        new_max = torch.maximum(old_max, scores.max(dim=-1, keepdim=True).values)
+        weights, rescale = torch.exp(scores - new_max), torch.exp(old_max - new_max)
+        return (
+            new_max,
+            old_sum * rescale + weights.sum(-1, keepdim=True),
+            old_out * rescale + weights @ v,
+        )
+
+    def no_rescale(state, scores, v):  # right while the max stays, wrong once it rises
+        old_max, old_sum, old_out = state
+        new_max = torch.maximum(old_max, scores.max(dim=-1, keepdim=True).values)
+        weights = torch.exp(scores - new_max)
+        return new_max, old_sum + weights.sum(-1, keepdim=True), old_out + weights @ v
+
+    assert check_merge(right) is True
+    assert check_merge(no_rescale) is False
+    assert "Not yet: on a block with larger scores" in capsys.readouterr().out
+    assert check_merge(...) is None
+    assert check_merge(lambda state, scores, v: (1, 2)) is False
+    assert "return the three tensors" in capsys.readouterr().out

@@ -1,6 +1,6 @@
-"""How lecture 10 shows the planner, and the one real DP x TP x PP step it runs beside it:
-the best plan in one line, the candidates as a table, a figure of each plan's step time by
-cause, a form (widget) that re-plans, the plans too close to call, and the grid as a table.
+"""How lecture 10 shows the planner (the best plan in one line, the candidates as a table, a
+figure of step times by cause, a form that re-plans, the close calls, a check of the student's
+plan, the grid as a table), and the one real DP x TP x PP step it runs beside it.
 
     print(summary(MODELS["70B"], cluster))
     print(candidate_table(candidates(MODELS["70B"], cluster)[:10]))
@@ -10,9 +10,8 @@ cause, a form (widget) that re-plans, the plans too close to call, and the grid 
     gather_dense(run, grid) vs reference_3d()                    # the same, in one process
     print(comparison_table(predicted_vs_measured(run, grid)))    # planner beside measured
 
-The real step (`train_3d`, `step_3d`) is built from lecture 9's TP layers, lecture 8's 1F1B
-schedule and send/recv, and a DP all-reduce; the grid and the planner are in
-`course_lib.parallel_3d`.
+The real step (`train_3d`, `step_3d`): lecture 9's TP layers, lecture 8's 1F1B schedule and
+send/recv, a DP all-reduce. The grid and the planner are in `course_lib.parallel_3d`.
 """
 
 from __future__ import annotations
@@ -61,10 +60,50 @@ def close_calls(model: Model, cluster: Cluster, **options: Any) -> list[Estimate
     """The fitting plans other than the best whose step time is within CLOSE_CALL of it: the
     estimate cannot tell them apart, so the choice among them is for measurements to make."""
     fitting = [e for e in candidates(model, cluster, **options) if e.fits]
-    if not fitting:
-        return []
-    fastest = fitting[0].step_seconds
-    return [e for e in fitting[1:] if e.step_seconds <= (1 + CLOSE_CALL) * fastest]
+    return [e for e in fitting[1:] if e.step_seconds <= (1 + CLOSE_CALL) * fitting[0].step_seconds]
+
+
+# check_plan's advice, by the part of memory that overflows or the cause that grows the step.
+SHRINK = {
+    "params": "More TP or PP ranks share the weights.",
+    "optimizer_state": "ZeRO-1 shards the optimizer state over the DP group.",
+    "activations": "Stage 0 holds about L layers of them whatever p: more TP, or checkpointing.",
+    "recompute": "Checkpoint less (selective, not full), if the activations still fit.",
+    "tp": "TP all-reduces in every layer: no wider than needed, never across nodes.",
+    "pp": "Each stage boundary sends activations: fewer stages send less.",
+    "bubble": "The bubble (p-1)/(m+p-1) grows with p and shrinks with m = batch / d.",
+    "dp": "Each GPU all-reduces its gradients over DP: fewer per GPU (more TP or PP), ZeRO-1.",
+}
+
+
+def check_plan(answer: Any, model: Model, cluster: Cluster) -> bool | None:
+    """Lecture 10's exercise: does the student's plan (a dict of `Plan`'s fields) fit, how does
+    its step by the planner's model compare with the best plan's, and why (never which it is)."""
+    if answer is ... or isinstance(answer, dict) and ... in answer.values():
+        print("Not answered yet: replace each ... with your choice and run the cell again.")
+        return None
+    try:
+        e = estimate(model, cluster, Plan(**answer))
+    except (TypeError, ValueError) as error:
+        print(f"✗ Not a plan the planner can price: {error}")
+        return False
+    used = f"{e.total_memory / GB:.0f} GB per GPU of {cluster.gpu_memory / GB:.0f} GB"
+    if not e.fits:
+        part = max(e.memory, key=e.memory.get)
+        print(f"✗ Too big: {e.plan} needs {used}, {e.memory[part] / GB:.0f} GB of it {part}. "
+              f"{SHRINK.get(part, '')}")  # fmt: skip
+        return False
+    top, most = best(model, cluster) or e, max(e.seconds, key=e.seconds.get)
+    print(f"{e.plan} fits: {used}. By the planner's model, a step of {e.step_seconds:.1f} s, "
+          f"most of it {most} ({e.seconds[most]:.1f} s).")  # fmt: skip
+    if (slower := e.step_seconds / top.step_seconds - 1) <= CLOSE_CALL:
+        print(f"✓ Right: within {CLOSE_CALL:.0%} of the planner's best, too close to call.")
+        return True
+    extra = {k: v - top.seconds.get(k, 0.0) for k, v in e.seconds.items()}
+    cause = max(extra, key=extra.get)
+    print(f"✗ Not yet: {slower:.0%} slower than the planner's best, most of the gap in {cause} "
+          f"({extra[cause]:.1f} s more). {SHRINK.get(cause, '')}".rstrip())  # fmt: skip
+    return False
 
 
 def grid_table(grid: ProcessGrid) -> str:
@@ -196,34 +235,22 @@ class PlannerWidget(widgets.VBox):
 
     def __init__(self, model: str = "70B", gpus: int = 512, top: int = 12) -> None:
         self.top = top
-        # Labels get the width they need: the default (about 80 px) cuts "global batch".
-        style = {"description_width": "initial"}
-        self.model = widgets.Dropdown(
-            options=list(MODELS), value=model, description="model", style=style
-        )
-        self.gpus = widgets.SelectionSlider(
-            options=[2**k for k in range(3, 13)], value=gpus, description="GPUs", style=style
-        )
+        kw = {"style": {"description_width": "initial"}}  # 80 px, the default, cuts labels
+        self.model = widgets.Dropdown(options=list(MODELS), value=model, description="model", **kw)
+        counts = [2**k for k in range(3, 13)]
+        self.gpus = widgets.SelectionSlider(options=counts, value=gpus, description="GPUs", **kw)
         self.gpus_per_node = widgets.Dropdown(
-            options=[4, 8], value=8, description="GPUs/node", style=style
+            options=[4, 8], value=8, description="GPUs/node", **kw
         )
-        self.memory = widgets.IntSlider(
-            80, min=16, max=192, step=8, description="GPU GB", style=style
-        )
-        # The link speeds of real clusters, shown as written: a log slider snaps 25 to
-        # 10**1.4 and reads "25.1".
+        self.memory = widgets.IntSlider(80, min=16, max=192, step=8, description="GPU GB", **kw)
+        # Real clusters' link speeds, shown as written (a log slider shows 25 as "25.1").
+        speeds = [(f"{v:g}", v) for v in INTER_NODE_GB_PER_S]
         self.inter = widgets.SelectionSlider(
-            options=[(f"{v:g}", v) for v in INTER_NODE_GB_PER_S],
-            value=25,
-            description="inter-node GB/s",
-            style=style,
+            options=speeds, value=25, description="inter-node GB/s", **kw
         )
         batches = sorted({2**k for k in range(6, 14)} | {m.global_batch for m in MODELS.values()})
         self.batch = widgets.SelectionSlider(
-            options=batches,
-            value=MODELS[model].global_batch,
-            description="global batch",
-            style=style,
+            options=batches, value=MODELS[model].global_batch, description="global batch", **kw
         )
         self.output = widgets.Output()
         controls = [self.model, self.gpus, self.gpus_per_node, self.memory, self.inter, self.batch]
@@ -242,13 +269,8 @@ class PlannerWidget(widgets.VBox):
     def chosen(self) -> tuple[Model, Cluster]:
         """The model and cluster the controls describe."""
         model = replace(MODELS[self.model.value], global_batch=self.batch.value)
-        cluster = Cluster(
-            self.gpus.value,
-            gpus_per_node=self.gpus_per_node.value,
-            gpu_memory=self.memory.value * GB,
-            inter_bandwidth=self.inter.value * 1e9,
-        )
-        return model, cluster
+        gpus, node, memory = self.gpus.value, self.gpus_per_node.value, self.memory.value * GB
+        return model, Cluster(gpus, node, memory, inter_bandwidth=self.inter.value * 1e9)
 
     def _replan(self, _change: Any = None) -> None:
         model, cluster = self.chosen()
@@ -268,11 +290,6 @@ STEP_CONFIG = models.GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, 
 LR = 1e-2
 
 
-def layer_names(config: models.GPTConfig) -> list[str]:
-    """The dense TinyGPT's name prefix of each layer of `layers()`: embed, blocks.i, head."""
-    return ["embed", *(f"blocks.{i}" for i in range(config.n_layers)), "head"]
-
-
 def build_stage(grid: ProcessGrid, tp_group: dist.ProcessGroup, seed: int = 0) -> nn.Sequential:
     """On each rank: its pipeline stage of the float64 TinyGPT, every block made of lecture 9's
     tensor-parallel layers over `tp_group`; the embedding and the head stay whole (replicated
@@ -287,10 +304,8 @@ def build_stage(grid: ProcessGrid, tp_group: dist.ProcessGroup, seed: int = 0) -
 def dense_names(grid: ProcessGrid, stage: nn.Sequential) -> dict[str, str]:
     """This rank's parameter names -> the dense TinyGPT's names ("1.attn.qkv.weight" ->
     "blocks.0.attn.qkv.weight")."""
-    n_layers = len(layer_names(STEP_CONFIG))
-    bounds = [round(i * n_layers / grid.pp) for i in range(grid.pp + 1)]
-    first = bounds[grid.coords(dist.get_rank())["pp"]]
-    prefix = layer_names(STEP_CONFIG)
+    prefix = ["embed", *(f"blocks.{i}" for i in range(STEP_CONFIG.n_layers)), "head"]
+    first = round(grid.coords(dist.get_rank())["pp"] * len(prefix) / grid.pp)
     return {
         name: f"{prefix[first + int(name.split('.')[0])]}.{name.split('.', 1)[1]}"
         for name, _ in stage.named_parameters()
@@ -351,8 +366,7 @@ class GroupBytes:
     def __init__(self, groups: dict[str, dist.ProcessGroup]) -> None:
         self.kind_of = {id(g): k for k, g in groups.items()}
         self.sent = {k: 0 for k in ("tp", "pp", "dp")}
-        self.received = dict(self.sent)
-        self.messages = dict(self.sent)
+        self.received, self.messages = dict(self.sent), dict(self.sent)
 
     def _hook(self, op: str, args: dict, sent: int, received: int, call: Any) -> object:
         kind = "pp" if op in comm.POINT_TO_POINT else self.kind_of[id(args.get("group"))]
@@ -405,12 +419,9 @@ def train_3d(grid: ProcessGrid, steps: int = 2, batch: int = 8, m: int = 2, seed
 
 def step_batches(steps: int, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batches of token ids and next-token targets, the same in every process."""
-    g = torch.Generator().manual_seed(seed + 1)
-    out = []
-    for _ in range(steps):
-        x = torch.randint(STEP_CONFIG.vocab_size, (batch, STEP_CONFIG.seq_len), generator=g)
-        out.append((x, torch.roll(x, -1, dims=1)))
-    return out
+    shape, g = (batch, STEP_CONFIG.seq_len), torch.Generator().manual_seed(seed + 1)
+    xs = [torch.randint(STEP_CONFIG.vocab_size, shape, generator=g) for _ in range(steps)]
+    return [(x, torch.roll(x, -1, dims=1)) for x in xs]
 
 
 def reference_3d(steps: int = 2, batch: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -459,9 +470,8 @@ def predicted_vs_measured(results: list[dict], grid: ProcessGrid, batch: int = 8
     """Rows (what, predicted, measured on each rank) for the first step of `train_3d`: the
     planner's `estimate` for this grid (no SP, DDP, no checkpointing), its bf16 bytes scaled
     to float64, and AdamW's state in float64 (two moments, no master copy: FP64_ADAMW)."""
-    model = tiny_model(batch, m, grid.dp)
     plan = Plan(grid.tp, grid.pp, grid.dp, sequence_parallel=False)
-    e = estimate(model, Cluster(grid.world_size, gpus_per_node=grid.world_size), plan)
+    e = estimate(tiny_model(batch, m, grid.dp), Cluster(grid.world_size, grid.world_size), plan)
     held = zero_bytes("ddp", e.params_per_gpu, grid.dp, FP64_ADAMW)
     scale = FP64_ADAMW["params"] / BF16  # the planner prices bf16 values; the run is float64
     rows = [("parameters (count)", e.params_per_gpu, [r["numel"] for r in results])]
@@ -479,10 +489,9 @@ def predicted_vs_measured(results: list[dict], grid: ProcessGrid, batch: int = 8
 def comparison_table(rows) -> str:
     """The planner's number beside each rank's measured one."""
     width = max(len(str(int(v))) for _, p, ms in rows for v in (p, *ms)) + 2
-    ranks = len(rows[0][2])
     lines = [
         f"{'per rank, first step':<26}{'planner':>{width}}"
-        + "".join(f"{'rank ' + str(r):>{width}}" for r in range(ranks))
+        + "".join(f"{'rank ' + str(r):>{width}}" for r in range(len(rows[0][2])))
     ]
     for what, predicted, measured in rows:
         lines.append(

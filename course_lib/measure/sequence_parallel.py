@@ -15,11 +15,13 @@ from matplotlib.ticker import NullFormatter
 
 from course_lib import models
 from course_lib.comm import CommCounter
+from course_lib.exercises import check_function
 from course_lib.memory import PeakMemory, SavedTensors
 from course_lib.runtime import rank, world_size
 from course_lib.sequence_parallel import (
     SequenceParallelBlock,
     attention,
+    merge_block,
     ring_attention,
     sequence_positions,
     ulysses_attention,
@@ -180,3 +182,53 @@ def tp_against_sp(seq_len: int = 64, d_model: int = 64) -> dict[str, dict]:
             "largest error": (y - expected[:, rows]).abs().max().item(),
         }
     return out
+
+
+# --- the lecture's coded task: the online softmax's merge ------------------------------------
+
+
+def _joined(merge):
+    """`merge(state, scores, v)` with its (max, sum, output) joined into one tensor along the
+    last dimension, for `check_function`; None (unanswered) passes through."""
+
+    def joined(state, scores, v):
+        out = merge(tuple(t.clone() for t in state), scores, v)
+        if out is None or out is ...:
+            return out
+        if not (isinstance(out, tuple | list) and len(out) == 3):
+            raise ValueError("return the three tensors (row_max, row_sum, acc) as a tuple")
+        return torch.cat([torch.as_tensor(t, dtype=torch.float64) for t in out], dim=-1)
+
+    return joined
+
+
+SHAPES = ((3, 4), (4, 2), (3, 4))  # scores of 3 queries x 4 keys, values of width 2
+
+
+def merge_cases() -> dict[str, tuple]:
+    """States and blocks that test a merge: the first block (max -inf), a block that raises
+    the max of every query, one that raises no max, and a causal block with masked scores."""
+    g = torch.Generator().manual_seed(0)
+    scores, v, earlier = (torch.randn(n, generator=g, dtype=torch.float64) for n in SHAPES)
+    empty = (torch.full((3, 1), float("-inf")), torch.zeros(3, 1), torch.zeros(3, 2))
+    empty = tuple(t.double() for t in empty)  # before any block: max -inf, nothing summed
+    seen = merge_block(empty, earlier, v.flip(0))
+    masked = scores.masked_fill(torch.ones(3, 4).triu(1).bool(), float("-inf"))
+    return {
+        "the first block": (empty, scores, v),
+        "a block with larger scores": (seen, scores + 4, v),
+        "a block with smaller scores": (seen, scores - 4, v),
+        "a causal block (some scores -inf)": (seen, masked, v),
+    }
+
+
+def check_merge(candidate) -> bool | None:
+    """Lecture 11's task: the student's merge(state, scores, v) against `merge_block`, on
+    `merge_cases`; the three parts of the state are compared as one tensor."""
+    hint = (
+        "Per query: the new max is the larger of the old one and the block's largest score; "
+        "what was kept is rescaled by exp(old max - new max), then the block's "
+        "exp(scores - new max) is added (summed over the keys, or times v)."
+    )
+    answer = candidate if candidate is ... else _joined(candidate)
+    return check_function(answer, _joined(merge_block), merge_cases(), hint=hint)
