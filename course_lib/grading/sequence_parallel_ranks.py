@@ -22,7 +22,7 @@ from course_lib.comm import POINT_TO_POINT, CommCounter
 from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank, world_size
 
-# Lecture 11's module answers both parts as it stands (and its `attention`, `_merge` and
+# Lecture 11's module answers both parts as it stands (and its `attention`, `merge_block` and
 # `_all_to_all` are the pieces of them): an answer that runs any of it, or a copy, is not the
 # student's own.
 LECTURE_SP = ("course_lib.sequence_parallel",)
