@@ -425,3 +425,32 @@ def stub(tensor, compute): ...
 def test_the_async_exercise_check_tells_right_wrong_and_unanswered(fn, verdict, capsys):
     assert large_batches.check_all_reduce_while_computing(fn) is verdict
     assert capsys.readouterr().out
+
+
+def test_the_overlap_table_prints_medians_without_the_first_two_steps(capsys):
+    """Lecture 3's table: medians in ms of steps 2 on, the loop's parts summed both ways."""
+    from course_lib.data_parallel import Event, TrainLog
+
+    def log(step: float, backward: float, sync: float, forward: float = 0.0) -> TrainLog:
+        slow = [9.0, 9.0]  # steps 0 and 1 (set-up, bucket rebuild): left out of the medians
+        events = [Event(0, s, "forward", "f", 0.0, forward) for s in range(5)]
+        return TrainLog(
+            step_s=slow + [step] * 2,
+            backward_s=slow + [backward] * 2,
+            sync_s=slow + [sync] * 2,
+            events=events,
+        )
+
+    runs = {
+        "all-reduce after backward": [log(0.010, 0.004, 0.005, forward=0.001)],
+        "DDP, one 1000 MB bucket": [log(0.008, 0.007, 0.0)],
+        "DDP, 4 MB buckets": [log(0.005, 0.004, 0.0)],
+    }
+    large_batches.overlap_table(runs)
+    out = capsys.readouterr().out
+    assert re.search(r"all-reduce after backward\s+10\.0ms\s+4\.0ms\s+5\.0ms", out)
+    assert "T_fwd = 1.0 ms, T_bwd = 4.0 ms, T_comm = 5.0 ms" in out
+    assert "T_fwd + T_bwd + T_comm      = 10.0 ms" in out
+    assert "T_fwd + max(T_bwd, T_comm) = 6.0 ms" in out
+    assert "2.00x as fast per step as all-reduce after backward" in out
+    assert "1.60x as fast per step as DDP, one 1000 MB bucket" in out

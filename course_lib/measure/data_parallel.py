@@ -1,5 +1,6 @@
 """What lecture 3 measures beyond the data-parallel loop itself: the two tools DDP is built
-from (section 3: the order gradients become ready, an all-reduce that overlaps compute),
+from (section 3: the order gradients become ready, an all-reduce that overlaps compute; the
+table of DDP's overlap, `overlap_table`),
 large batches (section 5: steps to a target loss against the batch size, the gradient noise
 scale) and fewer all-reduces (section 6: local SGD's loss against the bytes it sends).
 
@@ -222,6 +223,35 @@ def check_all_reduce_while_computing(fn, world_size: int = 2) -> bool | None:
             return False
     print("✓ Right: every rank computed while its all-reduce ran, and waited for the sum.")
     return True
+
+
+def median_ms(seconds: Sequence[float], skip: int = 2) -> float:
+    """The median of a run's step times in milliseconds, its first `skip` steps left out (step 0
+    sets up connections, step 1 is when DDP rebuilds its buckets)."""
+    return 1000 * statistics.median(seconds[skip:])
+
+
+def overlap_table(runs: dict[str, list]) -> None:
+    """Print lecture 3's table of DDP's overlap: for each run (name: every rank's log of
+    `train_data_parallel`), rank 0's median step, backward and all-reduce after backward; then
+    the times the no-overlap and best-overlap sums predict from the loop's parts, and how much
+    faster 4 MB buckets measured."""
+    print(f"{'':<28}{'step':>9}{'backward':>10}{'all-reduce after':>18}")
+    for name, logs in runs.items():
+        log = logs[0]
+        step, backward, sync = (median_ms(t) for t in (log.step_s, log.backward_s, log.sync_s))
+        print(f"{name:<28}{step:>7.1f}ms{backward:>8.1f}ms{sync:>16.1f}ms")
+    loop = runs["all-reduce after backward"][0]
+    forward = median_ms([e.end - e.start for e in loop.events if e.kind == "forward"])
+    backward, comm = median_ms(loop.backward_s), median_ms(loop.sync_s)
+    parts = f"T_fwd = {forward:.1f} ms, T_bwd = {backward:.1f} ms, T_comm = {comm:.1f} ms"
+    print(f"\nfrom our loop: {parts}")
+    print(f"no overlap:   T_fwd + T_bwd + T_comm      = {forward + backward + comm:.1f} ms")
+    print(f"best overlap: T_fwd + max(T_bwd, T_comm) = {forward + max(backward, comm):.1f} ms")
+    bucketed = median_ms(runs["DDP, 4 MB buckets"][0].step_s)
+    for name in ("all-reduce after backward", "DDP, one 1000 MB bucket"):
+        ratio = median_ms(runs[name][0].step_s) / bucketed
+        print(f"measured: DDP with 4 MB buckets is {ratio:.2f}x as fast per step as {name}")
 
 
 def time_overlap(overlap: bool, floats: int = 4_000_000, steps: int = 5) -> float:
