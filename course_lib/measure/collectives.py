@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import Counter
@@ -320,13 +319,12 @@ def sweep_all_reduce(
 def two_level_model(nbytes: list[float], world_size: int, node_size: int, network: dict) -> list:
     """The model's seconds of `two_level_all_reduce` for each size in bytes on `network`: the
     links inside a node are the network's own unless it gives nodes faster ones."""
-    alpha, beta = network["latency"], 1 / network["bandwidth"]
-    if network.get("node_size") == node_size:  # SlowNetwork's defaults for the node links
-        inside = (network.get("node_latency", 0.0), 1 / network.get("node_bandwidth", math.inf))
-    else:
-        inside = (alpha, beta)
+    net = SlowNetwork(**network)  # its `link` decides which links two ranks share
+    _, bandwidth, latency = net.link(0, node_size)  # the first ranks of two nodes
+    _, node_bandwidth, node_latency = net.link(0, 1)  # two ranks of the first node
+    outside, inside = (latency, 1 / bandwidth), (node_latency, 1 / node_bandwidth)
     return [
-        two_level_all_reduce_seconds(round(n), world_size, node_size, alpha, beta, *inside)
+        two_level_all_reduce_seconds(round(n), world_size, node_size, *outside, *inside)
         for n in nbytes
     ]
 
