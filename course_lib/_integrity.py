@@ -8,6 +8,9 @@ has run, which object every protected name is bound to; `changes()` lists the na
 are bound to something else now. A grading worker checks after every call and, if anything
 changed, fails the call and exits: its process is no longer trusted.
 
+The protected classes' operators are watched too (`Tensor.__eq__`, `__ne__`, `__add__`, ...),
+and `torch.testing`'s functions.
+
 Values that libraries rebind on their own while running (counters, caches) are not
 watched: in course_lib only UPPER_CASE constants are watched besides functions and
 classes; elsewhere only functions, classes and modules.
@@ -15,6 +18,7 @@ classes; elsewhere only functions, classes and modules.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 import warnings
@@ -42,9 +46,12 @@ PROTECTED_MODULES = (
     "torch.optim.optimizer",
     "torch.optim.adamw",
     "torch.optim.sgd",
+    "torch.testing",
+    "torch.testing._comparison",
     "torch.utils.hooks",
 )
-# Classes whose attributes (methods) are watched too.
+# Classes whose attributes (methods) are watched too, operators (`__eq__`, `__add__`...)
+# included: `==` on a tensor is as much the checks' tool as torch.equal.
 PROTECTED_CLASSES = ("torch.Tensor", "torch.nn.Module", "torch.nn.Parameter")
 
 _WATCHED_TYPES = (types.FunctionType, types.BuiltinFunctionType, types.ModuleType, type)
@@ -81,11 +88,18 @@ class Fingerprint:
         for path in PROTECTED_CLASSES:
             cls = _lookup(path)
             if cls is not None:
-                self._add_namespace(path, path, dict(vars(cls)))
+                # Operators as the class resolves them: most are inherited from a C base.
+                operators = {
+                    n: inspect.getattr_static(cls, n, None) for n in dir(cls) if n.startswith("__")
+                }
+                self._add_namespace(path, path, {**operators, **vars(cls)}, operators=True)
 
-    def _add_namespace(self, prefix: str, module_name: str, namespace: dict) -> None:
+    def _add_namespace(
+        self, prefix: str, module_name: str, namespace: dict, operators: bool = False
+    ) -> None:
         for name, value in list(namespace.items()):
-            if name.startswith("__") and name.endswith("__") and name not in ("__init__",):
+            dunder = name.startswith("__") and name.endswith("__")
+            if dunder and not (operators or name == "__init__"):
                 continue
             if not _watched(module_name, name, value):
                 continue

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import _integrity, counted_group, runtime
-from course_lib.protocol import Call, Progress, Raised, Ready, Result, decode, encode
+from course_lib.protocol import Call, Progress, Raised, Ready, Result, Tally, decode, encode
 
 END_MARK = b"\x00course_lib:end:"
 PARENT_POLL_S = 0.2
@@ -80,7 +80,7 @@ _call_id = -1
 _send_lock = threading.Lock()  # a call's own threads may report progress too
 
 
-def _send(conn: Connection, message: Result | Raised | Ready | Progress) -> None:
+def _send(conn: Connection, message: Result | Raised | Ready | Progress | Tally) -> None:
     with _send_lock:
         conn.send_bytes(encode(message))
 
@@ -89,6 +89,13 @@ def report_progress(desc: str, done: int, total: int | None, finished: bool = Fa
     """Tell the launcher how far a loop of the running call has got (`course_lib.progress`)."""
     if _conn is not None:
         _send(_conn, Progress(_call_id, str(desc), int(done), total, finished))
+
+
+def _report_tally(entry: tuple) -> None:
+    """What the counted process group of an untrusted rank reports, sent as it happens: the
+    launcher keeps it (`WorkerPool.tallies`), where the code being graded cannot change it."""
+    if _conn is not None:
+        _send(_conn, Tally(_call_id, entry))
 
 
 def serve(spec: dict, conn: Connection) -> None:
@@ -161,6 +168,7 @@ def _join_process_group(spec: dict) -> None:
         import course_lib.grading  # noqa: F401
 
         counted_group.register()
+        counted_group.set_reporter(_report_tally)
     store = dist.TCPStore(
         spec["store_host"], spec["store_port"], is_master=False, timeout=timedelta(seconds=120)
     )

@@ -10,7 +10,7 @@ import pickle
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,48 @@ from course_lib.protocol import Raised, Result
 
 ERROR_GRACE_S = 0.25  # after a first error, wait this long for other ranks' errors
 MARKS_WAIT_S = 2.0  # after the last reply, wait at most this long for the ranks' last output
+
+
+class PerRank:
+    """An argument that differs from rank to rank: rank r receives `values[r]`, and only it.
+
+        launch(step, PerRank([shard0, shard1, shard2, shard3]), world_size=4)
+
+    The other ranks' values never reach a rank's process: each rank's call is pickled apart.
+    Grading relies on it, since a rank that runs a student's code must hold only what that
+    rank would hold (its own inputs), never the others'."""
+
+    def __init__(self, values: Sequence[Any]) -> None:
+        self.values = list(values)
+
+    def __repr__(self) -> str:
+        return f"PerRank({len(self.values)} values)"
+
+
+def per_rank_calls(fn: Callable, args: tuple, kwargs: dict, world_size: int) -> list[bytes] | None:
+    """One pickled call per rank when an argument is a `PerRank`, else None (one for all)."""
+    __tracebackhide__ = True
+    given = [*args, *kwargs.values()]
+    if not any(isinstance(a, PerRank) for a in given):
+        return None
+    for value in given:
+        if isinstance(value, PerRank) and len(value.values) != world_size:
+            raise ValueError(
+                f"a PerRank argument holds {len(value.values)} values for {world_size} ranks: "
+                "give exactly one value per rank"
+            )
+
+    def mine(value: Any, rank: int) -> Any:
+        return value.values[rank] if isinstance(value, PerRank) else value
+
+    return [
+        pickle_call(
+            fn,
+            tuple(mine(a, r) for a in args),
+            {k: mine(v, r) for k, v in kwargs.items()},
+        )
+        for r in range(world_size)
+    ]
 
 
 def pickle_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
@@ -107,6 +149,8 @@ class CallState:
         self.unmarked = {(rank, stream) for rank in range(world_size) for stream in (1, 2)}
         self.results: list[Any] = [None] * world_size
         self.failures: dict[int, Raised | Died] = {}
+        # What each rank's counted process group reported while the call ran (`Tally`).
+        self.tallies: list[list[tuple]] = [[] for _ in range(world_size)]
         self.failures_deadline = 0.0
         self.marks_deadline: float | None = None
         self.broken = False

@@ -33,6 +33,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,6 +116,77 @@ class WireCounter:
         self.bytes_written = written_bytes() - self._start
 
 
+class _Request:
+    """An isend/irecv request that remembers whether it was waited for."""
+
+    def __init__(self, work: Any, op: str, peer: int | None) -> None:
+        self._work, self.op, self.peer, self.waited = work, op, peer, False
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self.waited = True
+        return self._work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        done = self._work.is_completed()
+        self.waited = self.waited or done
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class RequestLog:
+    """While active, every request `dist.isend` and `dist.irecv` return is remembered, with
+    whether it was waited for: an irecv's tensor holds the message, and an isend's may be
+    changed, only once wait() has returned.
+
+        with RequestLog() as log:
+            ring_all_reduce(t)
+        log.unwaited()   # [("isend", 1)] for a request never waited for
+
+    On leaving, requests left unwaited are finished (waited for), so that what runs next
+    starts in step. Two at a time are not supported."""
+
+    def __enter__(self) -> RequestLog:
+        self.requests: list[_Request] = []
+        self._saved = {op: getattr(dist, op) for op in ("isend", "irecv")}
+        for op, inner in self._saved.items():
+            wrapper = self._wrap(op, inner)
+            # Both namespaces, as the counters do: P2POp compares against c10d's.
+            setattr(dist, op, wrapper)
+            setattr(c10d, op, wrapper)
+        return self
+
+    def __exit__(self, exc_type: type | None, *rest: object) -> None:
+        for op, inner in self._saved.items():
+            setattr(dist, op, inner)
+            setattr(c10d, op, inner)
+        if exc_type is None:
+            for request in self.requests:
+                if not request.waited:
+                    request._work.wait()
+
+    def unwaited(self) -> list[tuple[str, int | None]]:
+        """(op, peer) of every request not waited for."""
+        return [(r.op, r.peer) for r in self.requests if not r.waited]
+
+    def _wrap(self, op: str, inner: Callable) -> Callable:
+        signature = inspect.signature(getattr(c10d, op))
+        peer_names = ("dst", "group_dst") if op == "isend" else ("src", "group_src")
+
+        @functools.wraps(inner)
+        def logged(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs).arguments
+            peer = next((bound[n] for n in peer_names if bound.get(n) is not None), None)
+            work = inner(*args, **kwargs)
+            if work is not None:
+                work = _Request(work, op, peer)
+                self.requests.append(work)
+            return work
+
+        return logged
+
+
 def written_bytes() -> int:
     """Bytes this process has written through system calls so far (/proc/self/io)."""
     try:
@@ -163,7 +235,7 @@ def _split_bytes(tensor: torch.Tensor, splits, world_size: int, me: int) -> int:
     return row * (sum(splits) - splits[me])
 
 
-def _volume(op: str, args: dict) -> tuple[int, int]:
+def volume(op: str, args: dict) -> tuple[int, int]:
     """(bytes sent, bytes received) by this rank for one call, per `COLLECTIVE_MODEL`."""
     if op in ("send", "isend"):
         return _nbytes(args["tensor"]), 0
@@ -236,7 +308,7 @@ def record(op: str, args: dict, call: Callable[[], object]) -> object:
     group) is counted once, by the outermost."""
     depth = getattr(_depth, "value", 0)
     if depth == 0 and (_active or _around) and not c10d._rank_not_in_group(args.get("group")):
-        sent, received = _volume(op, args)
+        sent, received = volume(op, args)
         for counter in list(_active):
             counter.add(op, sent, received)
         for hook in reversed(list(_around)):

@@ -15,6 +15,7 @@ student's code really called. Underneath, each call runs on an ordinary gloo gro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -26,13 +27,47 @@ from course_lib import comm
 BACKEND = "course_gloo"
 
 
+# Where every call is reported as it happens, besides `comm.record`: on a grading rank, a
+# function that sends it to the launcher (`_worker`), out of reach of the code being graded.
+_reporter: Callable[[tuple], None] | None = None
+
+
+def set_reporter(reporter: Callable[[tuple], None] | None) -> None:
+    """Send every call of every counted group to `reporter`, before the call is made, as
+    ("call", op, peer, sent, received, group): the peer's global rank for point-to-point
+    calls (None otherwise), bytes by `comm.volume`, and the group's global ranks."""
+    global _reporter
+    _reporter = reporter
+
+
+def mark(label: str | int) -> None:
+    """Put ("mark", label) between the reported calls: what the calls after it belong to (a
+    check's case, say). Code on the rank can add marks; it cannot remove what was sent."""
+    if _reporter is not None:
+        _reporter(("mark", label))
+
+
+def _report(group: CountedGroup, op: str, args: dict) -> None:
+    if _reporter is None:
+        return
+    peer = args.get("group_dst", args.get("group_src")) if op in ("send", "recv") else None
+    ranks = tuple(dist.get_process_group_ranks(group))
+    sent, received = comm.volume(op, {**args, "group": group})
+    _reporter(("call", op, None if peer is None else ranks[peer], sent, received, ranks))
+
+
+def _counted(op: str, args: dict, call: Callable[[], object]) -> object:
+    _report(args["group"], op, args)
+    return comm.record(op, args, call)
+
+
 def _collective(method_name: str, op: str, describe):
     """A group method that reports `op` with the arguments `describe(*args)` returns."""
 
     def method(self, *args, **kwargs):
         inner = getattr(self._inner, method_name)
         details = describe(self, *args)
-        return comm.record(op, {"group": self, **details}, lambda: inner(*args, **kwargs))
+        return _counted(op, {"group": self, **details}, lambda: inner(*args, **kwargs))
 
     method.__name__ = method_name
     return method
@@ -58,15 +93,15 @@ class CountedGroup(dist.ProcessGroup):
 
     def send(self, tensors, dst, tag=0):
         args = {"tensor": tensors[0], "group": self, "group_dst": dst}
-        return comm.record("send", args, lambda: self._inner.send(tensors, dst, tag))
+        return _counted("send", args, lambda: self._inner.send(tensors, dst, tag))
 
     def recv(self, tensors, src, tag=0):
         args = {"tensor": tensors[0], "group": self, "group_src": src}
-        return comm.record("recv", args, lambda: self._inner.recv(tensors, src, tag))
+        return _counted("recv", args, lambda: self._inner.recv(tensors, src, tag))
 
     def recv_anysource(self, tensors, tag=0):
         args = {"tensor": tensors[0], "group": self, "group_src": None}
-        return comm.record("recv", args, lambda: self._inner.recv_anysource(tensors, tag))
+        return _counted("recv", args, lambda: self._inner.recv_anysource(tensors, tag))
 
     allreduce = _collective("allreduce", "all_reduce", lambda g, ts, *a: {"tensor": ts[0]})
     allreduce_coalesced = _collective(

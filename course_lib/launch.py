@@ -35,8 +35,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from course_lib.backends import resolve_backend
 from course_lib.errors import LaunchError, LaunchTimeout, RankError, WorkerDied
-from course_lib.pool import DEFAULT_TIMEOUT, WorkerPool, resolve_backend
+from course_lib.pool import DEFAULT_TIMEOUT, WorkerPool
 
 __all__ = [
     "DEFAULT_TIMEOUT",

@@ -24,13 +24,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import psutil
-import torch
 import torch.distributed as dist
 
-from course_lib import _stacks
+from course_lib import _stacks, sockets
 from course_lib._zygote import ForkServer
-from course_lib.calls import CallState, Died, pickle_call
+from course_lib.backends import loopback_interface, resolve_backend
+from course_lib.calls import CallState, Died, per_rank_calls, pickle_call
 from course_lib.errors import (
     NO_STACK,
     LaunchError,
@@ -41,7 +40,7 @@ from course_lib.errors import (
     worker_died,
 )
 from course_lib.progress import RemoteBars
-from course_lib.protocol import Call, Progress, Raised, Ready, Result, encode
+from course_lib.protocol import Call, Progress, Raised, Ready, Result, Tally, encode
 from course_lib.rank_process import (
     Disconnected,
     EndMark,
@@ -104,6 +103,13 @@ class WorkerPool:
         self._tmpdir: tempfile.TemporaryDirectory | None = None
         self._events: queue.Queue = queue.Queue()
         self._stopped = 0  # workers stopped by the last _kill, whose output may still come
+        # Untrusted pools: per rank, what its counted process group reported during the last
+        # call, as it happened (`counted_group`): ("call", op, peer, sent, received, group)
+        # and ("mark", label) entries, in order.
+        self.tallies: list[list[tuple]] = []
+        # Untrusted pools on Linux: per rank, the bytes it wrote to each other rank's sockets
+        # during the last call, as the kernel counted them (None where they cannot be read).
+        self.wire: list[dict[int, int]] | None = None
         _all_pools.add(self)
 
     @property
@@ -139,7 +145,8 @@ class WorkerPool:
         """Run `fn(*args, **kwargs)` on every worker; results in rank order. See `launch`."""
         __tracebackhide__ = True
         self._check_matches(world_size, backend)
-        payload = pickle_call(fn, args, kwargs)
+        # One payload for all ranks, or one per rank when an argument is a PerRank.
+        payload = per_rank_calls(fn, args, kwargs, self.world_size) or pickle_call(fn, args, kwargs)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
         if not self._busy.acquire(blocking=False):
@@ -238,7 +245,7 @@ class WorkerPool:
             # without async_op=True makes) hold the rank until it completes, as gloo does:
             # a hung rank's stack then points at the collective itself.
             env["TORCH_NCCL_BLOCKING_WAIT"] = "1"
-        loopback = _loopback_interface()
+        loopback = loopback_interface()
         if loopback:  # gloo and NCCL would otherwise listen on the host's public address
             env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", loopback)
             env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", loopback)
@@ -276,14 +283,19 @@ class WorkerPool:
 
     # --- one call ---
 
-    def _call(self, payload: bytes, timeout: float | None) -> list[Any]:
+    def _call(self, payload: bytes | list[bytes], timeout: float | None) -> list[Any]:
         __tracebackhide__ = True
         call = CallState(next(self._calls), self.world_size, timeout, self.untrusted)
-        message = encode(self._call_message(call.id, payload))
+        payloads = payload if isinstance(payload, list) else [payload] * self.world_size
+        messages = [encode(self._call_message(call.id, p)) for p in payloads]
         bars = RemoteBars(shown=not self.untrusted)  # rank 0's long loops, drawn here
+        self.tallies, self.wire = call.tallies, None
+        pids = self.pids
+        # What each rank sends the others, counted by the kernel: only where it matters.
+        before = sockets.sent_between(pids) if self.untrusted and sockets.available() else None
         try:
             self._call_open = True
-            self._send_to_all(message)
+            self._send_to_all(messages)
             while not call.finished():
                 if call.failed():
                     raise self._rank_failure(call)
@@ -291,6 +303,8 @@ class WorkerPool:
                     raise self._hang_failure(call)
                 self._handle_next_event(call, bars)
             self._call_open = False
+            if before is not None and self.pids == pids:  # not restarted on the way
+                self.wire = sockets.sent_since(before, pids)
         except KeyboardInterrupt:
             self._interrupt(call)
             raise
@@ -316,14 +330,14 @@ class WorkerPool:
         sys_path = [entry for entry in sys.path if isinstance(entry, (str, bytes))]
         return Call(call_id, payload, dict(os.environ), os.getcwd(), sys_path, sources)
 
-    def _send_to_all(self, message: bytes) -> None:
-        """Send the call to every rank; if a worker died while idle, restart and resend."""
+    def _send_to_all(self, messages: list[bytes]) -> None:
+        """Send each rank its call; if a worker died while idle, restart and resend."""
         try:
-            for worker in self._workers:
+            for worker, message in zip(self._workers, messages, strict=True):
                 worker.send(message)
         except OSError:
             self._start()
-            for worker in self._workers:
+            for worker, message in zip(self._workers, messages, strict=True):
                 worker.send(message)
 
     def _handle_next_event(self, call: CallState, bars: RemoteBars) -> None:
@@ -339,6 +353,8 @@ class WorkerPool:
                 call.marked(rank, stream, call_id)
             case Reply(rank, Result() | Raised() as answer):
                 call.answered(rank, answer)
+            case Reply(rank, Tally(call_id, entry)) if call_id == call.id:
+                call.tallies[rank].append(entry)
             case Reply(0, Progress(call_id, desc, done, total, finished)) if call_id == call.id:
                 bars.update(desc, done, total, finished)
             case Disconnected(rank):
@@ -411,60 +427,11 @@ class WorkerPool:
         sys.stderr.flush()
 
 
-def resolve_backend(backend: str, world_size: int) -> str:
-    """Check the arguments and pick "gloo" or "nccl"; raise before any process starts."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":
-        chosen = "nccl" if gpus >= world_size else "gloo"
-        if gpus:  # with GPUs the choice depends on the world size: say which and why, once
-            _say_once(world_size, gpus, chosen)
-        return chosen
-    if backend == "gloo":
-        return backend
-    if backend == "nccl":
-        if gpus < world_size:
-            raise ValueError(
-                f"backend='nccl' needs one GPU per rank: {world_size} ranks asked for, but "
-                f"{gpus} GPU{'s' if gpus != 1 else ''} visible. Use backend='gloo' (CPU) or "
-                f"world_size<={gpus}."
-            )
-        return backend
-    raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
-
-
-_said: set[tuple[int, str]] = set()
-
-
-def _say_once(world_size: int, gpus: int, chosen: str) -> None:
-    if (world_size, chosen) in _said:
-        return
-    _said.add((world_size, chosen))
-    if chosen == "nccl":
-        why = f"one GPU for each of the {world_size} ranks ({gpus} visible)"
-    else:
-        why = f"{world_size} ranks but {gpus} GPU{'s' if gpus != 1 else ''}: every rank on the CPU"
-    print(
-        f"course_lib: backend='auto' chose {chosen}, {why}. Pass backend='gloo' or "
-        "backend='nccl' to choose yourself.",
-        file=sys.stderr,
-    )
-
-
 def _print_output(line: Output, world_size: int) -> None:
     width = len(str(world_size - 1))
     out = sys.stdout if line.stream == 1 else sys.stderr
     text = line.text
     out.write(f"[rank {line.rank:>{width}}] {text}" + ("" if text.endswith("\n") else "\n"))
-
-
-def _loopback_interface() -> str | None:
-    """Name of the network interface that carries 127.0.0.1 ('lo' on Linux, 'lo0' on macOS)."""
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
-            return name
-    return None
 
 
 _all_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()

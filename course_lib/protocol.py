@@ -7,7 +7,8 @@ Two conversations, each over a connection of its own:
 
     launcher -> rank          Call, one per launched call
     rank -> launcher          Ready once it has joined the process group, then Result or Raised
-                              for every call (Progress while rank 0 runs a long loop)
+                              for every call (Progress while rank 0 runs a long loop; Tally
+                              for every call an untrusted rank's process group makes)
 
 A rank may run code that must not reach the launcher (a submission being graded), so a message
 travels as plain data: a tuple of its type's name and its fields, read back by an unpickler
@@ -91,9 +92,20 @@ class Progress:
     finished: bool
 
 
-Message = Fork | Forked | Exited | Call | Ready | Result | Raised | Progress
+@dataclass(frozen=True)
+class Tally:
+    """One call the rank's counted process group is about to make, or a mark between the
+    parts of a call (`course_lib.counted_group`), sent as it happens: what the launcher has
+    received, code on the rank can no longer take back."""
+
+    call_id: int
+    entry: tuple  # ("call", op, peer, sent, received, group) or ("mark", label)
+
+
+Message = Fork | Forked | Exited | Call | Ready | Result | Raised | Progress | Tally
 _TYPES = {
-    cls.__name__: cls for cls in (Fork, Forked, Exited, Call, Ready, Result, Raised, Progress)
+    cls.__name__: cls
+    for cls in (Fork, Forked, Exited, Call, Ready, Result, Raised, Progress, Tally)
 }
 
 

@@ -149,6 +149,7 @@ LIBRARY = frozenset(
         "__init__",
         "_integrity",
         "_stacks",
+        "backends",
         "_worker",
         "_zygote",
         "calls",
@@ -169,6 +170,7 @@ LIBRARY = frozenset(
         "protocol",
         "rank_process",
         "runtime",
+        "sockets",
         "topics",
         "torchrun",
     }
@@ -187,6 +189,7 @@ GRADING_LIBRARY = frozenset(
         "provenance",
         "report",
         "sandbox",
+        "traffic",
     }
 )
 # Tests of the machinery: tests/test_<name>.py for these names.

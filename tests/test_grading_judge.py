@@ -14,8 +14,8 @@ from nbformat import from_dict
 from nbgrader.utils import determine_grade
 
 import course_lib.collectives
-from course_lib import CommCounter, WorkerPool, rank, world_size
-from course_lib.grading import _harness, judge
+from course_lib import CommCounter, WorkerPool, rank, sockets, world_size
+from course_lib.grading import _harness, judge, traffic
 from course_lib.grading._harness import CheckFailed, Verdict, fail, share, student_frames
 from course_lib.grading.answers import Answer, AnswerCellError, defined_names, resolve
 from course_lib.grading.provenance import Provenance
@@ -151,8 +151,8 @@ def test_the_judge_ignores_and_reports_an_answer_cell_that_rebinds_a_check():
     "patch, changed",
     [
         (
-            "import course_lib.comm\ncourse_lib.comm._volume = lambda op, args: (0, 0)",
-            "course_lib.comm._volume",
+            "import course_lib.comm\ncourse_lib.comm.volume = lambda op, args: (0, 0)",
+            "course_lib.comm.volume",
         ),
         # What the memory scans of the ZeRO checks rely on to see every tensor
         ("import gc\ngc.get_freeze_count = lambda: 0", "gc.get_freeze_count"),
@@ -253,6 +253,93 @@ def test_grading_ranks_count_every_route_to_a_collective():
         assert result["ops_route"] == "refused"
 
 
+def _talk_with_counters_emptied():
+    """A send and an all-reduce with every counter on the rank emptied first and put back
+    after, between two marks."""
+    import course_lib.comm as comm
+    from course_lib import counted_group
+
+    counted_group.mark("before")
+    counters, hooks = list(comm._active), list(comm._around)
+    comm._active.clear()
+    comm._around.clear()
+    t = torch.ones(4)
+    if rank() == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    dist.all_reduce(t)
+    comm._active.extend(counters)
+    comm._around.extend(hooks)
+    counted_group.mark("after")
+
+
+def test_the_launcher_keeps_every_call_a_rank_made_even_when_its_counters_were_emptied():
+    with WorkerPool(2, "gloo", untrusted=True) as pool:
+        pool.launch(_talk_with_counters_emptied, timeout=60)
+        tallies = pool.tallies
+    assert tallies[0] == [
+        ("mark", "before"),
+        ("call", "send", 1, 16, 0, (0, 1)),
+        ("call", "all_reduce", None, 16, 16, (0, 1)),  # 2(P-1)/P * 16 bytes, P = 2
+        ("mark", "after"),
+    ]
+    assert tallies[1][1] == ("call", "recv", 0, 0, 16, (0, 1))
+
+
+def _send_then_around_the_group(around: str | None):
+    """A counted send of 5 floats, then, maybe, an all-reduce the counters never see: on the
+    counted group's inner gloo group, or with the reporter unset for its length."""
+    from course_lib import counted_group
+
+    t = torch.ones(5)
+    if rank() == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    if around == "inner group":
+        dist.group.WORLD._inner.allreduce([t]).wait()
+    elif around == "reporter unset":
+        reporter = counted_group._reporter
+        counted_group.set_reporter(None)
+        dist.all_reduce(t)
+        counted_group.set_reporter(reporter)
+
+
+@pytest.mark.skipif(not sockets.available(), reason="needs Linux's socket diagnostics")
+def test_the_wire_shows_what_a_rank_sent_around_the_counted_group():
+    with WorkerPool(2, "gloo", untrusted=True) as pool:
+        pool.launch(_send_then_around_the_group, None, timeout=60)
+        # gloo's overheads are what traffic.SEND_OVERHEAD and RECV_OVERHEAD say, exactly
+        assert pool.wire == [{1: 20 + traffic.SEND_OVERHEAD}, {0: traffic.RECV_OVERHEAD}]
+        seen = traffic.Traffic(pool.tallies, pool.wire)
+        assert traffic.unreported_bytes(seen) == [0, 0]
+        for around in ("inner group", "reporter unset"):
+            pool.launch(_send_then_around_the_group, around, timeout=60)
+            seen = traffic.Traffic(pool.tallies, pool.wire)
+            assert all(extra > 0 for extra in traffic.unreported_bytes(seen)), around
+            with pytest.raises(CheckFailed) as error:
+                _harness.judge_unreported("check_x", seen)
+            assert error.value.tampering
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        [("mark", 0), ("mark", 2), ("mark", 1)],  # out of order
+        [("call", "send", 1, 4, 0, (0, 1)), ("mark", 0), ("mark", 1)],  # before the cases
+        [("mark", 0), ("mark", 1), ("call", "send", 1, 4, 0, (0, 1))],  # after them
+        [("mark", 0), ("mark", 1), ("mark", 1)],  # a mark too many
+    ],
+)
+def test_calls_are_split_by_case_only_when_the_marks_are_the_checks_own(entries):
+    ok = [("mark", 0), ("call", "send", 1, 4, 0, (0, 1)), ("mark", 1)]
+    assert _harness.calls_by_case("check_x", [ok], 1) == [[[traffic.Sent("send", 1, 4, 0, (0, 1))]]]
+    with pytest.raises(CheckFailed) as error:
+        _harness.calls_by_case("check_x", [entries], 1)
+    assert error.value.tampering and error.value.score == 0
+
+
 # --- provenance -----------------------------------------------------------------------------
 
 
@@ -284,6 +371,67 @@ def test_provenance_notices_when_it_is_switched_off():
     with Provenance(["course_lib.collectives.ring_all_reduce"]) as seen:
         sys.setprofile(None)
     assert "switched off" in seen.complaint()
+
+
+def _call_the_graders_reference(how: str):
+    """An answer that has the grader's own helper do its work (Assignment 10's layout),
+    called directly or as a thread's target."""
+    import threading
+
+    from course_lib.grading.parallel_3d_layout import _partners
+
+    if how == "directly":
+        return _partners(4, 2, 1)
+    found = []
+    thread = threading.Thread(target=lambda: found.append(_partners(4, 2, 1)))
+    thread.start()
+    thread.join()
+    return found[0]
+
+
+@pytest.mark.parametrize("how", ["directly", "in a thread"])
+def test_provenance_refuses_the_graders_own_code_called_by_the_answer(how):
+    with Provenance([]) as seen:
+        _call_the_graders_reference(how)
+    assert seen.grader_hits == ["course_lib.grading.parallel_3d_layout._partners"], seen.hits
+    assert "the grader's own code" in seen.complaint()
+
+
+def test_every_check_refuses_the_graders_own_code():
+    """The harness watches every run on the ranks, whether or not the check has a Provenance
+    of its own: an answer that runs the grader's helper fails the part."""
+    with pytest.raises(CheckFailed, match="the grader's own code"):
+        _harness.run_on_ranks(
+            "check_x",
+            _call_the_graders_reference,
+            "directly",
+            world_size=1,
+            timeout=60,
+            what="your answer",
+        )
+    # The checks' own calls are theirs to make: here the harness calls its own function.
+    shares = _harness.run_on_ranks(
+        "check_x", _harness.share, {"result": 1.0}, set(), world_size=1, timeout=60, what="x"
+    )
+    assert shares == [1.0]
+
+
+def _patch_operators(what: str):
+    import torch.testing
+
+    if what == "Tensor.__eq__":
+        torch.Tensor.__eq__ = lambda a, b: torch.ones_like(a, dtype=torch.bool)
+    else:
+        torch.testing.assert_close = lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("what", ["Tensor.__eq__", "torch.testing.assert_close"])
+def test_a_rank_that_patches_an_operator_or_torch_testing_fails_as_tampering(what):
+    with WorkerPool(1, "gloo", untrusted=True) as pool:
+        with pytest.raises(RankError) as error:
+            pool.launch(_patch_operators, what, timeout=60)
+    assert error.value.exc_type == "TamperingDetected"
+    assert what.replace("Tensor", "torch.Tensor") in str(error.value)
 
 
 def test_the_harness_pools_are_untrusted():

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import course_lib
 from course_lib import LaunchTimeout, RankError, WorkerDied, WorkerPool, launch
-from course_lib.calls import pickle_call
+from course_lib.calls import PerRank, pickle_call
 from course_lib.launch import default_pool, resolve_backend
 from course_lib.rank_process import RankProcess, fork_server
 from tests.conftest import ROOT, alive, all_gone, descendants, wait_until
@@ -177,6 +177,27 @@ def test_returns_results_in_rank_order_with_args_and_kwargs():
     on_gpus = resolve_backend("auto", 4) == "nccl"  # a machine with 4 GPUs or more
     devices = [f"cuda:{r}" if on_gpus else "cpu" for r in range(4)]
     assert results == [(20 + 2 * r, 4, devices[r]) for r in range(4)]
+
+
+def _everything_in_reach(mine):
+    """What a rank can find of the values sent to the ranks: its argument, and every tensor
+    of the kind on its heap."""
+    heap = [o.tolist() for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() == 3]
+    return mine.tolist(), heap
+
+
+def test_a_per_rank_argument_reaches_only_its_own_rank():
+    values = [torch.tensor([r, 100.0 + r, 7.5]) for r in range(3)]
+    results = launch(_everything_in_reach, PerRank(values), world_size=3)
+    for r, (mine, heap) in enumerate(results):
+        assert mine == values[r].tolist()
+        others = [v.tolist() for i, v in enumerate(values) if i != r]
+        assert not [t for t in heap if t in others], f"rank {r} holds another rank's value"
+
+
+def test_a_per_rank_argument_needs_one_value_per_rank():
+    with pytest.raises(ValueError, match="2 values for 3 ranks"):
+        launch(_everything_in_reach, PerRank([torch.ones(3)] * 2), world_size=3)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
+from course_lib.grading.provenance import Provenance
+from course_lib.grading.traffic import Sent, Traffic, split_by_marks, unreported_bytes
 from course_lib.launch import LaunchTimeout, RankError, WorkerDied, WorkerPool
 from course_lib.topics import TOPICS
 
@@ -249,17 +251,50 @@ def close_pool() -> None:
     _pools.clear()
 
 
+class GraderCodeUsed(Exception):
+    """Raised on a rank whose student code called the grader's own functions."""
+
+
+def _guarded(fn: Callable, *args: Any) -> Any:
+    """On a rank: `fn(*args)`, failing if the student's code called the grader's own code
+    (`Provenance` refuses it on every check; a check's own Provenance inside does too)."""
+    with Provenance(()) as seen:
+        result = fn(*args)
+    if seen.grader_hits:
+        raise GraderCodeUsed(seen.complaint())
+    return result
+
+
 def run_on_ranks(
-    check: str, fn: Callable, *args: Any, world_size: int, timeout: float, what: str
-) -> list:
+    check: str,
+    fn: Callable,
+    *args: Any,
+    world_size: int,
+    timeout: float,
+    what: str,
+    traffic: bool = False,
+) -> Any:
     """Run `fn(*args)` on `world_size` grading ranks; any failure becomes a CheckFailed that
     names `what` (e.g. "your dist_ping_pong"). An answer among `args` that is the lectures'
-    own code fails at once."""
+    own code fails at once. An argument may be a `PerRank`: each rank gets only its own value.
+
+    With `traffic=True`, returns (results, Traffic): every call each rank's process group
+    made during the run, as the launcher received it while it happened (`WorkerPool.tallies`),
+    and the bytes the kernel saw each rank write to the others (`WorkerPool.wire`): what the
+    student's code cannot change afterwards. Judge communication by these, never by counts
+    kept on the rank."""
     __tracebackhide__ = True
     reject_lecture_code(check, *args)
+    pool = grading_pool(world_size)
     try:
-        return grading_pool(world_size).launch(fn, *args, timeout=timeout)
+        results = pool.launch(_guarded, fn, *args, timeout=timeout)
+        if not traffic:
+            return results
+        return results, Traffic([list(t) for t in pool.tallies], pool.wire)
     except RankError as error:
+        if error.exc_type == "GraderCodeUsed":
+            said = error.remote_traceback.strip().splitlines()[-1]
+            fail(check, f"{what}: on rank {error.rank}, {said.removeprefix('GraderCodeUsed: ')}")
         if error.exc_type == "TamperingDetected":
             raise CheckFailed(
                 f"{check}: {what}: on rank {error.rank}, {error.remote_traceback.strip()}",
@@ -279,6 +314,43 @@ def run_on_ranks(
         )
     except WorkerDied as error:
         fail(check, f"{what} killed its process: {error}")
+
+
+def judge_unreported(check: str, traffic: Traffic) -> None:
+    """Fail the part as tampering if a rank wrote bytes that none of its calls account for."""
+    __tracebackhide__ = True
+    for r, extra in enumerate(unreported_bytes(traffic)):
+        if extra is not None and extra > 0:
+            raise CheckFailed(
+                f"{check}: rank {r} wrote {extra} bytes to the other ranks that none of its "
+                "send/recv calls account for (the kernel counted them on its sockets): its "
+                "code talked around the process group the check counts (its inner gloo "
+                "group, say, or with the reporting switched off). That is tampering with the "
+                "grading: this part scores 0.",
+                tampering=True,
+            )
+
+
+def calls_by_case(check: str, tallies: list[list[tuple]], cases: int) -> list[list[list[Sent]]]:
+    """Per rank, per case, the calls of a run whose rank function marked its cases
+    (`traffic.split_by_marks`). Marks in any other order, or calls outside the cases, mean
+    code on the rank reported marks of its own or talked when no case ran: that fails the
+    part as tampering."""
+    __tracebackhide__ = True
+    out = []
+    for r, entries in enumerate(tallies):
+        per_case = split_by_marks(entries, cases)
+        if per_case is None:
+            marks = [e[1] for e in entries if e[0] == "mark"]
+            raise CheckFailed(
+                f"{check}: on rank {r}, the calls were reported out of order (marks "
+                f"{marks[:8]}{'...' if len(marks) > 8 else ''}, expected 0 to {cases}, or "
+                "calls made outside any case): code on the rank changed what the launcher "
+                "records. That is tampering with the grading: this part scores 0.",
+                tampering=True,
+            )
+        out.append(per_case)
+    return out
 
 
 _FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line \d+, in .*$')

@@ -12,20 +12,32 @@
                                                sending at most 2 log2 P messages and at
                                                most 2(P-1)/P * N
 
-Every case runs the student's function and torch.distributed's own collective on the same
-inputs in the same worker; torch's result is the reference. Sums are compared exactly for
-int64 and within `TOLERANCE` for floats (the order of the additions differs). The checks also
-count the calls with `CommCounter`: only send/recv/isend/irecv are allowed, and every
-isend/irecv must be waited for.
+Every case runs the student's function on inputs drawn here, in the checking process, from a
+secret seed; each rank receives only its own (`collectives_cases`). The reference is what
+torch.distributed's collective gives, computed here from all the inputs. Sums are compared
+exactly for int64 and within `TOLERANCE` for floats (the order of the additions differs).
+The calls come from the launcher's tallies, which each rank's process group reports as the
+calls happen: only send/recv/isend/irecv are allowed, and every isend/irecv must be waited
+for.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import torch
 
-from course_lib.grading._harness import RESULT, Verdict, fail, run_on_ranks
+from course_lib.calls import PerRank
+from course_lib.grading._harness import (
+    RESULT,
+    Verdict,
+    calls_by_case,
+    fail,
+    judge_unreported,
+    run_on_ranks,
+)
+from course_lib.grading.collectives_cases import draw, new_secret, reference
 from course_lib.grading.collectives_judge import (
     Spec,
     Tally,
@@ -34,7 +46,8 @@ from course_lib.grading.collectives_judge import (
     judge_messages,
     judge_neighbours,
 )
-from course_lib.grading.collectives_ranks import Case, run_cases
+from course_lib.grading.collectives_ranks import POINT_TO_POINT, Case, run_cases
+from course_lib.grading.traffic import Sent
 
 # (rtol, atol) for sums: |got - expected| <= atol + rtol * |expected|. A sum of P float32
 # values in another order differs by a few units in the last place (~1e-7 relative).
@@ -69,6 +82,7 @@ def _check(
     name = getattr(fn, "__name__", "function")
     verdict = Verdict(spec.check, RING_WEIGHTS if spec.bandwidth_optimal else None)
     tally = Tally()
+    secret = new_secret()
     for p in sorted(set(world_sizes)):
         roots = range(p) if spec.root else [None]
         cases = [
@@ -78,21 +92,27 @@ def _check(
             for seed in seeds
             for root in roots
         ]
-        results = run_on_ranks(
+        inputs = [draw(spec.kind, case, secret) for case in cases]  # [case][rank]
+        results, traffic = run_on_ranks(
             spec.check,
             run_cases,
             spec.kind,
             fn,
             cases,
+            PerRank([[given[r] for given in inputs] for r in range(p)]),
             world_size=p,
             timeout=timeout,
             what=f"your {name} (world size {p}, {len(cases)} cases)",
+            traffic=True,
         )
         if results[0]["copied"]:
             fail(spec.check, results[0]["copied"])
-        results = [found["cases"] for found in results]
+        sent = calls_by_case(spec.check, traffic.tallies, len(cases))
+        judge_unreported(spec.check, traffic)
         for i, case in enumerate(cases):
-            records = [results[r][i] for r in range(p)]
+            records = _records(spec, case, inputs[i], [results[r]["cases"][i] for r in range(p)])
+            for r, record in enumerate(records):
+                record.update(_communication(sent[r][i]))
             with verdict.case():
                 judge_case(spec, name, case, records, point_to_point_only)
             if spec.bandwidth_optimal:
@@ -107,6 +127,36 @@ def _check(
                     judge_bytes(spec, case, records)
             tally.add(spec, case, records)
     verdict.conclude(tally.summary(spec, point_to_point_only))
+
+
+def _records(spec: Spec, case: Case, inputs: list[dict], found: list[dict]) -> list[dict]:
+    """Each rank's record for judging: what it reported, its inputs (drawn here), what
+    torch's collective gives it (computed here) and the garbage its outputs held before."""
+    expected = reference(spec.kind, case, inputs)
+    records = []
+    for r, record in enumerate(found):
+        given = inputs[r]
+        record = dict(record, expected=expected[r])
+        if spec.kind == "all_gather":
+            record["inputs"] = {"tensor": given["tensor"]}
+            record["initial"] = {f"tensor_list[{i}]": t for i, t in enumerate(given["tensor_list"])}
+        elif spec.kind == "reduce_scatter":
+            record["inputs"] = {f"input_list[{i}]": t for i, t in enumerate(given["input_list"])}
+            record["initial"] = {"output": given["output"]}
+        else:
+            record["inputs"] = {"tensor": given["tensor"]}
+        records.append(record)
+    return records
+
+
+def _communication(calls: list[Sent]) -> dict:
+    """What one rank's calls in one case add up to, from the launcher's tallies."""
+    return {
+        "calls": Counter(call.op for call in calls),
+        "sent": sum(call.sent for call in calls),
+        "received": sum(call.received for call in calls),
+        "peers": [(call.op, call.peer) for call in calls if call.op in POINT_TO_POINT],
+    }
 
 
 # --- the checks ---------------------------------------------------------------------------

@@ -14,6 +14,14 @@ its source with `exec`, renamed or not, or from its code object):
 A forbidden name may be a function, a class (every method it defines) or a whole module
 (every function and class defined in it).
 
+Every Provenance also refuses the grader's own code: a function of `course_lib.grading` called
+by the student's code (`seen.hits` names it). The checks call their helpers themselves; an
+answer that imports one (a reference, a case generator) and runs it is not doing the work.
+What counts as the student's code is any code that is not from a library: not from
+`course_lib`, the standard library or an installed package. Calls that reach the grader
+through the standard library (a `threading.Thread` target, a `functools.partial`) are judged
+by the first caller outside it.
+
 It uses `sys.setprofile` (and `threading.setprofile` for new threads): a call costs a dict
 lookup more while it is active.
 """
@@ -21,17 +29,85 @@ lookup more while it is active.
 from __future__ import annotations
 
 import dis
+import functools
 import importlib
 import inspect
+import os
+import site
 import sys
+import sysconfig
 import threading
 import types
 from collections.abc import Iterable
+from pathlib import Path
 
+_GRADER_CALL = "grader"  # a code object of the grader: a hit when the student's code calls it
 # Copies of shorter functions are not told apart from anyone's own (see Provenance._add).
 MIN_OPS = 20
 # Instructions the compiler may pick differently for the same source (method calls, jumps).
 _SAME = {"LOAD_METHOD": "LOAD_ATTR", "PRECALL": None, "JUMP_BACKWARD": "JUMP", "CACHE": None}
+
+
+GRADER = "course_lib.grading"
+_GRADER_DIR = str(Path(__file__).resolve().parent) + os.sep
+_COURSE_DIR = str(Path(__file__).resolve().parent.parent) + os.sep
+_THIS_FILE = str(Path(__file__).resolve())
+_paths = sysconfig.get_paths()
+_STDLIB = tuple({str(Path(_paths[k]).resolve()) + os.sep for k in ("stdlib", "platstdlib")})
+_INSTALLED = tuple(
+    {str(Path(p).resolve()) + os.sep for p in (_paths["purelib"], _paths["platlib"])}
+    | {str(Path(p).resolve()) + os.sep for p in site.getsitepackages()}
+)
+
+
+# Outside the grading package, what reports to the launcher from a rank: code on the rank could
+# call it to add calls or marks of its own (it cannot take back what was sent).
+_REPORTING = (
+    str(Path(_COURSE_DIR, "_worker.py")),
+    str(Path(_COURSE_DIR, "counted_group.py")) + ":mark",
+    str(Path(_COURSE_DIR, "counted_group.py")) + ":set_reporter",
+    str(Path(_COURSE_DIR, "counted_group.py")) + ":_report",
+)
+
+
+@functools.cache
+def _kind(filename: str) -> str:
+    """ "grader", "library" (course_lib, an installed package), "stdlib" or "student"."""
+    if filename.startswith("<frozen "):
+        return "stdlib"
+    if not filename.startswith(os.sep):  # <cell ...>, <string>: compiled from source
+        return "student"
+    path = os.path.realpath(filename)
+    if path.startswith(_GRADER_DIR) or path in _REPORTING:
+        return "grader"
+    if path.startswith(_STDLIB) and not path.startswith(_INSTALLED):
+        return "stdlib"
+    if path.startswith((_COURSE_DIR, *_INSTALLED)):
+        return "library"
+    return "student"
+
+
+def _protected(code: types.CodeType) -> bool:
+    """Code the student's code may not call: the grader's, and what reports to the launcher."""
+    if _kind(code.co_filename) == "grader":
+        return os.path.realpath(code.co_filename) != _THIS_FILE  # leaving a Provenance is not
+    return f"{os.path.realpath(code.co_filename)}:{code.co_name}" in _REPORTING
+
+
+def called_by_student(frame: types.FrameType) -> bool:
+    """Is the function running in `frame` called by the student's code? The first caller
+    outside the standard library decides; a thread started by the standard library, with
+    no other caller, counts as the student's (the checks start none while one is watched)."""
+    caller = frame.f_back
+    while caller is not None and _kind(caller.f_code.co_filename) == "stdlib":
+        caller = caller.f_back
+    return caller is None or _kind(caller.f_code.co_filename) == "student"
+
+
+def _grader_name(code: types.CodeType) -> str:
+    path = Path(code.co_filename)
+    package = GRADER if str(path.resolve().parent) + os.sep == _GRADER_DIR else "course_lib"
+    return f"{package}.{path.stem}.{code.co_qualname}"
 
 
 def _signature(code: types.CodeType) -> tuple:
@@ -99,6 +175,7 @@ class Provenance:
             for name, found in targets.items():
                 self._add(name, found)
         self.hits: list[str] = []
+        self.grader_hits: list[str] = []  # the grader's own code, called by the student's
         self.switched_off = False
         self._hook = self._profile  # one bound method, to recognise it later
         self._seen: dict[types.CodeType, str | None] = {}
@@ -128,7 +205,14 @@ class Provenance:
         code = frame.f_code
         name = self._seen.get(code, False)
         if name is False:
-            name = self._seen[code] = self.codes.get(code) or self.names.get(_signature(code))
+            name = self.codes.get(code) or self.names.get(_signature(code))
+            if name is None and _protected(code):
+                name = _GRADER_CALL  # decided per call, by who calls it
+            self._seen[code] = name
+        if name is _GRADER_CALL:
+            name = _grader_name(code) if called_by_student(frame) else None
+            if name is not None and name not in self.grader_hits:
+                self.grader_hits.append(name)
         if name is not None and name not in self.hits:
             self.hits.append(name)
 
@@ -150,6 +234,12 @@ class Provenance:
             first = self.hits[0] + (
                 f" (and {len(self.hits) - 1} more of it)" if len(self.hits) > 1 else ""
             )
+            if self.grader_hits:
+                used = self.grader_hits[0]
+                return (
+                    f"your answer runs {used}, the grader's own code; the part asks for your "
+                    "code, and the grader's helpers are not yours to call"
+                )
             if not any(hit.startswith("course_lib.") for hit in self.hits):
                 return (
                     f"your answer runs {first}, PyTorch's own implementation; the part asks "

@@ -1,8 +1,10 @@
 """Assignment 2's cheats (each scores 0 on its part) and right answers written differently
-(full marks). More are proven in tests/test_grading_collectives.py (a ring talking to far
-ranks through pre-bound names), which also runs the checks on LECTURE_RING_WRAPPED,
-RING_PADDED, LECTURE_HALVING_DOUBLING_WRAPPED and FAST_REVERSED_PADDED, and in
-tests/test_grading_judge.py (patching the checks' helpers on a rank)."""
+(full marks), among them the ways to take what a check trusts from the rank's process (its
+frames, its heap, its counters, its operators). More are proven in
+tests/test_grading_collectives.py (a ring talking to far ranks through pre-bound names), which
+also runs the checks on LECTURE_RING_WRAPPED, RING_PADDED, LECTURE_HALVING_DOUBLING_WRAPPED
+and FAST_REVERSED_PADDED, and in tests/test_grading_judge.py (patching the checks' helpers on
+a rank)."""
 
 from __future__ import annotations
 
@@ -117,7 +119,169 @@ def all_reduce_fast(tensor):
     tensor.copy_(padded[: tensor.numel()].view_as(tensor))
 """
 
+# (1) The check's secrets, looked for in the process: a function that
+# walks its callers' frames and the heap for the reference ("expected") or the other ranks'
+# inputs, and sends one element to its neighbour so that some traffic is seen. On a rank
+# there is nothing to find: it holds its own inputs only, and the reference is computed by
+# the judge.
+THIEF = """
+import gc
+import sys
+
+
+def _loot(like):
+    \"\"\"Tensors shaped like `like` that this process holds: first any the callers keep
+    under a name or key with "expect" in it, then every other one on the heap.\"\"\"
+    named, frame = [], sys._getframe(1)
+    while frame is not None:
+        stack = list(frame.f_locals.items())
+        while stack:
+            key, value = stack.pop()
+            if isinstance(value, dict):
+                stack += [(f"{key}.{k}", v) for k, v in value.items()]
+            elif isinstance(value, (list, tuple)):
+                stack += [(key, v) for v in value]
+            elif isinstance(value, torch.Tensor) and "expect" in str(key):
+                named.append(value)
+        frame = frame.f_back
+    heap = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o is not like]
+    return [t for t in named + heap if t.shape == like.shape and t.dtype == like.dtype]
+
+
+def _token():
+    p, me = world_size(), rank()
+    if p > 1:
+        request = dist.isend(torch.zeros(1), (me + 1) % p)
+        dist.recv(torch.zeros(1), (me - 1) % p)
+        request.wait()
+"""
+
+FRAMES_BROADCAST = (
+    THIEF
+    + """
+
+def broadcast(tensor, src):
+    _token()
+    loot = [t for t in _loot(tensor) if not torch.equal(t, tensor)]
+    if loot:
+        tensor.copy_(loot[0])
+"""
+)
+
+FRAMES_ALL_GATHER = (
+    THIEF
+    + """
+
+def all_gather(tensor_list, tensor):
+    _token()
+    loot = iter(t for t in _loot(tensor) if all(t is not s for s in tensor_list))
+    for i, slot in enumerate(tensor_list):
+        slot.copy_(tensor if i == rank() else next(loot, slot))
+"""
+)
+
+FRAMES_RING = (
+    THIEF
+    + """
+
+def ring_all_reduce(tensor):
+    _token()
+    loot = [t for t in _loot(tensor) if not torch.equal(t, tensor)]
+    if loot:
+        tensor.copy_(loot[0])
+"""
+)
+
+# (2) The tallies, emptied around a built-in collective and put back: the counters on the rank
+# miss the call, but the launcher was told of it as it happened.
+COUNTERS_EMPTIED = """
+import course_lib.comm as comm
+
+
+def reduce_scatter(output, input_list):
+    counters, hooks = list(comm._active), list(comm._around)
+    comm._active.clear()
+    comm._around.clear()
+    try:
+        dist.reduce_scatter(output, [t.clone() for t in input_list])
+    finally:
+        comm._active.extend(counters)
+        comm._around.extend(hooks)
+"""
+
+# ... and a built-in reduce-scatter made where no counter on the rank can see it, on the
+# counted group's inner gloo group, with a ring of one-element messages for show: the kernel
+# counts the bytes on the rank's sockets, and the calls reported do not account for them.
+INNER_GROUP = """
+def reduce_scatter(output, input_list):
+    p, me = world_size(), rank()
+    if p > 1:
+        request = dist.isend(torch.zeros(1), (me + 1) % p)
+        dist.recv(torch.zeros(1), (me - 1) % p)
+        request.wait()
+    inner = dist.group.WORLD._inner
+    inner.reduce_scatter([output], [[t.clone() for t in input_list]]).wait()
+"""
+
+# (4) A right broadcast, with the operators and torch.testing the checks compare with made
+# to agree with anything: the fingerprint of the rank's libraries changes, and the part scores
+# 0 as tampering.
+OPERATORS_PATCHED = """
+import torch.testing
+
+
+def broadcast(tensor, src):
+    if rank() == src:
+        for peer in range(world_size()):
+            if peer != src:
+                dist.send(tensor, peer)
+    else:
+        dist.recv(tensor, src)
+
+
+torch.Tensor.__eq__ = lambda a, b: torch.ones_like(a, dtype=torch.bool)
+torch.Tensor.__ne__ = lambda a, b: torch.zeros_like(a, dtype=torch.bool)
+torch.testing.assert_close = lambda *args, **kwargs: None
+"""
+
 CHEATS = [
+    Cheat(
+        "the reference looked for in the callers' frames and the heap",
+        "broadcast",
+        FRAMES_BROADCAST,
+        frozenset({"test_broadcast", "test_all_reduce_naive"}),  # naive uses broadcast
+    ),
+    Cheat(
+        "the other ranks' tensors looked for in the frames and the heap",
+        "all_gather",
+        FRAMES_ALL_GATHER,
+        frozenset({"test_all_gather"}),
+    ),
+    Cheat(
+        "the sum looked for in the frames and the heap, one element to the neighbour",
+        "ring_all_reduce",
+        FRAMES_RING,
+        frozenset({"test_ring_all_reduce"}),
+    ),
+    Cheat(
+        "the counters emptied around a built-in reduce-scatter",
+        "reduce_scatter",
+        COUNTERS_EMPTIED,
+        frozenset({"test_reduce_scatter"}),
+    ),
+    Cheat(
+        "a built-in reduce-scatter on the counted group's inner group, a token ring for show",
+        "reduce_scatter",
+        INNER_GROUP,
+        frozenset({"test_reduce_scatter"}),
+    ),
+    Cheat(
+        "Tensor.__eq__, __ne__ and torch.testing patched beside a right broadcast",
+        "broadcast",
+        OPERATORS_PATCHED,
+        frozenset({"test_broadcast", "test_all_reduce_naive"}),
+        alone=True,
+    ),
     Cheat(
         "built-in all-reduce through a pre-bound name",
         "ring_all_reduce",

@@ -24,6 +24,25 @@ def process_grid(world_size, tp_size):
     return grid.groups("tp"), grid.groups("dp")
 '''
 
+# The grader's own code does the work: the check's helper that gives the groups a rank belongs
+# to. Provenance refuses any function of course_lib.grading called by the student's code.
+GRADER_GRID = '''
+from course_lib.grading.parallel_3d_layout import _partners
+
+
+def process_grid(world_size, tp_size):
+    """The grader's layout, called for every rank."""
+    if world_size % tp_size:
+        raise ValueError("tp_size must divide world_size")
+    tp_groups, dp_groups = [], []
+    for r in range(world_size):
+        tp, dp = _partners(world_size, tp_size, r)
+        for groups, group in ((tp_groups, sorted(tp)), (dp_groups, sorted(dp))):
+            if group not in groups:
+                groups.append(group)
+    return tp_groups, dp_groups
+'''
+
 WHOLE_BATCH_EVERYWHERE = '''
 def train_step(model, optimizer, x, y, dp_group):
     """Show the model its shard, then train every rank on the whole batch through forward
@@ -145,6 +164,12 @@ CHEATS = [
         "process_grid",
         PLANNER_GRID,
         GRID | TRAIN | SHARDED,  # part 4 builds its groups with make_groups too
+    ),
+    Cheat(
+        "the grader's own layout helper as the grid",
+        "process_grid",
+        GRADER_GRID,
+        GRID | TRAIN | SHARDED,
     ),
     Cheat("every rank trains on the whole batch", "train_step", WHOLE_BATCH_EVERYWHERE, TRAIN),
     Cheat("rebinding the check", "train_step", REBIND_CHECK, TRAIN, alone=True),

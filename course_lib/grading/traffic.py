@@ -1,0 +1,82 @@
+"""What a run of the grading ranks communicated, as the launcher saw it from outside them:
+the calls each rank's process group reported as they happened (`course_lib.counted_group`),
+and the bytes the kernel counted on each rank's sockets (`course_lib.sockets`). A check judges
+communication by these, never by counters kept on the ranks, which the student's code shares.
+
+    Traffic(tallies, wire)          one run's record (`run_on_ranks(..., traffic=True)`)
+    Sent                            one reported call
+    split_by_marks(entries, n)      one rank's calls, case by case
+    unreported_bytes(traffic)       bytes on the wire that no reported call accounts for
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What the launcher saw of a run's communication, outside the ranks: `tallies`, per rank,
+    every call its process group reported as it happened (("call", op, peer, sent, received,
+    group) and ("mark", label) entries); `wire`, per rank, the bytes it wrote to each other
+    rank's sockets, as the kernel counted them (None where they cannot be read)."""
+
+    tallies: list[list[tuple]]
+    wire: list[dict[int, int]] | None
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One call a rank's process group made, as the launcher received it (`run_on_ranks`
+    with `traffic=True`): `peer` is a global rank for send and recv, else None; bytes by
+    `course_lib.comm.volume`; `group` the global ranks of the group it ran on."""
+
+    op: str
+    peer: int | None
+    sent: int
+    received: int
+    group: tuple[int, ...]
+
+
+def split_by_marks(entries: list[tuple], cases: int) -> list[list[Sent]] | None:
+    """One rank's calls, per case, from a run whose rank function put `counted_group.mark(i)`
+    before case i and `mark(cases)` after the last; None if the marks are not exactly those,
+    in that order, or calls came outside the cases (before the first mark, after the last)."""
+    marks = [e[1] for e in entries if e[0] == "mark"]
+    if marks != list(range(cases + 1)) or not entries or entries[0][0] == "call":
+        return None
+    if entries[-1][0] != "mark":
+        return None
+    per_case: list[list[Sent]] = []
+    for entry in entries:
+        if entry[0] == "mark":
+            per_case.append([])
+        else:
+            per_case[-1].append(Sent(*entry[1:]))
+    return per_case[:cases]
+
+
+# What gloo puts on the wire for a send and a recv besides the tensor (held against real gloo
+# by tests/test_grading_judge.py): the sender writes 96 bytes of message headers, the
+# receiver 48 (its notice that it is ready to receive).
+SEND_OVERHEAD, RECV_OVERHEAD = 96, 48
+
+
+def unreported_bytes(traffic: Traffic) -> list[int | None]:
+    """Per rank, the bytes it wrote to the other ranks beyond what its reported send and recv
+    calls account for; None for a rank whose calls include collectives (whose wire bytes
+    depend on gloo's algorithm) or where the wire cannot be read. More than 0 means code on
+    the rank talked around the counted process group."""
+    if traffic.wire is None:
+        return [None] * len(traffic.tallies)
+    out: list[int | None] = []
+    for entries, wire in zip(traffic.tallies, traffic.wire, strict=True):
+        calls = [Sent(*e[1:]) for e in entries if e[0] == "call"]
+        if any(call.op not in ("send", "recv") for call in calls):
+            out.append(None)
+            continue
+        explained = sum(
+            call.sent + SEND_OVERHEAD if call.op == "send" else RECV_OVERHEAD for call in calls
+        )
+        out.append(sum(wire.values()) - explained)
+    return out
