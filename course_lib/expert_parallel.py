@@ -4,7 +4,7 @@
     y, aux = moe(x)              # x: [tokens, d_model]; aux: the load-balancing loss
     ep = ExpertParallelMoE(moe)  # this rank: the router, and experts r*E/P .. (r+1)*E/P - 1
     y_mine, aux = ep(x_mine)     # this rank's tokens: chunk `rank` of the batch, in order
-    ep.sync_router_grads()       # after backward: the router saw only this rank's tokens
+    dist.all_reduce(ep.router.weight.grad)  # after backward: the router saw only its tokens
 
 A mixture-of-experts layer (Shazeer et al., 2017; GShard, Lepikhin et al., 2020; Switch,
 Fedus et al., 2022) replaces a transformer's MLP by E MLPs, the experts, and a router that
@@ -30,25 +30,27 @@ all-gather of each rank's per-expert counts tells every rank where its tokens st
 expert's queue, so capacity and dropping are the whole batch's, as on one process. Then an
 all-to-all sends each kept token to its expert's rank (dispatch), the experts run, and a
 second all-to-all brings their outputs home (combine); backward runs the two in reverse.
-The pieces differ in size with the routing, so the all-to-all is lecture 11's, built from
-sends and receives: `CommCounter` counts exactly what leaves a rank, and the emulated network
-times each message (torch's `all_to_all_single` with uneven splits also runs on gloo; see
-`course_lib.measure.expert_parallel.torch_all_to_all`).
+The pieces differ in size with the routing: the all-to-all is torch's own `all_to_all_single`
+with uneven splits, through `torch.distributed.nn.functional`, whose backward is the same
+all-to-all the other way; it runs on gloo, and `CommCounter` counts it by its splits (see
+`course_lib.measure.expert_parallel.torch_all_to_all`). The router's gradients are summed
+over the ranks after backward by one all-reduce, as in data parallelism.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.nn.functional import all_to_all_single
 
 from course_lib import models
 from course_lib.costs import expert_capacity
-from course_lib.sequence_parallel import _all_to_all
 
 # --- routing --------------------------------------------------------------------------------
 
@@ -173,27 +175,16 @@ def _world(group) -> tuple[int, int]:
 
 
 def _exchange(x: torch.Tensor, send: list[int], receive: list[int], group) -> torch.Tensor:
-    """Rows send[j] of x (in rank order) go to rank j; returns the rows received, rank 0's first."""
+    """Rows send[j] of x (in rank order) go to rank j; returns the rows received, rank 0's
+    first. torch's all-to-all, whose backward sends the gradients back the same way."""
     if _world(group)[0] == 1:
         return x.clone()
-    pieces = list(x.split(send))
-    shapes = [(n, *x.shape[1:]) for n in receive]
-    return torch.cat(_all_to_all(pieces, shapes, group))
-
-
-class AllToAll(torch.autograd.Function):
-    """An all-to-all of rows, pieces of any size. Its backward is the same all-to-all the
-    other way: the gradient of a row sent to rank j comes back from rank j."""
-
-    @staticmethod
-    def forward(ctx, x, send: list[int], receive: list[int], group):
-        ctx.sizes, ctx.group = (send, receive), group
-        return _exchange(x, send, receive, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        send, receive = ctx.sizes
-        return _exchange(grad.contiguous(), receive, send, ctx.group), None, None, None
+    out = x.new_empty((sum(receive), *x.shape[1:]))
+    with warnings.catch_warnings():
+        # torch 2.13 points to its functional collectives instead, which neither CommCounter
+        # nor the emulated network sees (they bypass torch.distributed's Python functions).
+        warnings.filterwarnings("ignore", "torch.distributed.nn.functional", FutureWarning)
+        return all_to_all_single(out, x.contiguous(), receive, send, group=group)
 
 
 # --- the layer under expert parallelism -----------------------------------------------------
@@ -203,7 +194,7 @@ class ExpertParallelMoE(nn.Module):
     """`moe` with its experts spread over the ranks, E/P per rank, each rank taking its own
     tokens: equal to `moe` on the whole batch (the concatenation of the ranks' tokens in rank
     order), output, loss and gradients. The router is replicated and sees only this rank's
-    tokens: call `sync_router_grads` after backward."""
+    tokens: all-reduce (sum) `router.weight.grad` after backward."""
 
     def __init__(self, moe: MoE, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
@@ -254,7 +245,7 @@ class ExpertParallelMoE(nn.Module):
         mine_cols = slice(self.first, self.first + self.per_rank)
         send = fits[me].view(p, self.per_rank).sum(1).tolist()  # rows to each rank
         receive = fits[:, mine_cols].sum(1).tolist()  # rows from each rank
-        arrived = AllToAll.apply(x[token], send, receive, self.group)
+        arrived = _exchange(x[token], send, receive, self.group)
 
         # 3. The experts, each on all its rows from every rank (rank 0's first).
         ids = torch.arange(self.first, self.first + self.per_rank).repeat(p)
@@ -267,17 +258,12 @@ class ExpertParallelMoE(nn.Module):
         done = torch.cat(outs)[torch.cat(rows).argsort()]  # back in the order they arrived
 
         # 4. Combine: outputs go home, weighted there by their router probabilities.
-        back = AllToAll.apply(done, receive, send, self.group)
+        back = _exchange(done, receive, send, self.group)
         y = torch.zeros_like(x).index_add(0, token, weights[token, slot, None] * back)
 
         # The loss of the whole batch: the other ranks' probability sums enter as constants,
         # so backward reaches this rank's router inputs only, and summing the router's
-        # gradients over the ranks (`sync_router_grads`) gives the whole batch's gradient.
+        # gradients over the ranks (an all-reduce) gives the whole batch's gradient.
         others = prob_sums.sum(0) - prob_sums[me]
         aux = _balance(counts.sum(0).to(x.dtype), probs.sum(0) + others, tokens, k)
         return y, aux
-
-    def sync_router_grads(self) -> None:
-        """Sum the router's gradient over the ranks: each rank's holds its tokens' share."""
-        if _world(self.group)[0] > 1 and self.router.weight.grad is not None:
-            dist.all_reduce(self.router.weight.grad, group=self.group)

@@ -32,6 +32,10 @@ class Topic:
     title: str  # the lecture's heading: "# 7. ZeRO and FSDP: ..."
     module: bool = True  # does course_lib/<name>.py hold the lecture's code?
     assignment: str | None = None  # the assignment's heading, if one follows the lecture
+    # What the assignment's graded test cells check, by name: the functions and classes the
+    # student writes. The student edition's library defines none of them
+    # (tests/test_student_edition.py); tests/test_topics.py holds them to the notebook.
+    deliverables: tuple[str, ...] = ()
 
     @property
     def lecture(self) -> str:
@@ -78,30 +82,56 @@ class Topic:
 
 TOPICS = (
     Topic(0, "getting_started", "Getting started: many processes from one notebook cell", False),
-    Topic(1, "processes", "Processes and pipes", assignment="processes and pipes"),
+    Topic(
+        1,
+        "processes",
+        "Processes and pipes",
+        assignment="processes and pipes",
+        deliverables=(
+            "ping",
+            "pong",
+            "relay",
+            "run_chain",
+            "dist_ping_pong",
+            "round_trip_time",
+            "spread",
+        ),
+    ),
     Topic(
         2,
         "collectives",
         "Collectives: all-reduce five ways",
         assignment="collectives from point-to-point",
+        deliverables=(
+            "broadcast",
+            "reduce",
+            "all_gather",
+            "reduce_scatter",
+            "all_reduce_naive",
+            "ring_all_reduce",
+            "all_reduce_fast",
+        ),
     ),
     Topic(
         3,
         "data_parallel",
         "Data parallel: one model, many copies, one averaged gradient",
         assignment="data-parallel training",
+        deliverables=("sync_gradients", "DDP", "communicate_less"),
     ),
     Topic(
         4,
         "gossip",
         "Decentralized training: no one waits for everyone",
         assignment="push-sum gossip",
+        deliverables=("push_sum_step", "peer"),
     ),
     Topic(
         5,
         "compression",
         "Compressed communication: sending fewer bytes per step",
         assignment="compressed communication",
+        deliverables=("quantize", "dequantize", "quantized_all_reduce", "PowerSGD", "Compressor"),
     ),
     Topic(6, "memory", "What training keeps in memory"),
     Topic(
@@ -109,36 +139,48 @@ TOPICS = (
         "zero",
         "ZeRO and FSDP: sharding what data parallelism copies",
         assignment="ZeRO, stages 1 to 3",
+        deliverables=("ShardedOptimizer", "ShardedGradOptimizer", "shard_module"),
     ),
     Topic(
         8,
         "pipeline",
         "Pipeline parallelism: cutting the model into stages",
         assignment="pipeline parallelism",
+        deliverables=("pipeline_step", "simulate_schedule", "optimal_partition", "split_schedule"),
     ),
     Topic(
         9,
         "tensor_parallel",
         "Tensor parallelism: splitting every layer across ranks",
         assignment="tensor parallelism",
+        deliverables=(
+            "ColumnParallelLinear",
+            "RowParallelLinear",
+            "ParallelMLP",
+            "ParallelSelfAttention",
+            "vocab_parallel_cross_entropy",
+        ),
     ),
     Topic(
         10,
         "parallel_3d",
         "Putting it together: 3D parallelism",
         assignment="2-D parallel training, the capstone (bonus points)",
+        deliverables=("process_grid", "make_groups", "GPT2D", "train_step", "ShardedAdamW"),
     ),
     Topic(
         11,
         "sequence_parallel",
         "Sequence parallelism: splitting the tokens",
         assignment="ring attention and Ulysses",
+        deliverables=("ring_attention", "ulysses_attention", "layout", "balanced_causal_attention"),
     ),
     Topic(
         12,
         "expert_parallel",
         "Mixture of experts: experts on different ranks",
         assignment="an expert-parallel mixture of experts",
+        deliverables=("expert_parallel_moe", "sync_router_grads", "dedup_moe"),
     ),
     Topic(13, "fault_tolerance", "Training that survives failures"),
 )

@@ -195,3 +195,43 @@ def test_readme_course_table_is_the_topic_table():
             assert assignment == f"[{t.assignment_name}]({t.release}): {t.assignment}"
         else:
             assert assignment == ""
+
+
+def _graded_names(solution: str) -> list[str]:
+    """The functions and classes of a solution's answer cells that its graded test cells use,
+    in the order the tests first name them."""
+    cells = json.loads((ROOT / solution).read_text())["cells"]
+
+    def code(cell: dict) -> str:  # IPython magics are not Python
+        return "\n".join(
+            "" if re.match(r"\s*[%!]", x) else x for x in "".join(cell["source"]).splitlines()
+        )
+
+    meta = lambda cell: cell.get("metadata", {}).get("nbgrader", {})  # noqa: E731
+    answers = [c for c in cells if c["cell_type"] == "code" and meta(c).get("solution")]
+    defined = {
+        node.name
+        for cell in answers
+        for node in ast.parse(code(cell)).body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    }
+    used: list[str] = []
+    for cell in (c for c in cells if c["cell_type"] == "code" and meta(c).get("grade")):
+        for node in ast.walk(ast.parse(code(cell))):
+            if isinstance(node, ast.Name) and node.id in defined and node.id not in used:
+                used.append(node.id)
+    return used
+
+
+@pytest.mark.parametrize("t", [t for t in TOPICS if t.assignment], ids=lambda t: t.name)
+def test_deliverables_are_what_the_graded_cells_check(t: Topic):
+    """A topic's `deliverables` are the names its graded test cells hand to the checks (the
+    student edition's library must define none of them), neither more nor fewer."""
+    assert t.deliverables == tuple(_graded_names(t.solution)), (
+        f"{t.name}: deliverables {t.deliverables} are not the answers its graded test cells "
+        f"check, {tuple(_graded_names(t.solution))}; update course_lib/topics.py"
+    )
+
+
+def test_a_topic_without_an_assignment_has_no_deliverables():
+    assert not [t.name for t in TOPICS if t.deliverables and not t.assignment]

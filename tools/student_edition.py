@@ -82,14 +82,72 @@ def _drop_sections(text: str, headings: tuple[str, ...]) -> str:
     return "".join(out)
 
 
+# What the repository's README says of the instructors' targets (`make lock`, `make bench`),
+# cut for students; tests/test_student_edition.py fails if the README names a file or a target
+# the edition lacks, so a new mention shows up there.
+INSTRUCTOR_SENTENCES = (
+    (
+        re.compile(
+            r" To change a version, edit its pin\s+in `pyproject\.toml`, run `make lock`"
+            r".*?\.(?=\n)",
+            re.S,
+        ),
+        "",
+    ),
+    (re.compile(r"`make bench` \([^)]*\),\s*"), ""),
+    (re.compile(r",\s*`make lock` \(see above\)\."), "."),
+)
+
+# The repository's Layout section describes solutions/, the grading tests and the tools, which
+# the edition leaves out: students get this one.
+STUDENT_LAYOUT = """## Layout
+
+Each topic has one short name, carried by every file about it: lecture 07 is
+`lectures/07_zero.ipynb`, its code `course_lib/zero.py`, the assignment that follows it
+`assignments/a07_zero/a07_zero.ipynb` (an assignment takes its lecture's number), its checks
+`course_lib/grading/zero.py` and the tests of its code `tests/test_zero.py`.
+`course_lib/topics.py` lists the topics.
+
+```
+lectures/       the lecture notebooks, in order: NN_<topic>.ipynb
+assignments/    the assignments, aNN_<topic>/aNN_<topic>.ipynb: write your answers there
+course_lib/     the library the notebooks import: the machinery (launch and its parts pool,
+                calls, errors, rank_process, protocol; runtime, comm, network, costs, models,
+                data, compare, plots, magic, torchrun) and one module per lecture topic;
+                topics.py lists the topics
+course_lib/measure/  what a lecture measures and draws, where that is long, under the topic's
+                name
+course_lib/grading/  the checks the assignments' test cells call
+tests/          tests of course_lib (test_<topic>.py), of the notebooks' kernel and of the set-up
+jupyter/        how `make lab` runs JupyterLab: its config, settings and the server side of
+                nbgrader's Validate button
+tools/          build_site.py: every lecture run into HTML pages (`make site`, `make test`)
+examples/       the torchrun and Slurm examples
+```
+
+"""
+
+
+def _replace_section(text: str, heading: str, section: str) -> str:
+    """Markdown with the `## heading` section replaced by `section` (appended if absent)."""
+    out, skipping, done = [], False, False
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## "):
+            skipping = line[3:].startswith(heading)
+            if skipping and not done:
+                out.append(section)
+                done = True
+        if not skipping:
+            out.append(line)
+    return "".join(out) if done else "".join(out) + "\n" + section
+
+
 def student_readme(text: str) -> str:
     text = _drop_sections(text, ("For instructors", "Development"))
-    kept = [
-        line
-        for line in text.splitlines(keepends=True)
-        if not line.startswith(("solutions/", "tools/", "bench/"))
-    ]
-    title, _, rest = "".join(kept).partition("\n\n")
+    text = _replace_section(text, "Layout", STUDENT_LAYOUT)
+    for pattern, replacement in INSTRUCTOR_SENTENCES:
+        text = pattern.sub(replacement, text)
+    title, _, rest = text.partition("\n\n")
     return f"{title}\n\n{NOTICE}{rest}"
 
 

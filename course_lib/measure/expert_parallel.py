@@ -152,7 +152,8 @@ def largest_errors(tokens_per_rank: int = 32, capacity_factor: float = 1.0) -> d
     x_mine = x.detach()[mine].clone().requires_grad_()
     y_mine, aux_mine = ep(x_mine)
     ((y_mine * weight[mine]).sum() + aux_mine).backward()
-    ep.sync_router_grads()
+    if p > 1:  # the router saw only this rank's tokens: sum its gradient over the ranks
+        dist.all_reduce(ep.router.weight.grad)
     expert_errors = [
         (a.grad - b.grad).abs().max().item()
         for i, expert in enumerate(ep.experts)
@@ -171,7 +172,7 @@ def largest_errors(tokens_per_rank: int = 32, capacity_factor: float = 1.0) -> d
 
 def bytes_sent(tokens_per_rank: int = 64, even: bool = False) -> dict[str, int]:
     """On each rank: bytes one forward and one backward of `ExpertParallelMoE` sent
-    (`CommCounter`): the all-to-alls (sends and receives) and the small all-gather of counts;
+    (`CommCounter`): the all-to-alls (by their splits) and the small all-gather of counts;
     what the forward pass really wrote to its sockets (`WireCounter`, gloo's headers too); and
     N, this rank's routed tokens T/P * k * d * 8 bytes. `even`: a router that spreads the
     tokens evenly (`balanced`), else the seeded one; capacity factor 2 (nothing dropped)."""
@@ -185,8 +186,8 @@ def bytes_sent(tokens_per_rank: int = 64, even: bool = False) -> dict[str, int]:
     with CommCounter() as backward:
         (y.sum() + aux).backward()
     return {
-        "forward all-to-alls": forward.by_op.get("isend", [0, 0])[0],
-        "backward all-to-alls": backward.by_op.get("isend", [0, 0])[0],
+        "forward all-to-alls": forward.by_op.get("all_to_all_single", [0, 0])[0],
+        "backward all-to-alls": backward.by_op.get("all_to_all_single", [0, 0])[0],
         "all-gather of counts": forward.by_op.get("all_gather_single", [0, 0])[0],
         "forward, written to sockets": wire.bytes_written,
         "N": tokens_per_rank * moe.k * D_MODEL * 8,
@@ -257,8 +258,8 @@ def step_times(
         out = layer(x)
         loss = out[0].sum() + out[1] if kind == "EP" else out.sum()
         loss.backward()
-        if kind == "EP":
-            layer.sync_router_grads()
+        if kind == "EP" and p > 1:  # the replicated router's gradient, summed over the ranks
+            dist.all_reduce(layer.router.weight.grad)
 
     times = []
     with SlowNetwork(bandwidth=bandwidth, latency=latency):
