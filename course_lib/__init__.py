@@ -46,6 +46,7 @@ What a lecture measures and draws, where that is long, is in `measure/<topic>.py
 
 import sys
 
+from course_lib.calls import PerRank
 from course_lib.comm import CommCounter, WireCounter
 from course_lib.launch import (
     LaunchError,
@@ -64,6 +65,7 @@ __all__ = [
     "WireCounter",
     "LaunchError",
     "LaunchTimeout",
+    "PerRank",
     "RankError",
     "WorkerDied",
     "WorkerPool",

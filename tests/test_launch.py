@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 import course_lib
-from course_lib import LaunchTimeout, RankError, WorkerDied, WorkerPool, launch
-from course_lib.calls import PerRank, pickle_call
+from course_lib import LaunchTimeout, PerRank, RankError, WorkerDied, WorkerPool, launch
+from course_lib.calls import pickle_call
 from course_lib.launch import default_pool, resolve_backend
 from course_lib.rank_process import RankProcess, fork_server
 from tests.conftest import ROOT, alive, all_gone, descendants, wait_until

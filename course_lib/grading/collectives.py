@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from course_lib.calls import PerRank
+from course_lib import PerRank
 from course_lib.grading._harness import (
     RESULT,
     Verdict,
