@@ -397,6 +397,25 @@ def test_provenance_refuses_the_graders_own_code_called_by_the_answer(how):
     assert "the grader's own code" in seen.complaint()
 
 
+def _use_a_given_tool():
+    """An answer using what Assignment 8's set-up cell gives: the grader's send_tensor."""
+    from course_lib.grading.pipeline import recv_tensor, send_tensor
+
+    if world_size() == 1:
+        return None
+    if rank() == 0:
+        send_tensor(torch.ones(2, 3), 1).wait()
+        return None
+    return recv_tensor(0).tolist()
+
+
+def test_the_tools_an_assignment_gives_are_not_refused():
+    results = _harness.run_on_ranks(
+        "check_x", _use_a_given_tool, world_size=2, timeout=60, what="your answer"
+    )
+    assert results == [None, [[1.0] * 3] * 2]
+
+
 def test_every_check_refuses_the_graders_own_code():
     """The harness watches every run on the ranks, whether or not the check has a Provenance
     of its own: an answer that runs the grader's helper fails the part."""

@@ -7,6 +7,7 @@ import ast
 import json
 import re
 
+import nbformat
 import pytest
 
 from course_lib.topics import GRADING_LIBRARY, LIBRARY, LIBRARY_TESTS, TOPICS, Topic, topic
@@ -104,6 +105,25 @@ def test_check_parts_stand_below_their_topic_and_out_of_notebooks():
         for notebook in sorted((ROOT / folder).rglob("*.ipynb")):
             for module in re.findall(r"course_lib\.grading\.(\w+)", notebook.read_text()):
                 assert not part_of(module), f"{notebook.name} imports grading.{module}, a part"
+
+
+def test_the_tools_given_to_students_are_what_the_set_up_cells_import():
+    """course_lib.grading.GIVEN (what answers may call of the grader's) is exactly what the
+    solutions' set-up cells import from course_lib.grading besides the checks."""
+    from course_lib.grading import GIVEN
+
+    imported: dict[str, set[str]] = {}
+    for notebook in sorted((ROOT / "solutions").rglob("*.ipynb")):
+        setup = next((c for c in nbformat.read(notebook, 4).cells if c.id == "setup"), None)
+        for statement in ast.parse(setup.source if setup else "").body:
+            if isinstance(statement, ast.ImportFrom) and (statement.module or "").startswith(
+                "course_lib.grading"
+            ):
+                names = {a.name for a in statement.names}
+                tools = {n for n in names if not n.startswith("check_") and n != "CheckFailed"}
+                if tools:
+                    imported.setdefault(statement.module, set()).update(tools)
+    assert {module: set(names) for module, names in GIVEN.items()} == imported
 
 
 # Imports that break the layers on purpose (docs/architecture.md says why): (importer, imported).

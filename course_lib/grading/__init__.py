@@ -59,6 +59,49 @@ from course_lib.grading.tensor_parallel import (
 )
 from course_lib.grading.zero import check_zero1, check_zero2, check_zero3, check_zero3_peak
 
+# What the assignments' set-up cells give students from the grader besides the checks: tools
+# their answers may call (plumbing, probes, sizes). Every other function of course_lib.grading
+# is the grader's own, which a check refuses when the student's code calls it (`provenance`).
+# tests/test_topics.py holds this table to the set-up cells' imports.
+GIVEN = {
+    "course_lib.grading.data_parallel": ("AllReduceLog", "ProbeModel", "bucket_layout"),
+    "course_lib.grading.gossip": ("in_neighbors", "out_neighbors"),
+    "course_lib.grading.compression": ("BytesByKind", "all_reduce_bound", "payload_budget"),
+    "course_lib.grading.zero": (
+        "ADAMW",
+        "SMALL",
+        "ZeroRun",
+        "global_batches",
+        "gradient_bytes",
+        "measure_memory",
+        "optimizer_state_bytes",
+        "reference",
+        "shard_bytes",
+    ),
+    "course_lib.grading.pipeline": (
+        "InFlightProbe",
+        "recv_tensor",
+        "send_tensor",
+        "simulate_split",
+    ),
+    "course_lib.grading.parallel_3d": (
+        "configuration_table",
+        "formula",
+        "gather_dense",
+        "measure_configuration",
+        "sharded_adamw_report",
+        "split_counts",
+    ),
+    "course_lib.grading.sequence_parallel": ("WorkMeter", "causal_attention_flops"),
+    "course_lib.grading.expert_parallel": (
+        "dedup_cases",
+        "inputs",
+        "kept_rows",
+        "layer",
+        "row_bytes",
+    ),
+}
+
 __all__ = [
     "CheckFailed",
     "check_2d_training",

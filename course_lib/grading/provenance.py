@@ -15,7 +15,8 @@ A forbidden name may be a function, a class (every method it defines) or a whole
 (every function and class defined in it).
 
 Every Provenance also refuses the grader's own code: a function of `course_lib.grading` called
-by the student's code (`seen.hits` names it). The checks call their helpers themselves; an
+by the student's code (`seen.hits` names it), except the tools an assignment gives students
+(`course_lib.grading.GIVEN`). The checks call their helpers themselves; an
 answer that imports one (a reference, a case generator) and runs it is not doing the work.
 What counts as the student's code is any code that is not from a library: not from
 `course_lib`, the standard library or an installed package. Calls that reach the grader
@@ -92,6 +93,36 @@ def _protected(code: types.CodeType) -> bool:
     if _kind(code.co_filename) == "grader":
         return os.path.realpath(code.co_filename) != _THIS_FILE  # leaving a Provenance is not
     return f"{os.path.realpath(code.co_filename)}:{code.co_name}" in _REPORTING
+
+
+def _all_codes(value: object) -> set[types.CodeType]:
+    """Every code object of a function (and the functions defined in it), or of every method
+    of a class."""
+    if isinstance(value, type):
+        out: set[types.CodeType] = set()
+        for member in vars(value).values():
+            if isinstance(member, property):
+                parts = [member.fget, member.fset, member.fdel]
+            else:
+                parts = [getattr(member, "__func__", member)]
+            for part in parts:
+                out |= _all_codes(part) if callable(part) else set()
+        return out
+    fn = inspect.unwrap(value) if callable(value) else None
+    code = getattr(fn, "__code__", None)
+    return set(_codes(code)) if code is not None else set()
+
+
+def given_codes() -> frozenset[types.CodeType]:
+    """The code of what the assignments give students from the grader (course_lib.grading's
+    GIVEN table): their answers may call it."""
+    grading = sys.modules.get(GRADER)
+    out: set[types.CodeType] = set()
+    for module_name, names in getattr(grading, "GIVEN", {}).items():
+        module = sys.modules.get(module_name)
+        for name in names if module is not None else ():
+            out |= _all_codes(getattr(module, name, None))
+    return frozenset(out)
 
 
 def called_by_student(frame: types.FrameType) -> bool:
@@ -179,6 +210,7 @@ class Provenance:
         self.switched_off = False
         self._hook = self._profile  # one bound method, to recognise it later
         self._seen: dict[types.CodeType, str | None] = {}
+        self._given = given_codes()
 
     def _add(self, dotted: str, target: object) -> None:
         members = vars(target).values() if isinstance(target, type) else [target]
@@ -206,7 +238,7 @@ class Provenance:
         name = self._seen.get(code, False)
         if name is False:
             name = self.codes.get(code) or self.names.get(_signature(code))
-            if name is None and _protected(code):
+            if name is None and _protected(code) and code not in self._given:
                 name = _GRADER_CALL  # decided per call, by who calls it
             self._seen[code] = name
         if name is _GRADER_CALL:
