@@ -114,14 +114,16 @@ def _all_codes(value: object) -> set[types.CodeType]:
 
 
 def given_codes() -> frozenset[types.CodeType]:
-    """The code of what the assignments give students from the grader (course_lib.grading's
-    GIVEN table): their answers may call it."""
+    """The code of what the assignments give students from the grader, and of what the checks
+    hand the student's code to call back (course_lib.grading's GIVEN and HANDED tables):
+    their answers may call it."""
     grading = sys.modules.get(GRADER)
     out: set[types.CodeType] = set()
-    for module_name, names in getattr(grading, "GIVEN", {}).items():
-        module = sys.modules.get(module_name)
-        for name in names if module is not None else ():
-            out |= _all_codes(getattr(module, name, None))
+    for table in (getattr(grading, "GIVEN", {}), getattr(grading, "HANDED", {})):
+        for module_name, names in table.items():
+            module = sys.modules.get(module_name)
+            for name in names if module is not None else ():
+                out |= _all_codes(getattr(module, name, None))
     return frozenset(out)
 
 
