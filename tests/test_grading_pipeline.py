@@ -232,8 +232,8 @@ def test_the_stages_weights_are_each_ranks_secret():
         ),
         (step_micro_batches_reversed, "gpipe", "the stage ran F3 F2 F1 F0 B3 B2 B1 B0;"),
         (step_zeroes_first, "gpipe", "it is the full-batch gradient alone: what .grad held"),
-        (step_returns_a_tensor, "gpipe", "the last stage returned Tensor; return the whole"),
-        (step_returns_everywhere, "1f1b", "the stage returned float; only the last stage"),
+        (step_returns_a_tensor, "gpipe", "the last stage returned a Tensor; return the whole"),
+        (step_returns_everywhere, "1f1b", "the stage returned a float; only the last stage"),
         (step_never_waits, "gpipe", "send(s) that send_tensor started were never .wait()-ed"),
         (
             step_shifted_activation,
@@ -247,12 +247,15 @@ def test_the_stages_weights_are_each_ranks_secret():
     ],
 )
 def test_pipeline_trainer_rejects_wrong_implementations(fn, schedule, message):
+    # A deadlock is cut after its timeout (5 s); the others finish, given time on a machine
+    # that other jobs load (5 s was too short with 13 processes on 2 cores).
+    deadlock = "did not finish" in message
     start = time.monotonic()
     with pytest.raises(CheckFailed) as info:
-        check_pipeline_trainer(fn, schedule, timeout=5)
+        check_pipeline_trainer(fn, schedule, timeout=5 if deadlock else 30)
     assert str(info.value).startswith("check_pipeline_trainer: ")
     assert message in str(info.value)
-    assert time.monotonic() - start < 30
+    assert not deadlock or time.monotonic() - start < 30
 
 
 def test_pipeline_failure_names_stage_step_and_tolerance():

@@ -341,17 +341,18 @@ def _judge_schedule(
 def _judge_returned(check: str, at: str, returned: str, last: bool) -> None:
     """The whole-batch loss as a float from the last stage, None from the others."""
     __tracebackhide__ = True
+    said = "None" if returned == "NoneType" else f"a {returned}"
     if last and returned != "float":
         fail(
             check,
-            f"{at}: the last stage returned {returned}; return the whole-batch loss as a "
-            "float (a tensor's .item() is one)",
+            f"{at}: the last stage returned {said}; return the whole-batch loss as a float "
+            "(a tensor's .item() is one)",
         )
     if not last and returned != "NoneType":
         fail(
             check,
-            f"{at}: the stage returned {returned}; only the last stage returns the loss, "
-            "the others return None",
+            f"{at}: the stage returned {said}; only the last stage returns the loss, the "
+            "others return None",
         )
 
 
