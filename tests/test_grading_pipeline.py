@@ -23,8 +23,18 @@ from course_lib.grading.pipeline_partition import (
     partition_problems,
     partition_time,
 )
+from course_lib.grading.pipeline_trainer import PipelineRun, build_model, run_pipeline
+from course_lib.grading.provenance import Provenance
 from tests.adapters import mutant, planted, solution
-from tests.cheats.a08_pipeline import EXHAUSTIVE_PARTITION, SPLIT_BY_STAGE
+from tests.cheats.a08_pipeline import (
+    EXHAUSTIVE_PARTITION,
+    GPIPE_BACKWARDS_REVERSED,
+    PIPELINE_BY_OP_LIST,
+    REBUILT_MODEL,
+    SIMULATE_BY_FIXED_POINT,
+    SIMULATE_GPIPE_REVERSED,
+    SPLIT_BY_STAGE,
+)
 
 # --- the pipeline trainer -----------------------------------------------------------------
 
@@ -43,6 +53,47 @@ step_1f1b_keeps_everything = mutant(
 step_1f1b_one_too_many = mutant(
     "pipeline", "pipeline_step", ("min(P - r - 1, n_micro)", "min(P - r, n_micro)")
 ).pipeline_step
+# Right numbers, wrong order or wrong manners: the backwards after the forwards in reverse
+# micro-batch order (GPipe's, and 1F1B's cool-down); every micro-batch in reverse order;
+# .grad zeroed first; the loss as a tensor; a float on every stage; sends never waited for.
+COOL_DOWN = "for i in range(n_micro - warmup, n_micro):\n        backward(i)"
+step_backwards_reversed = mutant(
+    "pipeline",
+    "pipeline_step",
+    (COOL_DOWN, "for i in reversed(range(n_micro - warmup, n_micro)):\n        backward(i)"),
+).pipeline_step
+step_micro_batches_reversed = mutant(
+    "pipeline",
+    "pipeline_step",
+    (
+        "xs, ys = inputs.tensor_split(n_micro), targets.tensor_split(n_micro)",
+        "xs, ys = inputs.tensor_split(n_micro)[::-1], targets.tensor_split(n_micro)[::-1]",
+    ),
+).pipeline_step
+step_zeroes_first = mutant(
+    "pipeline",
+    "pipeline_step",
+    ("r, P = rank(), world_size()", "stage.zero_grad()\n    r, P = rank(), world_size()"),
+).pipeline_step
+step_returns_a_tensor = mutant(
+    "pipeline",
+    "pipeline_step",
+    ("return total if last else None", "return torch.tensor(total) if last else None"),
+).pipeline_step
+step_returns_everywhere = mutant(
+    "pipeline", "pipeline_step", ("return total if last else None", "return total")
+).pipeline_step
+step_never_waits = mutant(
+    "pipeline", "pipeline_step", ("for send in sends:\n        send.wait()", "pass")
+).pipeline_step
+step_shifted_activation = mutant(
+    "pipeline",
+    "pipeline_step",
+    ("recv_tensor(r - 1).requires_grad_()", "(recv_tensor(r - 1) + 1e-3).requires_grad_()"),
+).pipeline_step
+# No messages at all: each stage rebuilds the model from the run's seed and computes the
+# other stages itself (the cheat's own text); the stages' secret weights defeat it.
+step_rebuilds_the_model = planted("pipeline", "pipeline_step", REBUILT_MODEL).pipeline_step
 
 
 def step_zeroes_between_micro_batches(stage, *args):
@@ -113,13 +164,48 @@ def test_pipeline_trainer_accepts_a_right_implementation(schedule, capsys):
     assert f"stages), {schedule}: every stage's gradients and the loss" in out
 
 
+def test_the_reversed_gpipe_cheat_is_right_but_for_its_order():
+    # The cheat's text: the gradients and the loss are right, only GPipe's order is not.
+    step = planted("pipeline", "pipeline_step", GPIPE_BACKWARDS_REVERSED).pipeline_step
+    check_pipeline_trainer(step, "1f1b", world_sizes=(2, 4))
+    with pytest.raises(CheckFailed) as info:
+        check_pipeline_trainer(step, "gpipe", world_sizes=(2,), n_micro=(4,))
+    assert "the stage ran F0 F1 F2 F3 B3 B2 B1 B0; the gpipe schedule runs" in str(info.value)
+    assert "differs" not in str(info.value)
+
+
+def test_pipeline_trainer_accepts_a_different_right_implementation():
+    # An explicit list of operations, torch.autograd.backward, the loss summed as a tensor
+    # and returned with float() (the cheats' alternative text).
+    step = planted("pipeline", "pipeline_step", PIPELINE_BY_OP_LIST).pipeline_step
+    for schedule in ("gpipe", "1f1b"):
+        check_pipeline_trainer(step, schedule, world_sizes=(1, 3, 4), n_micro=(2, 16))
+
+
 def test_schedule_orders_keep_the_documented_number_in_flight():
     for P, m in [(4, 8), (4, 2), (2, 5), (1, 3)]:
         for r in range(P):
             for schedule, bound in (("gpipe", m), ("1f1b", min(m, P - r))):
                 order = schedule_order(schedule, P, m, r)
-                live = [order[: k + 1].count("F") - order[: k + 1].count("B") for k in range(2 * m)]
+                kinds = [kind for kind, _ in order]
+                live = [kinds[: k + 1].count("F") - kinds[: k + 1].count("B") for k in range(2 * m)]
                 assert max(live) == bound and live[-1] == 0, (schedule, P, m, r)
+                for kind in "FB":  # each kind takes the micro-batches in order
+                    assert [i for k, i in order if k == kind] == list(range(m))
+
+
+def test_the_stages_weights_are_each_ranks_secret():
+    # Two runs of the same seed: each stage's first weights differ from one run to the next
+    # and from the run's seeded model, so no rank can rebuild another stage's weights.
+    def first_weights():
+        return run_pipeline(pipeline_step, "gpipe", PipelineRun(steps=1), Provenance(()))["first"]
+
+    runs = [launch(first_weights, world_size=2, timeout=20) for _ in range(2)]
+    seeded = dict(build_model(PipelineRun()).named_parameters())
+    for r in range(2):
+        assert runs[0][r].keys() == runs[1][r].keys() and runs[0][r]
+        for name, t in runs[0][r].items():
+            assert not torch.equal(t, runs[1][r][name]) and not torch.equal(t, seeded[name])
 
 
 @pytest.mark.parametrize(
@@ -131,17 +217,45 @@ def test_schedule_orders_keep_the_documented_number_in_flight():
         (step_zeroes_between_micro_batches, "1f1b", "do not zero gradients"),
         (step_never_sends_gradients, "gpipe", "did not finish within 5 s"),
         (step_broadcasts, "gpipe", "used ['barrier']"),
-        (step_as_1f1b, "gpipe", "the gpipe schedule runs F F F F B B B B on stage 0 of 2"),
+        (step_as_1f1b, "gpipe", "the gpipe schedule runs F0 F1 F2 F3 B0 B1 B2 B3 on stage 0 of 2"),
+        (
+            step_backwards_reversed,
+            "gpipe",
+            "the stage ran F0 F1 F2 F3 B3 B2 B1 B0; the gpipe schedule runs F0 F1 F2 F3 B0 B1 "
+            "B2 B3 on stage 0 of 2",
+        ),
+        (
+            step_backwards_reversed,
+            "1f1b",
+            "the stage ran F0 F1 F2 F3 B0 B3 B2 B1; the 1f1b schedule runs F0 F1 F2 F3 B0 B1 "
+            "B2 B3 on stage 0 of 4",
+        ),
+        (step_micro_batches_reversed, "gpipe", "the stage ran F3 F2 F1 F0 B3 B2 B1 B0;"),
+        (step_zeroes_first, "gpipe", "it is the full-batch gradient alone: what .grad held"),
+        (step_returns_a_tensor, "gpipe", "the last stage returned a Tensor; return the whole"),
+        (step_returns_everywhere, "1f1b", "the stage returned a float; only the last stage"),
+        (step_never_waits, "gpipe", "send(s) that send_tensor started were never .wait()-ed"),
+        (
+            step_shifted_activation,
+            "gpipe",
+            "forward number 1 of the stage got an input that is no micro-batch's activation "
+            "from stage 0",
+        ),
+        (step_rebuilds_the_model, "gpipe", "got an input that is no micro-batch's activation"),
+        (step_rebuilds_the_model, "1f1b", "got an input that is no micro-batch's activation"),
         (not_implemented, "gpipe", "raised NotImplementedError"),
     ],
 )
 def test_pipeline_trainer_rejects_wrong_implementations(fn, schedule, message):
+    # A deadlock is cut after its timeout (5 s); the others finish, given time on a machine
+    # that other jobs load (5 s was too short with 13 processes on 2 cores).
+    deadlock = "did not finish" in message
     start = time.monotonic()
     with pytest.raises(CheckFailed) as info:
-        check_pipeline_trainer(fn, schedule, timeout=5)
+        check_pipeline_trainer(fn, schedule, timeout=5 if deadlock else 30)
     assert str(info.value).startswith("check_pipeline_trainer: ")
     assert message in str(info.value)
-    assert time.monotonic() - start < 30
+    assert not deadlock or time.monotonic() - start < 30
 
 
 def test_pipeline_failure_names_stage_step_and_tolerance():
@@ -195,8 +309,38 @@ def simulate_without_dependencies(P, m, schedule, t_forward=1.0, t_backward=1.0)
     return result
 
 
-def test_simulate_schedule_accepts_a_right_implementation():
-    check_simulate_schedule(simulate_schedule, cases=((1, 3), (2, 2), (4, 16), (5, 3), (8, 1)))
+def simulate_late_forward(P, m, schedule, t_forward=1.0, t_backward=1.0):
+    """Right but for one forward: from 3 stages on, 1F1B's first stage runs its first forward
+    after the warm-up one t_forward late, which its idle time hides (the makespan and the
+    bubble stay right)."""
+    result = simulate_schedule(P, m, schedule, t_forward, t_backward)
+    ops = result["timeline"][0]
+    if schedule == "1f1b" and 3 <= P <= m:
+        k, i, a, b = ops[P - 1]
+        ops[P - 1] = (k, i, a + t_forward, b + t_forward)
+    return result
+
+
+def simulate_listed_backwards(P, m, schedule, t_forward=1.0, t_backward=1.0):
+    """Right times, but each stage lists its operations forwards first, not as they run."""
+    result = simulate_schedule(P, m, schedule, t_forward, t_backward)
+    result["timeline"] = [sorted(ops, key=lambda op: op[0] == "B") for ops in result["timeline"]]
+    return result
+
+
+# The cheats' texts: GPipe's backwards simulated in reverse order (a mirror image, the same
+# bubble); another right simulator, relaxed to a fixed point.
+simulate_gpipe_reversed = planted(
+    "pipeline", "simulate_schedule", SIMULATE_GPIPE_REVERSED
+).simulate_schedule
+simulate_by_fixed_point = planted(
+    "pipeline", "simulate_schedule", SIMULATE_BY_FIXED_POINT
+).simulate_schedule
+
+
+@pytest.mark.parametrize("fn", [simulate_schedule, simulate_by_fixed_point])
+def test_simulate_schedule_accepts_right_implementations(fn):
+    check_simulate_schedule(fn, cases=((1, 3), (2, 2), (4, 16), (5, 3), (8, 1), (2, 7), (8, 16)))
 
 
 def test_simulated_bubble_is_the_formula_for_the_issue_cases():
@@ -211,7 +355,14 @@ def test_simulated_bubble_is_the_formula_for_the_issue_cases():
     "fn, message",
     [
         (simulate_off_by_one, "bubble_fraction is 0.333"),
-        (simulate_with_a_gap, "does every operation start as soon as"),
+        (simulate_with_a_gap, "but it could start at 1, when the stage is free and what it"),
+        (simulate_late_forward, "stage 0 starts F3 at 4, but it could start at 3, when"),
+        (simulate_listed_backwards, "list stage 1's operations in the order they run"),
+        (
+            simulate_gpipe_reversed,
+            "stage 0 runs F0 F1 F2 F3 B3 B2 B1 B0; the gpipe schedule runs F0 F1 F2 F3 B0 B1 "
+            "B2 B3 there",
+        ),
         (
             simulate_1f1b_as_gpipe,
             "stage 1 has 4 micro-batches in flight at once; 1F1B keeps at most min(m, P - s) = 3",
@@ -234,14 +385,8 @@ optimal_partition = A08.optimal_partition
 
 
 def partition_greedy(layer_times, activation_sizes, n_machines, bandwidth=1.0, weight_sizes=None):
-    """Wrong: one machine per stage, layers cut where the running time passes its share."""
-    problem = PartitionProblem(
-        tuple(layer_times),
-        tuple(activation_sizes),
-        n_machines,
-        None if weight_sizes is None else tuple(weight_sizes),
-        bandwidth,
-    )
+    """Wrong: one machine per stage, layers cut where the running time passes its share (its
+    time computed as an answer would, without the grader's helpers)."""
     n = len(layer_times)
     k = min(n, n_machines)
     share, stages, start, acc = sum(layer_times) / k, [], 0, 0.0
@@ -253,8 +398,14 @@ def partition_greedy(layer_times, activation_sizes, n_machines, bandwidth=1.0, w
             start, acc = j + 1, 0.0
     stages.append([start, n, 1])
     stages[-1][2] += n_machines - sum(s[2] for s in stages)
-    stages = [tuple(s) for s in stages]
-    return partition_time(problem, stages), stages
+    weights = weight_sizes if weight_sizes is not None else [0.0] * n
+
+    def stage_time(i, j, machines):
+        sync = sum(2 * w / bandwidth for w in weights[i:j]) if machines > 1 else 0.0
+        return max(sum(layer_times[i:j]), sync) / machines
+
+    links = [2 * activation_sizes[b - 1] / bandwidth for _, b, _ in stages[:-1]]
+    return max([stage_time(*s) for s in stages] + links), [tuple(s) for s in stages]
 
 
 def partition_ignoring_communication(layer_times, activation_sizes, n_machines, **kwargs):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import rank, world_size
+from course_lib import launch, rank, world_size
 from course_lib.grading import (
     CheckFailed,
     check_column_parallel_linear,
@@ -31,11 +31,22 @@ from course_lib.grading.tensor_parallel_loss import (
     VOCAB,
     budget_bytes,
     gathered_logits_bytes,
+    logits_block,
     loss_cases,
-    loss_data,
+    loss_targets,
+    run_loss_cases,
 )
 from tests.adapters import mutant, planted, solution
-from tests.cheats.a09_tensor_parallel import LECTURE_LOSS, LOSS_ONE_ALL_GATHER, MLP_FULL_COPY
+from tests.cheats.a09_tensor_parallel import (
+    LECTURE_LOSS,
+    LOSS_FROM_THE_CALLERS_FRAME,
+    LOSS_IN_PLACE_ON_COPIES,
+    LOSS_ONE_ALL_GATHER,
+    LOSS_SHIFTS_TARGETS,
+    MLP_COPIED_INTO_LINEARS,
+    MLP_FULL_COPY,
+    MLP_SHARD_VIEWS,
+)
 
 # --- right implementations: the solution notebook's, and attention written differently ----
 
@@ -48,14 +59,16 @@ ParallelMLP, ParallelSelfAttention = A09.ParallelMLP, A09.ParallelSelfAttention
 
 class AttentionColumnQKV(nn.Module):
     """Right, in another style: the dense q, k, v rows reordered so that this rank's heads form
-    block r, taken by a column-parallel layer."""
+    block r, taken by a column-parallel layer (no grader helper: answers may not call them)."""
 
     def __init__(self, attn):
         super().__init__()
         d_model = attn.qkv.in_features
         self.local_heads = attn.n_heads // world_size()
         # Reorder the dense rows so that this rank's q, k, v rows form block r.
-        order = torch.cat([head_rows(d_model, r, world_size()) for r in range(world_size())])
+        P = world_size()
+        features = [torch.arange(r * d_model // P, (r + 1) * d_model // P) for r in range(P)]
+        order = torch.cat([torch.cat([f, d_model + f, 2 * d_model + f]) for f in features])
         dense = nn.Linear(d_model, 3 * d_model, dtype=attn.qkv.weight.dtype)
         with torch.no_grad():
             dense.weight.copy_(attn.qkv.weight[order])
@@ -213,6 +226,21 @@ class ColumnFullCopy(ColumnParallelLinear):
 # The dense MLP, kept whole, computes the output; the shards get Megatron's local gradients
 # through a path whose value is zero (the cheat's own text, planted in the solution).
 MLPFullCopy = planted("tensor_parallel", "parallel_mlp", MLP_FULL_COPY).ParallelMLP
+# Right numbers and calls, but the shards are views of the dense block (the cheat's text).
+MLPShardViews = planted("tensor_parallel", "parallel_mlp", MLP_SHARD_VIEWS).ParallelMLP
+# Right: fresh linear layers filled with copy_ (the alternative's text).
+MLPCopiedIntoLinears = planted(
+    "tensor_parallel", "parallel_mlp", MLP_COPIED_INTO_LINEARS
+).ParallelMLP
+
+
+class RowSharesTheBias(RowParallelLinear):
+    """Right numbers and calls, but the bias is the dense layer's own Parameter, not a copy:
+    backward writes the dense layer's .grad."""
+
+    def __init__(self, linear):
+        super().__init__(linear)
+        self.bias = linear.bias
 
 
 class ColumnLecture(nn.Module):
@@ -296,8 +324,9 @@ def test_row_parallel_linear_accepts_a_right_implementation():
     check_row_parallel_linear(RowParallelLinear, seeds=(0, 1))
 
 
-def test_parallel_mlp_accepts_a_right_implementation():
-    check_parallel_mlp(ParallelMLP, seeds=(0, 1))
+@pytest.mark.parametrize("cls", [ParallelMLP, MLPCopiedIntoLinears])
+def test_parallel_mlp_accepts_right_implementations(cls):
+    check_parallel_mlp(cls, seeds=(0, 1))
 
 
 @pytest.mark.parametrize("cls", [ParallelSelfAttention, AttentionColumnQKV, TorchSDPAAttention])
@@ -329,6 +358,8 @@ def test_parallel_attention_accepts_right_implementations(cls):
         (check_parallel_mlp, MLPFullCopy, "after the check changed the shards"),
         (check_column_parallel_linear, ColumnLecture, "course_lib.tensor_parallel."),
         (check_row_parallel_linear, RowAllGatherThenLocal, "expected {'all_reduce': 1}"),
+        (check_parallel_mlp, MLPShardViews, "the dense layer your layer was built from changed"),
+        (check_row_parallel_linear, RowSharesTheBias, "the dense layer's bias got a gradient"),
     ],
 )
 def test_checks_reject_wrong_implementations(check, cls, message):
@@ -453,9 +484,61 @@ def test_the_budget_lets_statistics_through_and_stops_the_logits():
 def test_the_large_logits_case_overflows_a_naive_exp():
     # Without a maximum subtracted, exp() is inf in float64; torch's reference stays finite.
     case = next(c for c in loss_cases(0) if c.offset)
-    logits, targets = loss_data(case, 4)
-    assert torch.exp(logits).isinf().any()
-    assert torch.isfinite(F.cross_entropy(logits, targets))
+    logits = torch.cat([logits_block(case, seed, 4) for seed in range(4)], dim=1)
+    assert logits.shape == (case.tokens, VOCAB) and torch.exp(logits).isinf().any()
+    assert torch.isfinite(F.cross_entropy(logits, loss_targets(case, 4)))
+
+
+def test_each_ranks_block_of_logits_is_its_secret():
+    # Two runs on 2 ranks: each rank's block comes from a seed of its own, new every run,
+    # and the blocks are the seeds' (so the judge can rebuild the whole logits from them).
+    def blocks():
+        return [
+            (r["seed"], r["logits_after"])
+            for r in run_loss_cases(vocab_loss, loss_cases(0))["cases"]
+        ]
+
+    runs = [launch(blocks, world_size=2, timeout=20) for _ in range(2)]
+    seeds = [seed for run in runs for rank_cases in run for seed, _ in rank_cases]
+    assert len(set(seeds)) == len(seeds) == 2 * 2 * len(loss_cases(0))
+    for run in runs:
+        for rank_cases in run:
+            for case, (seed, block) in zip(loss_cases(0), rank_cases, strict=True):
+                assert torch.equal(block, logits_block(case, seed, 2))
+
+
+# Right numbers, but the arguments changed in place: the targets shifted to this rank's
+# columns (the cheat's text); the logits shifted by their maximum under no_grad; the same
+# through a detached view (detach() shares the logits' memory).
+loss_shifts_targets = planted(
+    "tensor_parallel", "vocab_loss", LOSS_SHIFTS_TARGETS
+).vocab_parallel_cross_entropy
+loss_shifts_logits = mutant(
+    "tensor_parallel",
+    "vocab_loss",
+    (
+        "shifted = local_logits - top[:, None]",
+        "with torch.no_grad():\n        local_logits -= top[:, None]\n    shifted = local_logits",
+    ),
+).vocab_parallel_cross_entropy
+loss_shifts_a_detached_view = mutant(
+    "tensor_parallel",
+    "vocab_loss",
+    (
+        "top = local_logits.max(dim=-1).values",
+        "top = local_logits.max(dim=-1).values\n"
+        "        view = local_logits.detach()\n"
+        "        view -= view.max(dim=-1, keepdim=True).values",
+    ),
+).vocab_parallel_cross_entropy
+# No messages: the whole logits from the check's frames (the cheat's text).
+loss_from_the_callers_frame = planted(
+    "tensor_parallel", "vocab_loss", LOSS_FROM_THE_CALLERS_FRAME
+).vocab_parallel_cross_entropy
+# Right: in-place arithmetic on copies of its own (the alternative's text).
+loss_in_place_on_copies = planted(
+    "tensor_parallel", "vocab_loss", LOSS_IN_PLACE_ON_COPIES
+).vocab_parallel_cross_entropy
 
 
 def test_vocab_loss_accepts_the_solution(capsys):
@@ -466,7 +549,12 @@ def test_vocab_loss_accepts_the_solution(capsys):
 
 
 @pytest.mark.parametrize(
-    "fn", [loss_three_all_reduces, loss_one_all_gather.vocab_parallel_cross_entropy]
+    "fn",
+    [
+        loss_three_all_reduces,
+        loss_one_all_gather.vocab_parallel_cross_entropy,
+        loss_in_place_on_copies,
+    ],
 )
 def test_vocab_loss_accepts_other_designs(fn):
     check_vocab_parallel_cross_entropy(fn, world_sizes=(2, 3), seeds=(0, 1))
@@ -480,6 +568,10 @@ def test_vocab_loss_accepts_other_designs(fn):
         (loss_local_max, "against F.cross_entropy on the whole logits"),  # the loss
         (loss_summed, "the loss is the mean over the tokens"),  # the loss
         (loss_lecture.vocab_parallel_cross_entropy, "course_lib.tensor_parallel."),
+        (loss_shifts_targets, "changed targets in place (24 of 24 entries differ after the call)"),
+        (loss_shifts_logits, "changed local_logits in place"),
+        (loss_shifts_a_detached_view, "changed local_logits in place"),
+        (loss_from_the_callers_frame, "against F.cross_entropy on the whole logits"),
     ],
 )
 def test_vocab_loss_rejects(fn, message):

@@ -7,23 +7,26 @@
                                                       1F1B in its memory (open part)
 
 The assignment's plumbing is imported from here too: `send_tensor` / `recv_tensor` (a tensor
-of any shape between two ranks) and `InFlightProbe` (what the check wraps around a stage).
+of any shape between two ranks) and `InFlightProbe` (a stage that counts its micro-batches in
+flight, for trying a schedule out).
 
 `pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule)` runs on every rank with
-that rank's stage of a seeded float64 model (an MLP, or TinyGPT cut by `pipeline_stages`).
-The check wraps the stage in an `InFlightProbe`, which counts the micro-batches whose forward
-has run on the stage and whose backward has not yet: the activations the stage must keep.
-After each step the gradients (and the parameters after an SGD step) must equal
-single-process training on the whole batch, and the order of forwards and backwards on each
-stage must be the schedule's.
+that rank's stage of a float64 model (an MLP, or TinyGPT cut by `pipeline_stages`), its
+weights drawn from a secret seed on that rank. The check wraps the stage (`watch`) to log
+which micro-batch each forward and backward of the stage ran, in order, and hands each .grad
+over holding a value that backward must add to. After each step the gradients (and the
+parameters after an SGD step) must equal single-process training on the whole batch, and
+the order of forwards and backwards on each stage, micro-batch by micro-batch, must be the
+schedule's.
 
-The schedules, for P stages, m micro-batches, stage r (0 = first):
+The schedules, for P stages, m micro-batches, stage r (0 = first), each kind of operation
+in micro-batch order:
 - "gpipe": the m forwards, then the m backwards;
 - "1f1b": w = min(P - r - 1, m) forwards (warm-up), then m - w times one forward and one
   backward, then the last w backwards; so at most min(m, P - r) micro-batches are in flight.
 
 The checks stand on their parts:
-    pipeline_plumbing.py   the schedules' order, send_tensor / recv_tensor, InFlightProbe
+    pipeline_plumbing.py   the schedules' order, send_tensor / recv_tensor, the stage's log
     pipeline_trainer.py    the trainer's runs, the single-process reference, each step judged
     pipeline_timeline.py   a simulated schedule's timeline judged
     pipeline_partition.py  partition problems, brute force, a returned partition judged
@@ -65,9 +68,8 @@ from course_lib.grading.pipeline_trainer import (
     ATOL,
     RTOL,
     PipelineRun,
-    compare_step,
+    judge_run,
     pipeline_runs,
-    reference_steps,
     run_pipeline,
     stages,
 )
@@ -144,8 +146,9 @@ def check_pipeline_trainer(
 ) -> None:
     """`pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule)` on every rank: the
     batch in n_micro micro-batches through the stages with the given schedule; gradients
-    accumulated in each stage's .grad; the last stage returns the full-batch loss.
-    Checked against single-process training, and for the order and memory of the schedule."""
+    added to each stage's .grad; the last stage returns the full-batch loss as a float, the
+    others None. Checked against single-process training, and for the schedule's order of
+    forwards and backwards, micro-batch by micro-batch."""
     __tracebackhide__ = True
     check = "check_pipeline_trainer"
     if schedule not in SCHEDULES:
@@ -169,16 +172,15 @@ def check_pipeline_trainer(
         results = [_unwatched(check, found) for found in results]
         for i, run in enumerate(runs):
             with verdict.case():  # a run's first failing step
-                for s, ref in enumerate(reference_steps(run)):
-                    per_rank = [found[i] for found in results]
-                    compare_step(check, schedule, run, s, ref, per_rank)
+                judge_run(check, schedule, run, [found[i] for found in results])
     verdict.conclude(
         f"{len(runs) * len(world_sizes)} run(s) of {steps} steps ({', '.join(models)}; "
         f"{', '.join(str(m) for m in n_micro)} micro-batches; "
         f"{', '.join(str(P) for P in world_sizes)} stages), {schedule}: every stage's "
         f"gradients and the loss equal single-process training (rtol {RTOL:g}, atol "
-        f"{ATOL:g}), with the schedule's order of forwards and backwards and at most its "
-        "micro-batches in flight"
+        f"{ATOL:g}), .grad added to, with the schedule's order of forwards and backwards, "
+        "micro-batch by micro-batch, only point-to-point messages, every send waited for, "
+        "the loss as a float on the last stage and None on the others"
     )
 
 

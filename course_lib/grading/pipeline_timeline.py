@@ -1,10 +1,11 @@
 """Assignment 8's simulated schedules, judged: is a timeline from `simulate_schedule` one
 that the schedule could run?
 
-A case is (P, m, schedule, t_forward, t_backward). The timeline must run every forward and
-backward of each micro-batch once per stage, each for its duration, one at a time per stage,
-after what it depends on (F i on stage s after F i on stage s - 1; B i after B i on stage
-s + 1, or after F i on the last stage), in the schedule's order; its makespan and bubble
+A case is (P, m, schedule, t_forward, t_backward). The timeline must list, per stage and in
+the order they run, every forward and backward of each micro-batch once, each for its
+duration, one at a time, in the schedule's order (micro-batch by micro-batch), after what it
+depends on (F i on stage s after F i on stage s - 1; B i after B i on stage s + 1, or after
+F i on the last stage) and as soon as that and its stage allow; its makespan and bubble
 fraction must agree with it and, the stages being equal, with (P-1)/(m+P-1).
 """
 
@@ -14,15 +15,16 @@ import math
 
 from course_lib.costs import bubble_formula
 from course_lib.grading._harness import fail
-from course_lib.grading.pipeline_plumbing import in_flight_bound, schedule_order
+from course_lib.grading.pipeline_plumbing import in_flight_bound, peak_in_flight, schedule_order
 
 # (kind, micro-batch, stage) -> the time an operation starts, or ends
 Times = dict[tuple[str, int, int], float]
 
 
 def check_timeline(check: str, case: tuple, result: object) -> None:
-    """The timeline runs every op once, for its duration, one at a time per stage, after
-    what it depends on, in the schedule's order; makespan and bubble agree with it."""
+    """The timeline runs every op once, for its duration, one at a time per stage, in the
+    schedule's order, as soon as what it depends on allows; makespan and bubble agree with
+    it."""
     __tracebackhide__ = True
     P, m, schedule, tf, tb = case
     at = f"simulate_schedule({P}, {m}, {schedule!r}, t_forward={tf:g}, t_backward={tb:g})"
@@ -32,6 +34,7 @@ def check_timeline(check: str, case: tuple, result: object) -> None:
     for s, ops in enumerate(timeline):
         _judge_stage(check, at, case, s, ops, start, end)
     _judge_dependencies(check, at, P, start, end)
+    _judge_earliest(check, at, P, start, end)
     _judge_makespan(check, at, case, result, end)
 
 
@@ -62,9 +65,10 @@ def _judge_stage(
     __tracebackhide__ = True
     P, m, schedule, tf, tb = case
     try:
-        ops = sorted((float(a), float(b), str(k), int(i)) for k, i, a, b in ops)
+        listed = [(float(a), float(b), str(k), int(i)) for k, i, a, b in ops]
     except (TypeError, ValueError):
         fail(check, f"{at}: stage {s}'s entries must be (kind, micro_batch, start, end)")
+    ops = sorted(listed)
     keys = sorted((k, i) for _, _, k, i in ops)
     expected = sorted((k, i) for k in "FB" for i in range(m))
     if keys != expected:
@@ -73,6 +77,8 @@ def _judge_stage(
             f"{at}: stage {s} runs {keys}; expected F and B of each micro-batch "
             f"0..{m - 1} exactly once",
         )
+    if [a for a, _, _, _ in listed] != [a for a, _, _, _ in ops]:
+        fail(check, f"{at}: list stage {s}'s operations in the order they run (by start time)")
     previous_end = 0.0
     for a, b, k, i in ops:
         duration = tf if k == "F" else tb
@@ -86,23 +92,32 @@ def _judge_stage(
             )
         previous_end = b
         start[k, i, s], end[k, i, s] = a, b
-    order = [k for _, _, k, _ in ops]
-    live, peak = 0, 0
-    for k in order:
-        live += 1 if k == "F" else -1
-        peak = max(peak, live)
-    bound = in_flight_bound(schedule, P, m, s)
-    if schedule == "gpipe" and order != schedule_order("gpipe", P, m, s):
-        fail(
-            check,
-            f"{at}: stage {s} runs {' '.join(order)}; GPipe runs every forward before any backward",
-        )
+    order = [(k, i) for _, _, k, i in ops]
+    peak, bound = peak_in_flight(k for k, _ in order), in_flight_bound(schedule, P, m, s)
     if peak > bound:
         fail(
             check,
             f"{at}: stage {s} has {peak} micro-batches in flight at once; "
             f"1F1B keeps at most min(m, P - s) = {bound}",
         )
+    want = schedule_order(schedule, P, m, s)
+    if order != want:
+        fail(
+            check,
+            f"{at}: stage {s} runs {_said(order)}; the {schedule} schedule runs "
+            f"{_said(want)} there (the orders of Part 1, each kind in micro-batch order)",
+        )
+
+
+def _said(order: list[tuple[str, int]]) -> str:
+    return " ".join(f"{kind}{i}" for kind, i in order)
+
+
+def _needs(kind: str, i: int, s: int, P: int) -> tuple[str, int, int] | None:
+    """The operation (kind, micro-batch, stage) that must end before `kind` i on stage s."""
+    if kind == "F":
+        return ("F", i, s - 1) if s > 0 else None
+    return ("B", i, s + 1) if s < P - 1 else ("F", i, s)
 
 
 def _judge_dependencies(check: str, at: str, P: int, start: Times, end: Times) -> None:
@@ -110,16 +125,31 @@ def _judge_dependencies(check: str, at: str, P: int, start: Times, end: Times) -
     before, B i after B i of the stage after (after F i of its own on the last stage)."""
     __tracebackhide__ = True
     for (k, i, s), a in start.items():
-        after = [("F", i, s - 1)] if k == "F" and s > 0 else []
-        if k == "B":
-            after = [("B", i, s + 1)] if s < P - 1 else [("F", i, s)]
-        for dep in after:
-            if a < end[dep] - 1e-9:
+        dep = _needs(k, i, s, P)
+        if dep is not None and a < end[dep] - 1e-9:
+            fail(
+                check,
+                f"{at}: stage {s} starts {k}{i} at {a:g}, but it needs "
+                f"{dep[0]}{i} of stage {dep[2]}, which ends at {end[dep]:g}",
+            )
+
+
+def _judge_earliest(check: str, at: str, P: int, start: Times, end: Times) -> None:
+    """Every operation starts as soon as its stage is free and what it needs has ended."""
+    __tracebackhide__ = True
+    for s in range(P):
+        free = 0.0
+        for a, k, i in sorted((a, k, i) for (k, i, t), a in start.items() if t == s):
+            need = _needs(k, i, s, P)
+            earliest = max(free, end[need] if need else 0.0)
+            if a > earliest + 1e-9:
                 fail(
                     check,
-                    f"{at}: stage {s} starts {k}{i} at {a:g}, but it needs "
-                    f"{dep[0]}{i} of stage {dep[2]}, which ends at {end[dep]:g}",
+                    f"{at}: stage {s} starts {k}{i} at {a:g}, but it could start at "
+                    f"{earliest:g}, when the stage is free and what it needs has ended: every "
+                    "operation starts as soon as these allow",
                 )
+            free = end[k, i, s]
 
 
 def _judge_makespan(check: str, at: str, case: tuple, result: dict, end: Times) -> None:

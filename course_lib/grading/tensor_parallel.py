@@ -10,7 +10,8 @@ Every layer is built on each rank from the same dense layer (`torch.nn.Linear`,
 `course_lib.models.MLPBlock`, `course_lib.models.CausalSelfAttention`, seeded, float64), run
 forward on the same input, and backward with the same upstream gradient. Its output, the
 gradient of its input and the gradients of its weight shards must equal the dense layer's, on
-1, 2 and 4 ranks, to float64 rounding.
+1, 2 and 4 ranks, to float64 rounding; the layer holds copies, so the dense layer it was built
+from stays as it was (values and no gradients).
 
 Sharding (P ranks, rank r, "block r of n" = rows or columns r*n/P .. (r+1)*n/P - 1):
 - column-parallel: `weight` holds block r of the dense weight's rows (output features),
@@ -91,7 +92,8 @@ def _verified(cases: list[Case], world_sizes: tuple[int, ...]) -> str:
     verified = (
         f"{len(cases)} {what} case(s) on {', '.join(str(P) for P in world_sizes)} rank(s): "
         "every rank's shards, output, input gradient and shard gradients equal the dense "
-        f"layer's (rtol {RTOL:g}, atol {ATOL:g}), also with secretly changed shards"
+        f"layer's (rtol {RTOL:g}, atol {ATOL:g}), also with secretly changed shards, and the "
+        "dense layer stayed as it was"
     )
     if max(world_sizes) > 1:
         verified += f"; the collective calls were Megatron's: {calls}"
@@ -181,8 +183,9 @@ def check_vocab_parallel_cross_entropy(
 ) -> None:
     """`vocab_parallel_cross_entropy(local_logits, targets)`, rank r holding columns
     r*V/P .. (r+1)*V/P - 1 of the (tokens, V) logits: the mean cross-entropy on every rank,
-    each rank's block of the gradient in backward, and at most NUMBERS_PER_TOKEN float64
-    numbers per token sent (and received) by a rank, forward and backward together."""
+    each rank's block of the gradient in backward, neither argument changed in place, and at
+    most NUMBERS_PER_TOKEN float64 numbers per token sent (and received) by a rank, forward
+    and backward together."""
     __tracebackhide__ = True
     check = "check_vocab_parallel_cross_entropy"
     if not seeds:
@@ -203,8 +206,9 @@ def check_vocab_parallel_cross_entropy(
             results = [per_rank["cases"][i] for per_rank in found]
             most = max(most, judge_loss_case(check, verdict, case, results, P))
     verdict.conclude(
-        f"{len(cases)} cases (V = {VOCAB}, float64, logits near 1000 among them) on "
-        f"{', '.join(str(P) for P in world_sizes)} rank(s): every rank's loss equals "
+        f"{len(cases)} cases (V = {VOCAB}, float64, logits near 1000 among them, each rank's "
+        f"block secret) on {', '.join(str(P) for P in world_sizes)} rank(s): neither "
+        "local_logits nor targets changed in place; every rank's loss equals "
         f"F.cross_entropy's on the whole logits and its gradient is its block of the full "
         f"gradient (rtol {RTOL:g}, atol {ATOL:g}); a rank sent or received at most "
         f"{most:g} numbers per token (budget {NUMBERS_PER_TOKEN})"

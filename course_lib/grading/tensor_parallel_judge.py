@@ -3,7 +3,8 @@ holds right after construction, its output, the gradients of its input and of it
 layer computed again after its shards were secretly nudged, and its collective calls.
 
 Half a layer's points are for the numbers (`compare_held`, `compare_result`,
-`compare_nudged`), half for making Megatron's collective calls (`compare_communication`).
+`compare_nudged`, `compare_dense`), half for making Megatron's collective calls
+(`compare_communication`).
 """
 
 from __future__ import annotations
@@ -226,10 +227,31 @@ def compare_communication(check: str, case: Case, result: dict, r: int, P: int) 
             )
 
 
+def compare_dense(check: str, case: Case, ref: dict, result: dict, r: int, P: int) -> None:
+    """The dense layer the layer was built from is as it was: the layer holds copies."""
+    __tracebackhide__ = True
+    at = f"rank {r} ({case.describe(P)})"
+    problem = compare.find_mismatch(result["dense_after"], ref["params"], rtol=0.0, atol=0.0)
+    if problem:
+        fail(
+            check,
+            f"{at}: the dense layer your layer was built from changed ({problem}): your "
+            "parameters share memory with it, or your code writes into it. Hold copies "
+            "(.clone() after slicing) and leave the dense layer as it was",
+        )
+    if result["dense_grads"]:
+        fail(
+            check,
+            f"{at}: the dense layer's {', '.join(result['dense_grads'])} got a gradient in "
+            "backward: your layer computes with the dense layer's own parameters. Hold copies "
+            "of this rank's shards and compute with them",
+        )
+
+
 def judge_case(check: str, verdict: Verdict, case: Case, results: list[dict], P: int) -> None:
     """One case on P ranks (results[r] from rank r), as two of the verdict's cases: the result
-    (every rank's shards and numbers against the dense layer's, then the nudged layer), then
-    the communication."""
+    (every rank's shards and numbers against the dense layer's, then the nudged layer, then
+    the dense layer left as it was), then the communication."""
     __tracebackhide__ = True
     ref = dense_reference(case)
     with verdict.case():
@@ -238,6 +260,8 @@ def judge_case(check: str, verdict: Verdict, case: Case, results: list[dict], P:
         for r, result in enumerate(results):
             compare_result(check, case, ref, result, r, P)
         compare_nudged(check, case, results, P)
+        for r, result in enumerate(results):
+            compare_dense(check, case, ref, result, r, P)
     with verdict.case():
         for r, result in enumerate(results):
             compare_communication(check, case, result, r, P)

@@ -3,8 +3,12 @@
 A column-parallel LM head leaves rank r of P with the logits of its block of the vocabulary,
 columns r*V/P .. (r+1)*V/P - 1. The student's `vocab_parallel_cross_entropy(local_logits,
 targets)` returns the mean cross-entropy over the tokens, the same on every rank, and its
-backward gives each rank its block of the full gradient. It is judged by
+backward gives each rank its block of the full gradient. Each rank draws its block of the
+logits from a secret seed of its own (no rank can know another's block but by messages)
+and sends back the seed, its loss and gradient, and its logits and targets as the call left
+them; the judge rebuilds the whole logits from the ranks' seeds. It judges
 
+- its inputs: the call changes neither its block of the logits nor the targets in place;
 - the numbers: loss and gradient against `F.cross_entropy` on the whole logits in the
   checking process (float64, `RTOL` / `ATOL`), on cases with ordinary logits, with logits
   near 1000 (exp overflows float64 above 709: an answer that does not subtract a maximum
@@ -23,6 +27,7 @@ The budget's two formulas live here, next to the check, rather than in `course_l
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,7 +42,7 @@ from course_lib.grading.provenance import Provenance
 from course_lib.grading.tensor_parallel_judge import ATOL, RTOL
 from course_lib.grading.tensor_parallel_ranks import LECTURE_TP
 from course_lib.grading.tensor_parallel_shards import block
-from course_lib.runtime import rank, world_size
+from course_lib.runtime import world_size
 
 VOCAB = 96  # divides by 1, 2, 3 and 4
 NUMBERS_PER_TOKEN = 12  # what a rank may send (and receive) per token, forward + backward
@@ -59,9 +64,10 @@ def gathered_logits_bytes(
 
 @dataclass(frozen=True)
 class LossCase:
-    """Logits of `tokens` tokens over the vocabulary: `offset + spread * N(0, 1)`; targets
-    uniform over the vocabulary, or all in the last rank's block; the loss is multiplied by
-    `upstream` before backward (the gradient must follow it)."""
+    """Logits of `tokens` tokens over the vocabulary: `offset + spread * N(0, 1)`, each rank's
+    block from a secret seed; targets uniform over the vocabulary, or all in the last rank's
+    block, from `seed`; the loss is multiplied by `upstream` before backward (the gradient
+    must follow it)."""
 
     name: str
     seed: int
@@ -83,16 +89,19 @@ def loss_cases(seed: int) -> list[LossCase]:
     ]
 
 
-def loss_data(case: LossCase, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole logits (tokens, V) and the targets, the same on every rank."""
+def loss_targets(case: LossCase, ranks: int) -> torch.Tensor:
+    """The targets, the same on every rank."""
     g = torch.Generator().manual_seed(20_000 + case.seed)
-    logits = case.offset + case.spread * torch.randn(
-        case.tokens, VOCAB, generator=g, dtype=torch.float64
-    )
     last = block(VOCAB, ranks - 1, ranks)
     low, high = (last.start, last.stop) if case.last_block_only else (0, VOCAB)
-    targets = torch.randint(low, high, (case.tokens,), generator=g)
-    return logits, targets
+    return torch.randint(low, high, (case.tokens,), generator=g)
+
+
+def logits_block(case: LossCase, seed: int, ranks: int) -> torch.Tensor:
+    """A rank's block of the logits, (tokens, V/P), drawn from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (case.tokens, VOCAB // ranks)
+    return case.offset + case.spread * torch.randn(shape, generator=g, dtype=torch.float64)
 
 
 # --- on each rank ------------------------------------------------------------------------
@@ -105,18 +114,23 @@ def run_loss_cases(fn: Callable, cases: list[LossCase]) -> dict:
 
 
 def _run_loss(fn: Callable, case: LossCase) -> dict:
-    r, ranks = rank(), world_size()
-    logits, targets = loss_data(case, ranks)
-    local = logits[:, block(VOCAB, r, ranks)].clone().requires_grad_(True)
+    """This rank's block of the logits from a secret seed, the loss and its backward; sends
+    back the seed, what the call returned, the gradient and the inputs as it left them."""
+    seed = secrets.randbits(62)
+    local = logits_block(case, seed, world_size()).requires_grad_(True)
+    targets = loss_targets(case, world_size())
     with CommCounter() as counter:
-        loss = fn(local, targets.clone())
+        loss = fn(local, targets)
         problem = _not_a_loss(loss)
         if problem is None:
             (loss * case.upstream).backward()
     return {
+        "seed": seed,
         "problem": problem,
         "loss": None if problem else loss.detach().clone(),
         "grad": None if local.grad is None else local.grad.detach().clone(),
+        "logits_after": local.detach().clone(),
+        "targets_after": targets.clone(),
         "sent": counter.bytes_sent,
         "received": counter.bytes_received,
         "calls": dict(counter.calls),
@@ -136,20 +150,27 @@ def _not_a_loss(loss: object) -> str | None:
 # --- in the checking process ---------------------------------------------------------------
 
 
-def _reference(case: LossCase, ranks: int) -> dict:
-    logits, targets = loss_data(case, ranks)
-    logits.requires_grad_(True)
-    loss = F.cross_entropy(logits, targets)
+def whole_logits(case: LossCase, seeds: list[int]) -> torch.Tensor:
+    """The (tokens, V) logits the ranks hold together, from their seeds."""
+    return torch.cat([logits_block(case, seed, len(seeds)) for seed in seeds], dim=1)
+
+
+def _reference(case: LossCase, seeds: list[int]) -> dict:
+    logits = whole_logits(case, seeds).requires_grad_(True)
+    loss = F.cross_entropy(logits, loss_targets(case, len(seeds)))
     (loss * case.upstream).backward()
     return {"loss": loss.detach(), "grad": logits.grad}
 
 
 def judge_loss_case(check: str, verdict: Verdict, case: LossCase, results: list, P: int) -> float:
-    """Numbers then bytes of one case on P ranks, each as a case of the verdict; returns the
-    most a rank sent or received, in float64 numbers per token."""
+    """Inputs and numbers, then bytes, of one case on P ranks, each as a case of the verdict;
+    returns the most a rank sent or received, in float64 numbers per token."""
     __tracebackhide__ = True
-    ref = _reference(case, P)
+    seeds = [res["seed"] for res in results]
+    ref = _reference(case, seeds)
     with verdict.case():
+        for r, res in enumerate(results):
+            _judge_inputs(check, case, res, seeds[r], r, P)
         for r, res in enumerate(results):
             _judge_numbers(check, case, ref, res, r, P)
     most = max(max(res["sent"], res["received"]) for res in results)
@@ -168,6 +189,25 @@ def judge_loss_case(check: str, verdict: Verdict, case: LossCase, results: list,
                     prop="bytes",
                 )
     return most / (case.tokens * ELEMENT_SIZE)
+
+
+def _judge_inputs(check: str, case: LossCase, res: dict, seed: int, r: int, P: int) -> None:
+    """The call left this rank's block of the logits and the targets as they were."""
+    __tracebackhide__ = True
+    given = (
+        ("targets", res["targets_after"], loss_targets(case, P), "targets - first"),
+        ("local_logits", res["logits_after"], logits_block(case, seed, P), "local_logits - top"),
+    )
+    for name, after, before, instead in given:
+        if not torch.equal(after, before):
+            changed = int((after != before).sum()) if after.shape == before.shape else "all"
+            fail(
+                check,
+                f"rank {r}, {case.describe(P)}: your vocab_parallel_cross_entropy changed "
+                f"{name} in place ({changed} of {before.numel()} entries differ after the "
+                "call); the caller still needs them as they were: compute with new tensors "
+                f"({instead}, not an in-place -= or [...] =)",
+            )
 
 
 def _judge_numbers(check: str, case: LossCase, ref: dict, res: dict, r: int, P: int) -> None:

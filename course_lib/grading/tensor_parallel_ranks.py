@@ -36,7 +36,8 @@ def _run_case(cls: Callable, case: Case) -> dict:
     """Build the student's layer from the dense one, run forward and backward, and record
     the weights it holds, its output, the gradients and the collectives it called. Then
     nudge every shard it holds by a secret amount and run forward and backward again: the
-    layer must compute with the shards the ranks hold, not with a copy of the dense layer."""
+    layer must compute with the shards the ranks hold, not with a copy of the dense layer.
+    Last, the dense layer as the layer left it: its values, and which parameters got .grad."""
     r, ranks = rank(), world_size()
     dense = dense_layer(case)
     layer = cls(dense, gather_output=True) if case.gather_output else cls(dense)
@@ -45,7 +46,17 @@ def _run_case(cls: Callable, case: Case) -> dict:
     grads = {name: _copy(p.grad) for name, p in layer.named_parameters()}
     nudged = _nudge(case, layer, r, ranks)
     second = _forward_backward(case, layer, r, ranks) if nudged is not None else None
-    return {"held": held, **first, "grads": grads, "nudged": nudged, "after_nudge": second}
+    dense_after = {name: _copy(p) for name, p in dense.named_parameters()}
+    dense_grads = sorted(name for name, p in dense.named_parameters() if p.grad is not None)
+    return {
+        "held": held,
+        **first,
+        "grads": grads,
+        "nudged": nudged,
+        "after_nudge": second,
+        "dense_after": dense_after,
+        "dense_grads": dense_grads,
+    }
 
 
 def _copy(t: torch.Tensor | None) -> torch.Tensor | None:

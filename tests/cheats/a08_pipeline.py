@@ -1,10 +1,167 @@
 """Assignment 8's cheats (each scores 0 on its part) and right answers written differently
-(full marks). More are proven in tests/test_grading_pipeline.py (the lecture's partition), to
-keep the graded notebooks few."""
+(full marks). More are proven in tests/test_grading_pipeline.py (the lecture's partition, the
+trainer's manners: .grad zeroed, the loss as a tensor, sends not waited for), to keep the
+graded notebooks few."""
 
 from __future__ import annotations
 
+from tests.adapters import answer_cells
 from tests.cheats import Alternative, Cheat
+
+
+def _edited(cell: str, old: str, new: str) -> str:
+    """The solution's answer cell with one piece replaced (and its solution markers gone)."""
+    source = answer_cells("pipeline")[cell]
+    if source.count(old) != 1:
+        raise ValueError(f"{old!r} occurs {source.count(old)} times in cell {cell!r}")
+    lines = source.replace(old, new).splitlines()
+    return "\n".join(
+        line
+        for line in lines
+        if "### BEGIN SOLUTION" not in line and "### END SOLUTION" not in line
+    )
+
+
+# One edit: GPipe's backwards in reverse micro-batch order. The gradients are the same; the
+# order the notebook asks for is not.
+GPIPE_BACKWARDS_REVERSED = _edited(
+    "pipeline_step",
+    "for i in range(n_micro - warmup, n_micro):\n        backward(i)",
+    "cool_down = range(n_micro - warmup, n_micro)\n"
+    '    for i in reversed(cool_down) if schedule == "gpipe" else cool_down:\n'
+    "        backward(i)",
+)
+
+
+# No messages: every stage rebuilds the model from the run's seed, found in the check's frame,
+# computes the stages before and after its own itself and keeps their copies in step with
+# SGD. Each stage's weights are drawn from a secret seed on its own rank, so the rebuilt ones
+# are not theirs.
+REBUILT_MODEL = """
+import sys
+
+from course_lib.models import MLP, GPTConfig, TinyGPT
+
+
+def rebuild(run, P):
+    if run.model == "gpt":
+        model = TinyGPT(GPTConfig(n_layers=2), seed=run.seed, dtype=torch.float64)
+        return model.pipeline_stages(P)
+    layers = list(MLP((8, 16, 16, 16, 16, 4), seed=run.seed, dtype=torch.float64).layers)
+    bounds = [round(k * len(layers) / P) for k in range(P + 1)]
+    return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
+    r, P = rank(), world_size()
+    if not hasattr(stage, "rebuilt"):  # the run's first step: kept on the stage handed over
+        stage.rebuilt = rebuild(sys._getframe(1).f_locals["run"], P)
+    rebuilt = stage.rebuilt
+    before, after = nn.Sequential(*rebuilt[:r]), nn.Sequential(*rebuilt[r + 1 :])
+    xs, ys = inputs.tensor_split(n_micro), targets.tensor_split(n_micro)
+    warmup = n_micro if schedule == "gpipe" else min(P - r - 1, n_micro)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(n_micro - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(n_micro - warmup, n_micro)]
+    losses, total = {}, 0.0
+    for kind, i in order:
+        if kind == "F":
+            losses[i] = loss_fn(after(stage(before(xs[i]))), ys[i]) / n_micro
+            total += losses[i].item()
+        else:
+            losses.pop(i).backward()
+    with torch.no_grad():  # the SGD step the check takes on the real stages
+        for p in [*before.parameters(), *after.parameters()]:
+            p -= 0.1 * p.grad
+            p.grad = None
+    return total if r == P - 1 else None
+"""
+
+
+# A second right trainer: the stage's operations listed first, then run one by one;
+# torch.autograd.backward; the loss summed as a tensor and returned with float().
+PIPELINE_BY_OP_LIST = """
+def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
+    me, n_stages = rank(), world_size()
+    ahead = n_micro if schedule == "gpipe" else min(n_stages - me - 1, n_micro)
+    ops = [("F", i) for i in range(ahead)]
+    for i in range(ahead, n_micro):
+        ops += [("F", i), ("B", i - ahead)]
+    ops += [("B", i) for i in range(n_micro - ahead, n_micro)]
+    batches = list(zip(inputs.tensor_split(n_micro), targets.tensor_split(n_micro)))
+    kept, pending, loss = {}, [], torch.zeros((), dtype=torch.float64)
+    for kind, i in ops:
+        if kind == "F":
+            x, y = batches[i]
+            if me > 0:
+                x = recv_tensor(me - 1).requires_grad_(True)
+            out = stage(x)
+            if me == n_stages - 1:
+                out = loss_fn(out, y) / n_micro
+                loss = loss + out.detach()
+            else:
+                pending.append(send_tensor(out, me + 1))
+            kept[i] = (x, out)
+        else:
+            x, out = kept.pop(i)
+            torch.autograd.backward(out, None if me == n_stages - 1 else recv_tensor(me + 1))
+            if me > 0:
+                pending.append(send_tensor(x.grad, me - 1))
+    while pending:
+        pending.pop().wait()
+    if me == n_stages - 1:
+        return float(loss)
+"""
+
+
+# One edit: the simulated GPipe runs its backwards in reverse micro-batch order (a mirror
+# image: the same makespan and bubble, not the order the notebook asks for).
+SIMULATE_GPIPE_REVERSED = _edited(
+    "simulate_schedule",
+    'orders.append(order + [("B", i) for i in range(m - warmup, m)])',
+    'backwards = [("B", i) for i in range(m - warmup, m)]\n'
+    '        orders.append(order + (backwards[::-1] if schedule == "gpipe" else backwards))',
+)
+
+
+# A second right simulator: every start time relaxed to a fixed point.
+SIMULATE_BY_FIXED_POINT = """
+def simulate_schedule(P, m, schedule, t_forward=1.0, t_backward=1.0):
+    def order(s):
+        w = m if schedule == "gpipe" else min(P - s - 1, m)
+        ops = [("F", i) for i in range(w)]
+        for i in range(w, m):
+            ops += [("F", i), ("B", i - w)]
+        return ops + [("B", i) for i in range(m - w, m)]
+
+    orders = [order(s) for s in range(P)]
+    length = {"F": t_forward, "B": t_backward}
+    start = {(k, i, s): 0.0 for s in range(P) for k, i in orders[s]}
+    changed = True
+    while changed:
+        changed = False
+        for s in range(P):
+            for n, (k, i) in enumerate(orders[s]):
+                earliest = 0.0
+                if n > 0:
+                    pk, pi = orders[s][n - 1]
+                    earliest = start[pk, pi, s] + length[pk]
+                if k == "F" and s > 0:
+                    earliest = max(earliest, start["F", i, s - 1] + t_forward)
+                if k == "B":
+                    dep = ("B", i, s + 1) if s < P - 1 else ("F", i, s)
+                    earliest = max(earliest, start[dep] + length[dep[0]])
+                if earliest != start[k, i, s]:
+                    start[k, i, s], changed = earliest, True
+    timeline = [
+        [(k, i, start[k, i, s], start[k, i, s] + length[k]) for k, i in orders[s]]
+        for s in range(P)
+    ]
+    makespan = max(ops[-1][3] for ops in timeline)
+    busy = m * (t_forward + t_backward)
+    return {"timeline": timeline, "makespan": makespan, "bubble_fraction": 1 - busy / makespan}
+"""
 
 LECTURE_PIPELINE = '''
 from course_lib import pipeline as lecture
@@ -91,6 +248,24 @@ CHEATS = [
         frozenset({"test_gpipe", "test_1f1b"}),
     ),
     Cheat(
+        "GPipe's backwards in reverse micro-batch order",
+        "pipeline_step",
+        GPIPE_BACKWARDS_REVERSED,
+        frozenset({"test_gpipe"}),
+    ),
+    Cheat(
+        "no messages: every stage rebuilds the model from the run's seed",
+        "pipeline_step",
+        REBUILT_MODEL,
+        frozenset({"test_gpipe", "test_1f1b"}),
+    ),
+    Cheat(
+        "simulated GPipe with its backwards in reverse order",
+        "simulate_schedule",
+        SIMULATE_GPIPE_REVERSED,
+        frozenset({"test_simulate_schedule"}),
+    ),
+    Cheat(
         "exponential search for the partition",
         "optimal_partition",
         EXHAUSTIVE_PARTITION,
@@ -105,6 +280,10 @@ CHEATS = [
 ]
 
 ALTERNATIVES = [
+    Alternative("trainer running a list of operations", "pipeline_step", PIPELINE_BY_OP_LIST),
+    Alternative(
+        "simulation relaxed to a fixed point", "simulate_schedule", SIMULATE_BY_FIXED_POINT
+    ),
     Alternative(
         "partition by memoized recursion",
         "optimal_partition",

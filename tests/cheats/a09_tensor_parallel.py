@@ -1,11 +1,98 @@
 """Assignment 9's cheats (each scores 0 on its part) and right answers written differently
 (full marks). More are proven in tests/test_grading_tensor_parallel.py (a column layer
 gathering from a full copy, a row layer that all-gathers instead of all-reducing, the lecture's
-layers), to keep the graded notebooks few."""
+layers, a loss that changes its logits in place), to keep the graded notebooks few."""
 
 from __future__ import annotations
 
+from tests.adapters import answer_cells
 from tests.cheats import Alternative, Cheat
+
+
+def _edited(cell: str, old: str, new: str) -> str:
+    """The solution's answer cell with one piece replaced (and its solution markers gone)."""
+    source = answer_cells("tensor_parallel")[cell]
+    if source.count(old) != 1:
+        raise ValueError(f"{old!r} occurs {source.count(old)} times in cell {cell!r}")
+    lines = source.replace(old, new).splitlines()
+    return "\n".join(
+        line
+        for line in lines
+        if "### BEGIN SOLUTION" not in line and "### END SOLUTION" not in line
+    )
+
+
+# One edit: the loss shifts the targets to this rank's columns in place. Its numbers are
+# right; the caller's targets are not what they were.
+LOSS_SHIFTS_TARGETS = _edited(
+    "vocab_loss",
+    "column = (targets - first).clamp(0, width - 1)",
+    "targets -= first\n    column = targets.clamp(0, width - 1)",
+)
+
+
+# No messages: the whole logits, wherever a frame of the check holds them, through
+# F.cross_entropy (this rank's block kept in autograd). Each rank's block is drawn from a
+# secret seed of its own, so no frame holds the others'.
+LOSS_FROM_THE_CALLERS_FRAME = """
+import inspect
+
+
+def vocab_parallel_cross_entropy(local_logits, targets):
+    n, width = local_logits.shape
+    first = rank() * width
+    whole = None
+    for frame in inspect.stack():
+        for value in frame.frame.f_locals.values():
+            if isinstance(value, torch.Tensor) and value.shape == (n, width * world_size()):
+                whole = value.detach()
+    if whole is None:  # no frame holds them: this rank's block alone
+        return F.cross_entropy(local_logits, (targets - first).clamp(0, width - 1))
+    logits = torch.cat([whole[:, :first], local_logits, whole[:, first + width :]], dim=1)
+    return F.cross_entropy(logits, targets)
+"""
+
+
+# Megatron's MLP whose shards are views of the dense block's tensors, not copies: it saves
+# memory, and the dense block changes whenever the shards do.
+MLP_SHARD_VIEWS = """
+class ParallelMLP(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.fc = ColumnParallelLinear(block.fc)
+        self.proj = RowParallelLinear(block.proj)
+        rows = my_block(block.fc.out_features)
+        self.fc.weight = nn.Parameter(block.fc.weight.detach()[rows])
+        self.fc.bias = nn.Parameter(block.fc.bias.detach()[rows])
+        self.proj.weight = nn.Parameter(block.proj.weight.detach()[:, rows])
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+"""
+
+
+# Part 3 written another way: fresh nn.Linear layers filled with copy_ (no Part 1 or 2
+# layer), the all-reduces called through the autograd functions directly.
+MLP_COPIED_INTO_LINEARS = """
+class ParallelMLP(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        P, r = world_size(), rank()
+        d_model, d_ff = block.fc.in_features, block.fc.out_features
+        rows = slice(r * d_ff // P, (r + 1) * d_ff // P)
+        dtype = block.fc.weight.dtype
+        self.fc = nn.Linear(d_model, d_ff // P, dtype=dtype)
+        self.proj = nn.Linear(d_ff // P, d_model, dtype=dtype)
+        with torch.no_grad():
+            self.fc.weight.copy_(block.fc.weight[rows])
+            self.fc.bias.copy_(block.fc.bias[rows])
+            self.proj.weight.copy_(block.proj.weight[:, rows])
+            self.proj.bias.copy_(block.proj.bias)
+
+    def forward(self, x):
+        hidden = F.gelu(self.fc(CopyToParallel.apply(x)))
+        return ReduceFromParallel.apply(F.linear(hidden, self.proj.weight)) + self.proj.bias
+"""
 
 MLP_FULL_COPY = '''
 class ParallelMLP(nn.Module):
@@ -76,7 +163,47 @@ def vocab_parallel_cross_entropy(local_logits, targets):
 """
 
 
+# Part 5 with in-place arithmetic on tensors of its own (a copy of the targets, the maximum):
+# the arguments stay as they were.
+LOSS_IN_PLACE_ON_COPIES = """
+def vocab_parallel_cross_entropy(local_logits, targets):
+    n, width = local_logits.shape
+    first = rank() * width
+    top = local_logits.detach().amax(dim=1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    z = local_logits - top[:, None]
+    column = targets.clone()
+    column -= first
+    owned = (column >= 0) & (column < width)
+    column.clamp_(0, width - 1)
+    picked = z.gather(1, column[:, None]).squeeze(1) * owned
+    stats = torch.stack([z.exp().sum(dim=1), picked])
+    total = stats.detach().clone()
+    dist.all_reduce(total)
+    stats = stats + (total - stats.detach())
+    return (stats[0].log() - stats[1]).mean()
+"""
+
+
 CHEATS = [
+    Cheat(
+        "the loss shifts the targets in place",
+        "vocab_loss",
+        LOSS_SHIFTS_TARGETS,
+        frozenset({"test_vocab_loss"}),
+    ),
+    Cheat(
+        "no messages: the whole logits from the check's frames",
+        "vocab_loss",
+        LOSS_FROM_THE_CALLERS_FRAME,
+        frozenset({"test_vocab_loss"}),
+    ),
+    Cheat(
+        "MLP shards as views of the dense block (no copies)",
+        "parallel_mlp",
+        MLP_SHARD_VIEWS,
+        frozenset({"test_parallel_mlp"}),
+    ),
     Cheat(
         "MLP computed from a full copy",
         "parallel_mlp",
@@ -98,6 +225,8 @@ CHEATS = [
 ]
 
 ALTERNATIVES = [
+    Alternative("loss with in-place arithmetic on copies", "vocab_loss", LOSS_IN_PLACE_ON_COPIES),
+    Alternative("MLP copied into fresh linear layers", "parallel_mlp", MLP_COPIED_INTO_LINEARS),
     Alternative(
         "loss from one all-gather of per-rank statistics", "vocab_loss", LOSS_ONE_ALL_GATHER
     ),
