@@ -196,6 +196,22 @@ class Provenance:
     def __init__(self, forbidden: Iterable[str]) -> None:
         self.names: dict[tuple, str] = {}  # signature of a copy -> forbidden name
         self.codes: dict[types.CodeType, str] = {}  # the forbidden code itself -> name
+        # Loading the forbidden modules (matplotlib, say) under an outer Provenance's profiler
+        # would take several times as long: load them unwatched, then watch again.
+        watching = sys.getprofile()
+        sys.setprofile(None)
+        try:
+            self._load(forbidden)
+        finally:
+            sys.setprofile(watching)
+        self.hits: list[str] = []
+        self.grader_hits: list[str] = []  # the grader's own code, called by the student's
+        self.switched_off = False
+        self._hook = self._profile  # one bound method, to recognise it later
+        self._seen: dict[types.CodeType, str | None] = {}
+        self._given = given_codes()
+
+    def _load(self, forbidden: Iterable[str]) -> None:
         for dotted in forbidden:
             target = _resolve(dotted)
             targets = {dotted: target}
@@ -207,12 +223,6 @@ class Provenance:
                 }
             for name, found in targets.items():
                 self._add(name, found)
-        self.hits: list[str] = []
-        self.grader_hits: list[str] = []  # the grader's own code, called by the student's
-        self.switched_off = False
-        self._hook = self._profile  # one bound method, to recognise it later
-        self._seen: dict[types.CodeType, str | None] = {}
-        self._given = given_codes()
 
     def _add(self, dotted: str, target: object) -> None:
         members = vars(target).values() if isinstance(target, type) else [target]
