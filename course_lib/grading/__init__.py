@@ -103,8 +103,12 @@ GIVEN = {
 }
 
 # Functions of the grader a check hands to the student's code to call back (a relay to run in
-# each process, say): the student's code calls them by design.
-HANDED = {"course_lib.grading.processes": ("_recording_relay",)}
+# each process, say), and the classes whose objects a given tool returns to it (what
+# send_tensor returns): the student's code calls them by design.
+HANDED = {
+    "course_lib.grading.processes": ("_recording_relay",),
+    "course_lib.grading.pipeline_plumbing": ("PendingSend",),
+}
 
 __all__ = [
     "CheckFailed",
