@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.grading import sandbox
-from course_lib.grading.autograde import NO_SANDBOX, GradeInSandbox
+from course_lib.grading.autograde import NO_SANDBOX, GradeInSandbox, GraderFailed
 from tests.conftest import ROOT, require_sandbox
 
 pytestmark = require_sandbox
@@ -232,7 +232,7 @@ def test_time_limit_stops_a_process_that_never_ends():
 
 def test_grading_refuses_to_run_unsandboxed_unless_told(monkeypatch):
     monkeypatch.setattr(sandbox, "available", lambda: (False, "bwrap is not installed"))
-    with pytest.raises(RuntimeError) as error:
+    with pytest.raises(GraderFailed) as error:
         GradeInSandbox().preprocess(None, {})
     assert str(error.value) == NO_SANDBOX.format(why="bwrap is not installed")
     assert "SANDBOX=off" in str(error.value)
