@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
 import textwrap
 import threading
@@ -214,6 +215,21 @@ def test_a_shared_folder_goes_when_closed():
     folder.close()
     assert not Path(folder.path).exists()
     assert folder.path not in Path("/proc/self/mounts").read_text()
+
+
+def test_a_folder_left_mounted_by_a_killed_grader_goes_with_the_next():
+    code = "from course_lib.grading import sandbox\n"
+    code += "f = sandbox.SharedFolder(1 << 20)\nprint(f.path, f.mounted, flush=True)\n"
+    code += "import time\ntime.sleep(120)\n"
+    grader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    path, mounted = grader.stdout.readline().split()
+    grader.kill()  # no time to unmount
+    grader.wait()
+    if mounted != "True":
+        pytest.skip("this process may not mount a tmpfs: nothing is left mounted")
+    assert path in Path("/proc/self/mounts").read_text()
+    sandbox.SharedFolder(1 << 20).close()
+    assert path not in Path("/proc/self/mounts").read_text() and not Path(path).exists()
 
 
 def test_an_exit_code_says_how_a_sandboxed_process_ended():

@@ -368,6 +368,7 @@ def _make_cgroups(limits: Limits) -> list[str]:
 # --- a folder shared with the grader ---------------------------------------------------------
 
 MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
+FOLDER_PREFIX = "course_lib-grade-"  # then the grader's pid
 
 
 class SharedFolder:
@@ -375,10 +376,12 @@ class SharedFolder:
     files and working folder), of at most `size` bytes in all. Where this process may mount
     (as root), it is a tmpfs of that size: a write past it fails with ENOSPC. Elsewhere it is
     a plain folder, and `Guard` stops the sandbox once its files pass the size (`tmpfs=False`
-    makes one anyway, as a user who may not mount gets). `close` removes it."""
+    makes one anyway, as a user who may not mount gets). `close` removes it; a grader killed
+    before it could leaves its tmpfs mounted, and the next one to make a folder removes it."""
 
     def __init__(self, size: int, tmpfs: bool = True) -> None:
-        self.path = tempfile.mkdtemp(prefix="course_lib-grade-")
+        _sweep()
+        self.path = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
         self.size = size
         self.mounted = tmpfs and _mount_tmpfs(self.path, size)
 
@@ -393,6 +396,21 @@ class SharedFolder:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _sweep() -> None:
+    """Unmount and remove the tmpfs folders of graders that were killed before they could
+    (their folder names hold their pids)."""
+    with contextlib.suppress(OSError):
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+        prefix = os.path.join(tempfile.gettempdir(), FOLDER_PREFIX)
+        for line in mounts:
+            source, path, kind = line.split()[:3]
+            pid = path[len(prefix) :].split("-")[0]
+            if source == "course_lib" and kind == "tmpfs" and path.startswith(prefix):
+                if pid.isdigit() and not psutil.pid_exists(int(pid)):
+                    ctypes.CDLL(None, use_errno=True).umount2(path.encode(), MNT_DETACH)
+                    shutil.rmtree(path, ignore_errors=True)
 
 
 def _mount_tmpfs(path: str, size: int) -> bool:
