@@ -123,15 +123,22 @@ release: install
 # submission runs in a sandbox (bubblewrap); SANDBOX=off grades without one, unprotected.
 # JOBS=N grades N submissions at a time, each in a scratch course folder of its own, then
 # merges them into gradebook.db and autograded/ (course_lib/grading/batch.py).
+# When the grader itself fails on a submission (no sandbox, a judge that cannot start...),
+# that submission gets no grade (not a 0), and make stops after grading the others, naming
+# each with its cause and writing no grades.csv; `make autograde` again grades them. A
+# notebook nbgrader rejects (forged cell metadata, say) scores 0, with a warning.
 SANDBOX ?= on
 JOBS ?= 1
 autograde: release
 	@test -n "$(SUBMITTED)" || { echo "Nothing to grade: put submissions in submitted/<student>/<assignment>/"; exit 1; }
+	@rm -f not-graded.jsonl
 ifeq ($(JOBS),1)
 	@failed=""; for a in $(SUBMITTED); do $(BIN)/nbgrader autograde "$$a" --force \
 	    $(if $(filter off,$(SANDBOX)),--GradeInSandbox.sandbox=False) || failed="$$failed $$a"; \
-	done; test -z "$$failed" || echo "WARNING: some submissions of$$failed could not be graded \
-	(nbgrader's log above names them; they score 0). The others were graded."
+	done; test -z "$$failed" || echo "WARNING: nbgrader reported errors in$$failed (its log \
+	above names the submissions). A notebook it rejected scores 0; any the grader failed on \
+	is listed below."
+	@$(BIN)/python -m course_lib.grading.batch not-graded
 else
 	$(BIN)/python -m course_lib.grading.batch grade --jobs $(JOBS) \
 	    $(if $(filter off,$(SANDBOX)),--no-sandbox)

@@ -199,6 +199,33 @@ def forged(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return nb
 
 
+# A solved submission with two cells of its own after the set-up cell: one writes past the
+# folder its notebook runs in (1 GiB: where that is a tmpfs, the write fails and the run goes
+# on), the next ends the kernel. Neither may cost a point: the judge grades the test cells.
+CRASHED = ("a01_processes", "crasher")
+OVERFILL = (
+    "written = 0\n"
+    "try:\n"
+    "    for i in range(20):\n"
+    "        with open(f'big{i}.bin', 'wb') as f:\n"
+    "            f.write(bytes(64 << 20))\n"
+    "        written += 64\n"
+    "except OSError as error:\n"
+    "    print('write failed:', error.strerror, 'after', written, 'MiB')\n"
+)
+CRASH = "import os\nos._exit(3)"
+
+
+def crashing(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """`nb` with the OVERFILL and CRASH cells (ids "overfill", "crash") after its set-up cell."""
+    setup = next(i for i, c in enumerate(nb.cells) if role(c) == "setup")
+    cells = [nbformat.v4.new_code_cell(OVERFILL), nbformat.v4.new_code_cell(CRASH)]
+    for cell, cell_id in zip(cells, ("overfill", "crash"), strict=True):
+        cell.id = cell_id
+    nb.cells[setup + 1 : setup + 1] = cells
+    return nb
+
+
 MARKERS = (
     "### BEGIN SOLUTION",
     "### END SOLUTION",
@@ -212,13 +239,24 @@ def make(course: Path, *targets: str, timeout: float = 1500) -> float:
     make and everything it started (nbgrader, sandboxes, ranks) are killed, and the error
     says which submissions were graded by then."""
     start = time.monotonic()
+    code, stdout, stderr = run_make(course, *targets, timeout=timeout)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    return time.monotonic() - start
+
+
+def run_make(
+    course: Path, *targets: str, timeout: float = 1500, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
+    """`make targets` in the course folder, with `env` added to the environment; (exit code,
+    stdout, stderr). Past `timeout`, as `make`."""
+    environment = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     process = subprocess.Popen(
         ["make", "-s", f"VENV={VENV}", *targets],
         cwd=course,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"},
+        env={**environment, **(env or {})},
         start_new_session=True,  # its own process group, to stop as a whole
     )
     try:
@@ -231,8 +269,7 @@ def make(course: Path, *targets: str, timeout: float = 1500) -> float:
             f"make {' '.join(targets)} took over {timeout:.0f} s and was stopped; graded by "
             f"then: {', '.join(graded) or 'nothing'}"
         ) from None
-    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    return time.monotonic() - start
+    return process.returncode, stdout, stderr
 
 
 def notebooks(folder: Path) -> list[Path]:
@@ -348,7 +385,7 @@ def build(course: Path) -> float:
     `tests/cheats/`) and feedback; returns how long `make autograde` took. Submissions whose
     verdicts are the judge's alone (planted bugs, cheats that change no shared state,
     alternatives) are graded by `judge`, without the kernel that renders feedback; the others
-    go through `make autograde`, as a class's would."""
+    go through `make autograde`, as a class's would (a submission whose kernel dies, too)."""
     judge_only = []
     release_course(course)
     for assignment in ASSIGNMENTS:
@@ -377,6 +414,9 @@ def build(course: Path) -> float:
             if assignment == FORGED[0]:
                 nb = forged(solved(release, solution))
                 submit(course, "forger", assignment, nb, release.name)
+            if assignment == CRASHED[0]:
+                nb = crashing(solved(release, solution))
+                submit(course, CRASHED[1], assignment, nb, release.name)
             for student, nb, whole in cheats.submissions(release, solution, assignment):
                 if whole:
                     submit(course, student, assignment, nb, release.name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import filecmp
+import json
 import shutil
 from pathlib import Path
 
@@ -15,11 +16,21 @@ import pytest
 from nbgrader.api import Gradebook
 from nbgrader.utils import determine_grade
 
-from course_lib.grading.autograde import extra_credit, save_extra_credit
+from course_lib.grading import sandbox
+from course_lib.grading.autograde import (
+    GradeInSandbox,
+    GraderFailed,
+    extra_credit,
+    judge_cells,
+    judge_outcome,
+    run_judge,
+    save_extra_credit,
+)
 from tests.conftest import ROOT, require_sandbox
 from tests.grading_course import (
     ASSIGNMENTS,
     BUG,
+    CRASHED,
     DEADLOCK,
     FORGED,
     HOSTILE,
@@ -305,3 +316,174 @@ def test_partial_extra_credit_does_not_break_nbgrader_scoring():
         determine_grade(cell)
     save_extra_credit(nb, {}, {"t": 2.0})
     assert determine_grade(cell) == (0, 0) and cell.outputs[0].text == "1.5 of 2 points"
+
+
+# --- the machinery: an honest student never loses points to it -------------------------------
+
+
+def cell(source: str, cell_id: str, **nbgrader) -> nbformat.NotebookNode:
+    """A code cell; with `nbgrader` metadata (grade, solution, locked, points) if given."""
+    out = nbformat.v4.new_code_cell(source, id=cell_id)
+    if nbgrader:
+        meta = {"grade": False, "solution": False, "locked": False, "schema_version": 3}
+        out.metadata["nbgrader"] = {**meta, "grade_id": cell_id, **nbgrader}
+    return out
+
+
+def graded_cell(source: str, cell_id: str, points: float) -> nbformat.NotebookNode:
+    return cell(source, cell_id, grade=True, locked=True, points=points)
+
+
+def notebook(demo: str) -> nbformat.NotebookNode:
+    """A notebook as a student hands it in: set-up, an answer, a cell of their own (`demo`)
+    between two cells that print, and two test cells, one that passes and one that fails
+    (outside a course, the judge takes the cells as they are)."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "distcourse", "display_name": "", "language": "python"}
+    nb.cells = [
+        cell("import math", "setup", locked=True),
+        cell("def answer():\n    return 42", "answer", solution=True),
+        cell("print('before')", "before"),
+        cell(demo, "demo"),
+        cell("print('after')", "after"),
+        graded_cell("assert math.pi > 3", "test_right", 2),
+        graded_cell("assert math.pi > 4, 'pi is not above 4'", "test_wrong", 1),
+    ]
+    nb.cells[4].outputs = [nbformat.v4.new_output("stream", text="from the student's run\n")]
+    return nb
+
+
+@pytest.mark.parametrize(
+    "demo, why",
+    [
+        ("import os\nos._exit(3)", "it exited with code 3"),
+        ("chunks = [bytearray(64 << 20) for _ in range(64)]", "memory"),
+    ],
+    ids=["os._exit", "out of memory"],
+)
+def test_a_notebook_whose_own_run_dies_keeps_the_judges_verdicts(demo, why, tmp_path):
+    """The kernel that runs the notebook for the feedback dies in the student's own cell:
+    the test cells keep the judge's scores, the cell says the run died there and why, and
+    the cells after it are not run."""
+    grader = GradeInSandbox(kernel_name="distcourse", timeout=120)
+    grader.limits = sandbox.Limits(memory_bytes=1 << 30)  # the kernel's
+    nb, _ = grader.preprocess(notebook(demo), {"metadata": {"path": str(tmp_path)}})
+    cells = {c.id: c for c in nb.cells}
+    assert [o.text for o in cells["before"].outputs] == ["before\n"]
+    errors = [o for o in cells["demo"].outputs if o.output_type == "error"]
+    assert [e.ename for e in errors] == ["NotebookRunDied"], cells["demo"].outputs
+    assert why in errors[0].evalue and "scores stand" in errors[0].evalue
+    assert cells["after"].outputs == []  # not run, and not what the student's run showed
+    assert determine_grade(cells["test_right"]) == (2, 2)
+    assert determine_grade(cells["test_wrong"]) == (0, 1)
+
+
+TOKEN = "0123abcd"
+
+
+def said(*messages: dict) -> str:
+    """What the judge writes: its messages after the token, among lines from the ranks."""
+    return "".join(f"a rank prints\n{TOKEN}{json.dumps(m)}\n" for m in messages)
+
+
+def verdict(cell_id: str) -> dict:
+    return {"id": cell_id, "score": 1, "outputs": [], "tampering": []}
+
+
+def test_a_limit_that_stops_the_student_code_scores_the_cells_left_zero():
+    """Stopped by a limit while a test cell ran (the student's code, on the ranks): the
+    cells judged keep their verdicts, and the reason stands for the others (they score 0)."""
+    out = said(verdict("t1"), {"judging": "t2"})
+    verdicts = judge_outcome(["t1", "t2", "t3"], TOKEN, -9, out, "", "ran longer than 60 s")
+    assert verdicts["t1"]["score"] == 1 and "t2" not in verdicts and "t3" not in verdicts
+    assert verdicts[None] == "the judge was stopped while it judged t2: it ran longer than 60 s"
+
+
+KILLED = said({"judging": "t1"})
+
+
+@pytest.mark.parametrize(
+    "out, code, err, killed, expected",
+    [
+        ("", 1, "Traceback:\nModuleNotFoundError: No module named 'course_lib'", None, "before"),
+        (said(verdict("t1"), {"broken": "RuntimeError: set-up"}), 3, "", None, "failed"),
+        (said(verdict("t1")), -9, "", "ran longer than 60 s", "between two test cells"),
+        (KILLED, 128 + 9, "", None, "while it judged t1 (it was stopped by SIGKILL"),
+    ],
+    ids=["cannot import", "broken outside a test cell", "limit between cells", "killed"],
+)
+def test_any_other_stop_of_the_judge_is_the_graders_failure(out, code, err, killed, expected):
+    """The judge could not import, failed in its own code, was stopped by a limit while no
+    student code ran, or died with no limit to blame: the grader failed, not the student."""
+    with pytest.raises(GraderFailed, match="the judge") as failure:
+        judge_outcome(["t1", "t2"], TOKEN, code, out, err, killed)
+    assert expected in str(failure.value)
+    assert all(line in str(failure.value) for line in err.splitlines())  # its last words
+
+
+def test_a_judge_that_cannot_import_course_lib_is_the_graders_failure(monkeypatch):
+    """A sandbox that does not show the course_lib the venv imports (a course copied beside
+    another checkout's venv, say): the judge cannot start, and no test cell gets a 0."""
+    course_lib = str(ROOT / "course_lib")
+    shown = sandbox._readable
+
+    def without_course_lib() -> list[str]:
+        args = shown()
+        triples = [args[i : i + 3] for i in range(0, len(args), 3)]
+        return [arg for triple in triples if triple[1] != course_lib for arg in triple]
+
+    monkeypatch.setattr(sandbox, "_readable", without_course_lib)
+    with pytest.raises(GraderFailed, match="No module named 'course_lib'"):
+        run_judge(judge_cells(notebook("pass"), {}), sandboxed=True, timeout=300)
+
+
+def test_a_judge_whose_set_up_fails_is_the_graders_failure():
+    nb = notebook("pass")
+    nb.cells[0].source = "raise RuntimeError('the set-up cell broke')"
+    with pytest.raises(GraderFailed, match="the judge failed: RuntimeError: the set-up cell"):
+        run_judge(judge_cells(nb, {}), sandboxed=True, timeout=300)
+
+
+def test_a_judge_stopped_by_a_limit_in_a_test_cell_scores_it_zero():
+    """The judge's sandbox reaches its memory limit while a test cell runs: the student's
+    (their code runs in a test cell), so the cell scores 0 and the cells judged before keep
+    their scores. (The test cell allocates itself, standing in for a check whose ranks do.)"""
+    nb = notebook("pass")
+    nb.cells[-1].source = "chunks = [bytearray(64 << 20) for _ in range(96)]"  # 6 GiB
+    limits = sandbox.Limits(memory_bytes=3 << 30)
+    verdicts = run_judge(judge_cells(nb, {}), sandboxed=True, timeout=600, limits=limits)
+    assert verdicts["test_right"]["score"] == 2 and "test_wrong" not in verdicts
+    stopped = "the judge was stopped while it judged test_wrong: it "
+    assert verdicts[None].startswith(stopped) and "memory" in verdicts[None], verdicts[None]
+
+
+def test_a_kernel_that_dies_or_a_full_folder_costs_no_point(course):
+    """The crasher's own cells write past the folder its notebook runs in, then end the
+    kernel: it keeps every point, and the feedback says what happened."""
+    assignment, student = CRASHED
+    grades = scores(course, assignment, student)
+    assert grades and all(score == top for score, top in grades.values()), grades
+    graded = course / "autograded" / student / assignment / f"{assignment}.ipynb"
+    cells = nbformat.read(graded, 4).cells
+    index = {c.id: i for i, c in enumerate(cells)}
+    errors = {
+        c.id: o.evalue
+        for c in cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if o.output_type == "error"
+    }
+    with sandbox.SharedFolder(1 << 20) as probe:
+        tmpfs = probe.mounted  # as when `make autograde` ran, in the same rights
+    if tmpfs:  # the write failed, the run went on to the next cell and died there
+        printed = "".join(o.get("text", "") for o in cells[index["overfill"]].outputs)
+        assert printed.startswith("write failed: No space left on device after "), printed
+        assert 512 <= int(printed.split()[-2]) <= 1024, printed  # the folder also holds files
+        died = "crash"
+        assert "it exited with code 3" in errors[died]
+    else:  # the guard found the folder too big, and stopped the kernel
+        died = "overfill"
+        assert "to its folder (limit 1 GiB)" in errors[died]
+    assert "died in this cell" in errors[died]
+    later = [c for c in cells[index[died] + 1 :] if c.cell_type == "code" and c.id not in grades]
+    assert later and all(not c.outputs for c in later), "cells after the death were not run"

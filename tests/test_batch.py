@@ -3,12 +3,15 @@
 Three a01 submissions (solution, blank, planted bug) are graded by `make autograde` (one at
 a time), by `make autograde JOBS=2` (scratch courses, then a merge) and, for two students,
 by the Slurm recipe run locally (examples/grade_class.sh: one task per student, then the
-merge). Every score, cell by cell, must be the serial run's.
+merge). Every score, cell by cell, must be the serial run's. When the grader itself cannot
+run, both ways fail loudly and leave every submission without a grade, for a rerun.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +20,19 @@ import nbformat
 import pytest
 from nbgrader.api import Gradebook
 
-from course_lib.grading.batch import LOG, SCRATCH, STATUS, merge, scratch_course
+from course_lib.grading.batch import (
+    LOG,
+    NOT_GRADED,
+    SCRATCH,
+    STATUS,
+    main,
+    merge,
+    not_graded,
+    scratch_course,
+)
 from tests.conftest import ROOT, require_sandbox
 from tests.grading_class import ASSIGNMENT, build, gradebook_scores, students
-from tests.grading_course import make
+from tests.grading_course import make, run_make
 
 NAMES = students(3)
 # Whole classes graded three ways: end to end, in `make test-e2e`.
@@ -97,16 +109,23 @@ def test_the_slurm_recipe_run_locally_grades_each_student_then_merges(serial, tm
     assert "grades.csv" in {p.name for p in tmp_path.iterdir()}
 
 
-def test_merge_takes_the_graded_and_names_the_failed_keeping_their_logs(tmp_path, monkeypatch):
-    """Without nbgrader runs: a scratch gradebook that holds a score, one whose grading
-    failed before recording anything, and one whose grading never finished."""
+def test_merge_takes_the_graded_and_leaves_the_rest_ungraded_keeping_their_logs(
+    tmp_path, monkeypatch
+):
+    """Without nbgrader runs: scratch gradebooks of a submission graded ("ok"), one nbgrader
+    reported an error for but recorded ("rejected": it scores as recorded), one the grader
+    failed on ("broken", recorded in its NOT_GRADED; the course's gradebook held an older
+    grade of it), one whose grading stopped before nbgrader recorded it ("failed") and one
+    that never finished ("unfinished"). The last three are left without a grade."""
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     monkeypatch.setenv("PATH", path)  # a new gradebook runs `alembic`
     with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}") as gradebook:
         gradebook.add_assignment("a")
         gradebook.add_notebook("n", "a")
         gradebook.add_grade_cell("test_x", "n", "a", max_score=3, cell_type="code")
-    for student in ("ok", "failed", "unfinished"):
+    students = ("ok", "rejected", "broken", "failed", "unfinished")
+    for student in students:
+        (tmp_path / "submitted" / student / "a").mkdir(parents=True)
         scratch = scratch_course(tmp_path, student, "a")
         scratch.mkdir(parents=True)
         (scratch / "gradebook.db").write_bytes((tmp_path / "gradebook.db").read_bytes())
@@ -114,19 +133,87 @@ def test_merge_takes_the_graded_and_names_the_failed_keeping_their_logs(tmp_path
         graded = scratch / "autograded" / student / "a"
         graded.mkdir(parents=True)
         (graded / "n.ipynb").write_text("{}")
-    with Gradebook(f"sqlite:///{scratch_course(tmp_path, 'ok', 'a') / 'gradebook.db'}") as gb:
-        gb.add_student("ok", first_name="Ada")
-        gb.add_submission("a", "ok")
-        gb.find_grade("test_x", "n", "a", "ok").auto_score = 2
-        gb.db.commit()
-    (scratch_course(tmp_path, "ok", "a") / STATUS).write_text('{"exit_code": 0}')
-    (scratch_course(tmp_path, "failed", "a") / STATUS).write_text('{"exit_code": 1}')
+    for student, score, db in (
+        ("ok", 2, scratch_course(tmp_path, "ok", "a") / "gradebook.db"),
+        ("rejected", 0, scratch_course(tmp_path, "rejected", "a") / "gradebook.db"),
+        ("broken", 3, tmp_path / "gradebook.db"),  # an older grade, in the course's gradebook
+    ):
+        with Gradebook(f"sqlite:///{db}") as gb:
+            gb.add_student(student, first_name="Ada")
+            gb.add_submission("a", student)
+            gb.find_grade("test_x", "n", "a", student).auto_score = score
+            gb.db.commit()
+    for student, code in (("ok", 0), ("rejected", 1), ("broken", 1), ("failed", 1)):
+        (scratch_course(tmp_path, student, "a") / STATUS).write_text(f'{{"exit_code": {code}}}')
+    cause = {"student": "broken", "assignment": "a", "notebook": "n", "cause": "no judge\nmore"}
+    (scratch_course(tmp_path, "broken", "a") / NOT_GRADED).write_text(json.dumps(cause) + "\n")
 
-    failed = merge(tmp_path)
+    rejected = merge(tmp_path)
 
-    assert [f.split(" ")[0] for f in failed] == ["failed/a", "unfinished/a"]
-    assert gradebook_scores(tmp_path) == {"ok": {"n/test_x": (2, 3, True)}}
+    assert [r.split(" ")[0] for r in rejected] == ["rejected/a"]
+    assert gradebook_scores(tmp_path) == {
+        "ok": {"n/test_x": (2, 3, True)},
+        "rejected": {"n/test_x": (0, 3, True)},
+    }
+    missing = not_graded(tmp_path)
+    assert [line.split(":")[0] for line in missing] == ["broken/a", "failed/a", "unfinished/a"]
+    assert "no judge (see" in missing[0] and "more" not in missing[0]
+    assert "did not record it" in missing[1] and "never finished" in missing[2]
     assert (tmp_path / "autograded" / "ok" / "a" / "n.ipynb").exists()
     assert not (tmp_path / "autograded" / "failed").exists()
     assert not scratch_course(tmp_path, "ok", "a").exists()
-    assert (scratch_course(tmp_path, "failed", "a") / LOG).read_text() == "log of failed"
+    for student in ("broken", "failed", "unfinished"):
+        assert (scratch_course(tmp_path, student, "a") / LOG).read_text() == f"log of {student}"
+    assert main(["merge", "--course", str(tmp_path)]) == 1  # says so, and make stops
+
+
+# --- when the grader itself fails ------------------------------------------------------------
+
+
+def broken_course(course: Path, names: list[str]) -> dict[str, str]:
+    """A class whose grader cannot run: the course folder holds a copy of course_lib, which
+    nbgrader imports (it puts the course folder on sys.path; PYTHONPATH points there too, for
+    the scratch courses of JOBS=N), while the venv belongs to another checkout: the sandbox
+    shows the copy, its Python looks for the other, and the judge cannot import course_lib.
+    Returns the environment that does this."""
+    build(course, names)
+    shutil.copytree(ROOT / "course_lib", course / "course_lib")
+    return {"PYTHONPATH": str(course)}
+
+
+def assert_not_graded(course: Path, names: list[str], code: int, out: str) -> None:
+    """make failed, naming every submission and the cause; none has a grade, not even 0."""
+    assert code != 0, out[-3000:]
+    assert "NOT graded, because the grader itself failed" in out, out[-3000:]
+    for name in names:
+        assert f"{name}/{ASSIGNMENT}: " in out, out[-3000:]
+    assert "No module named 'course_lib'" in out.split("NOT graded", 1)[1], out[-3000:]
+    assert gradebook_scores(course) == {}
+    assert not (course / "grades.csv").exists()
+
+
+@require_sandbox
+@pytest.mark.timeout(900)
+def test_a_grader_that_cannot_run_grades_nobody_loudly_and_a_rerun_grades_them(serial, tmp_path):
+    names = NAMES[:2]
+    env = broken_course(tmp_path, names)
+    code, out, err = run_make(tmp_path, "autograde", env=env)
+    assert_not_graded(tmp_path, names, code, out + err)
+    shutil.rmtree(tmp_path / "course_lib")  # the machinery mended
+    code, out, err = run_make(tmp_path, "autograde")
+    assert code == 0, (out + err)[-3000:]
+    assert gradebook_scores(tmp_path) == {name: serial[name] for name in names}
+
+
+@require_sandbox
+@pytest.mark.timeout(900)
+def test_with_jobs_2_a_grader_that_cannot_run_grades_nobody_loudly(tmp_path):
+    names = NAMES[:2]
+    env = broken_course(tmp_path, names)
+    code, out, err = run_make(tmp_path, "autograde", "JOBS=2", env=env)
+    assert_not_graded(tmp_path, names, code, out + err)
+    for name in names:  # each log stays, for a look
+        assert (
+            "No module named 'course_lib'"
+            in (scratch_course(tmp_path, name, ASSIGNMENT) / LOG).read_text()
+        )

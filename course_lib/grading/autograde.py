@@ -6,11 +6,28 @@ submitted notebook it
 1. runs the student's cells (all but the test cells) in a kernel inside the sandbox
    (`course_lib.grading.sandbox`), so the feedback shows their outputs: the kernel cannot read
    the course folder, other submissions, the solutions or the gradebook, and has limits on
-   processes, memory, file size and time;
+   processes, memory, file size, time and the size of the folder it works in (a copy of the
+   submission's other files, `Limits.folder_bytes`: a write past it fails);
 2. grades the test cells in a separate sandboxed process, `course_lib.grading.judge`, which
    imports the checks and never runs student code: the student's answer cells are executed
    only on the grading ranks. Its verdict becomes each test cell's outputs, from which
    nbgrader reads the score as usual (an error: 0; a number: partial credit).
+
+The two runs fail apart, and an honest student never loses points to the machinery:
+
+- When the notebook's own run dies (a demo cell runs out of memory, segfaults or calls
+  `os._exit`), the test cells keep the judge's verdicts, and the cell it died in says so in the
+  feedback, with why as far as the sandbox knows (`sandbox.Guard.reason`, the exit status); the
+  cells after it are not run.
+- When the grader itself fails (no sandbox, a kernel that cannot start in it, a judge that
+  cannot start or import, or dies outside a test cell, or for no limit's reason: see
+  `run_judge`), the notebook raises `GraderFailed`: nbgrader reports it and exits non-zero, the
+  submission is removed from the gradebook (no grade, rather than a 0) and recorded in the
+  course's `batch.NOT_GRADED`, which `make autograde` reports before it fails
+  (`python -m course_lib.grading.batch not-graded`). A rerun grades it.
+- What the student's code does still scores 0 on its part, as a notebook would: it raises, it
+  deadlocks past the check's timeout, or the judge is stopped by a limit (time, memory,
+  processes) while it runs their code in a test cell.
 
 Without a working sandbox, grading stops with an error that says why; `make autograde
 SANDBOX=off` (`GradeInSandbox.sandbox = False`) grades anyway, unsandboxed, with a warning on
@@ -26,30 +43,48 @@ extra credit). Written answers (markdown answer cells with points) are left to t
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 
 import nbformat
 from jupyter_client.manager import AsyncKernelManager
-from nbgrader.api import Gradebook
+from nbclient.exceptions import DeadKernelError
+from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.coursedir import CourseDirectory
 from nbgrader.preprocessors import Execute
 from nbgrader.utils import is_grade, is_locked, is_solution
-from traitlets import Bool, Float, Unicode
+from traitlets import Bool, Float
 
 from course_lib.grading import sandbox
+from course_lib.grading.batch import NOT_GRADED
 
 NO_SANDBOX = (
     "cannot grade in a sandbox: {why}. Student code would run with your rights (it could read "
     "the solutions and other submissions and write the gradebook). Install bubblewrap, or "
     "grade anyway with `make autograde SANDBOX=off` (GradeInSandbox.sandbox = False)."
 )
+RUN_DIED = (
+    "The notebook's own run (the one that shows your outputs here) died in this cell: {why}. "
+    "The cells after it were not run. Your test cells were graded apart, by the judge, and "
+    "their scores stand."
+)
+
+
+RUN_NOT_STARTED = (
+    "The notebook's own run (the one that shows your outputs here) did not start: {why}. Your "
+    "test cells were graded apart, by the judge, and their scores stand."
+)
+
+
+class GraderFailed(RuntimeError):
+    """The grading machinery failed, not the student's code: the submission is not graded."""
 
 
 def role(cell: nbformat.NotebookNode) -> str | None:
@@ -66,33 +101,43 @@ def role(cell: nbformat.NotebookNode) -> str | None:
 
 
 class SandboxedKernelManager(AsyncKernelManager):
-    """A kernel started inside the sandbox, talking to nbgrader over Unix sockets in a
-    scratch folder (the sandbox has no network but loopback of its own)."""
+    """A kernel started inside the sandbox, talking to nbgrader over Unix sockets in a shared
+    folder (`folder`, a `sandbox.SharedFolder`; the sandbox has no network but loopback of its
+    own), with `limits`."""
 
-    scratch = Unicode()
+    folder: sandbox.SharedFolder
+    limits = sandbox.Limits()
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.transport = "ipc"
-        self.connection_file = os.path.join(self.scratch, "kernel.json")
-        self.ip = os.path.join(self.scratch, "kernel-ipc")
-        self.limits = sandbox.Limits()
+        self.connection_file = os.path.join(self.folder.path, "kernel.json")
+        self.ip = os.path.join(self.folder.path, "kernel-ipc")
         self.guard: sandbox.Guard | None = None
 
     def format_kernel_cmd(self, extra_arguments=None) -> list[str]:
         argv = super().format_kernel_cmd(extra_arguments)
         # A signal would reach bwrap, not the kernel: interrupt with a message instead.
         self.kernel_spec.interrupt_mode = "message"
-        work = os.path.join(self.scratch, "work")
+        work = os.path.join(self.folder.path, "work")
         return sandbox.command(
-            argv, limits=self.limits, shared=[self.scratch], chdir=work, env=sandbox.environment()
+            argv,
+            limits=self.limits,
+            shared=[self.folder.path],
+            chdir=work,
+            env=sandbox.environment(),
         )
 
     async def _async_launch_kernel(self, kernel_cmd, **kw) -> None:
-        self.guard = sandbox.Guard(self.limits)
+        self.guard = sandbox.Guard(self.limits, [self.folder])
         kw["preexec_fn"] = self.guard.preexec
         await super()._async_launch_kernel(kernel_cmd, **kw)
         self.guard.watch(self.provisioner.process.pid)
+
+    def why_it_died(self) -> str:
+        """Why the kernel ended, as far as is known: a limit, or its exit status."""
+        reason = self.guard.reason() if self.guard is not None else None
+        return f"it {reason}" if reason else why_it_ended(self)
 
     async def _async_shutdown_kernel(self, *args, **kwargs) -> None:
         try:
@@ -102,9 +147,16 @@ class SandboxedKernelManager(AsyncKernelManager):
                 self.guard.close()
 
 
+def why_it_ended(kernel_manager) -> str:
+    """A kernel's exit status, in words."""
+    process = getattr(getattr(kernel_manager, "provisioner", None), "process", None)
+    return sandbox.describe_exit(process.poll() if process is not None else None)
+
+
 class GradeInSandbox(Execute):
     """nbgrader's Execute, with the student's code sandboxed and the tests judged apart."""
 
+    limits = sandbox.Limits()  # the kernel's (before the trait `sandbox` hides the module)
     sandbox = Bool(True, help="Run submissions in the sandbox (False: unsandboxed).").tag(
         config=True
     )
@@ -113,32 +165,83 @@ class GradeInSandbox(Execute):
     )
 
     def preprocess(self, nb, resources):
+        try:
+            return self._grade(nb, resources)
+        except GraderFailed as failure:
+            self._leave_ungraded(resources, str(failure))
+            raise
+
+    def _grade(self, nb, resources):
         ok, why = sandbox.available()
         if not ok and self.sandbox:
-            raise RuntimeError(NO_SANDBOX.format(why=why))
+            raise GraderFailed(NO_SANDBOX.format(why=why))
         self._sandboxed = ok and self.sandbox
         if not self._sandboxed:
             self.log.warning("GRADING WITHOUT A SANDBOX: %s", why or "switched off")
+        self._died: str | None = None  # why the notebook's own run stopped, once it has
+        self._why_not_run: str | None = None  # to show in the first cell, if it never started
         # The judge needs only the cells' sources: it runs while the kernel runs the notebook.
         judged: dict = {}
+        failed: list[GraderFailed] = []
+        self._judge_failed = threading.Event()  # the kernel's run is of no use then
+
+        def judge() -> None:
+            try:
+                judged.update(
+                    run_judge(cells, sandboxed=self._sandboxed, timeout=self.judge_timeout)
+                )
+            except Exception as error:  # noqa: BLE001 (the grader's failure, raised below)
+                if not isinstance(error, GraderFailed):
+                    error = GraderFailed(f"the judge's driver failed: {error!r}")
+                failed.append(error)
+                self._judge_failed.set()
+
         bonus = self._extra_credit(resources)
         cells = judge_cells(nb, resources, bonus)
-        judge = threading.Thread(target=lambda: judged.update(self._run_judge(cells)), daemon=True)
-        judge.start()
-        scratch = tempfile.mkdtemp(prefix="course_lib-grade-")
-        try:
+        thread = threading.Thread(target=judge, daemon=True)
+        thread.start()
+        with contextlib.ExitStack() as stack:
+            stack.callback(thread.join)
             if self._sandboxed:
-                self._prepare_scratch(scratch, resources)
+                folder = stack.enter_context(sandbox.SharedFolder(self.limits.folder_bytes))
+                self._prepare_scratch(folder.path, resources)
                 self.kernel_manager_class = type(
-                    "ScratchKernelManager", (SandboxedKernelManager,), {"scratch": Unicode(scratch)}
+                    "ScratchKernelManager",
+                    (SandboxedKernelManager,),
+                    {"folder": folder, "limits": self.limits},
                 )
-            nb, resources = super().preprocess(nb, resources)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-            judge.join()
+            try:
+                nb, resources = super().preprocess(nb, resources)
+            except Exception as error:
+                if not self._judge_failed.is_set():
+                    raise GraderFailed(
+                        f"the notebook's kernel could not run{' in the sandbox' * self._sandboxed}"
+                        f": {type(error).__name__}: {error}"
+                    ) from error
+        if failed:
+            raise failed[0]
         apply_verdicts(nb, judged, self.log)
         save_extra_credit(nb, resources, bonus)
         return nb, resources
+
+    def _leave_ungraded(self, resources, cause: str) -> None:
+        """The grader failed on this submission: say so loudly, take it out of the gradebook
+        (so that it has no grade, rather than a 0, until a rerun grades it) and record it in
+        the course's NOT_GRADED."""
+        info = resources.get("nbgrader", {})
+        who = "/".join(info.get(key, "?") for key in ("student", "assignment", "notebook"))
+        self.log.error("NOT GRADED: %s: the grader failed, not the student's code: %s", who, cause)
+        if "db_url" not in info:
+            return
+        with Gradebook(info["db_url"]) as gradebook, contextlib.suppress(MissingEntry):
+            gradebook.remove_submission(info["assignment"], info["student"])
+        record = {key: info.get(key) for key in ("student", "assignment", "notebook")}
+        with open(os.path.join(self._coursedir().root, NOT_GRADED), "a") as f:
+            f.write(json.dumps({**record, "cause": cause}) + "\n")
+
+    def _coursedir(self) -> CourseDirectory:
+        converter = getattr(self.parent, "parent", None)
+        return getattr(converter, "coursedir", None) or CourseDirectory(config=self.config)
 
     def _extra_credit(self, resources) -> dict[str, float]:
         """The extra-credit test cells of the instructor's source notebook (never the
@@ -146,8 +249,7 @@ class GradeInSandbox(Execute):
         info = resources.get("nbgrader", {})
         if "db_url" not in info:
             return {}
-        converter = getattr(self.parent, "parent", None)
-        coursedir = getattr(converter, "coursedir", None) or CourseDirectory(config=self.config)
+        coursedir = self._coursedir()
         folder = coursedir.format_path(coursedir.source_directory, ".", info["assignment"])
         path = os.path.join(folder, f"{info['notebook']}.ipynb")
         if not os.path.exists(path):
@@ -157,20 +259,44 @@ class GradeInSandbox(Execute):
 
     def _prepare_scratch(self, scratch: str, resources) -> None:
         """The kernel's working folder: a copy of the submission's other files. (The sandbox's
-        user is this user outside, so it may write here; nobody else may.)"""
+        user is this user outside, so it may write here; nobody else may.) If they cannot be
+        copied (they do not fit in `Limits.folder_bytes`), the notebook is not run; the judge
+        grades it all the same."""
         work = os.path.join(scratch, "work")
         source = resources.get("metadata", {}).get("path") or "."
-        shutil.copytree(source, work, ignore=shutil.ignore_patterns("*.ipynb"))
+        try:
+            shutil.copytree(source, work, ignore=shutil.ignore_patterns("*.ipynb"))
+        except OSError as error:
+            size = f"{self.limits.folder_bytes / sandbox.GIB:g} GiB"
+            self._died = f"the submission's files could not be copied to its {size} folder"
+            self._why_not_run = RUN_NOT_STARTED.format(why=f"{self._died} ({error})"[:500])
 
     def preprocess_cell(self, cell, resources, index):
         if role(cell) == "test":
             return cell, self.resources  # judged apart, in a clean process
-        return super().preprocess_cell(cell, resources, index)
+        if self._judge_failed.is_set() or (self._died and cell.cell_type == "code"):
+            if cell.cell_type == "code":  # not run: no outputs of the student's own run
+                cell.outputs, cell.execution_count = [], None
+                if self._why_not_run:
+                    _say(cell, "NotebookNotRun", self._why_not_run)
+                    self._why_not_run = None
+            return cell, self.resources
+        try:
+            return super().preprocess_cell(cell, resources, index)
+        except DeadKernelError:
+            sandboxed = isinstance(self.km, SandboxedKernelManager)
+            self._died = self.km.why_it_died() if sandboxed else why_it_ended(self.km)
+            cell_id = cell.metadata.get("nbgrader", {}).get("grade_id", cell.id)
+            self.log.warning("the notebook's own run died in cell %s: %s", cell_id, self._died)
+            _say(cell, "NotebookRunDied", RUN_DIED.format(why=self._died))
+            return cell, self.resources
 
-    # --- the judge ---
 
-    def _run_judge(self, cells: list[dict]) -> dict:
-        return run_judge(cells, sandboxed=self._sandboxed, timeout=self.judge_timeout)
+def _say(cell, name: str, message: str) -> None:
+    """Add an error output that says `message` to `cell` (for the feedback)."""
+    cell.outputs.append(
+        nbformat.v4.new_output("error", ename=name, evalue=message, traceback=[message])
+    )
 
 
 def apply_verdicts(nb, verdicts: dict, log) -> None:
@@ -180,10 +306,10 @@ def apply_verdicts(nb, verdicts: dict, log) -> None:
             continue
         cell_id = cell.metadata.get("nbgrader", {}).get("grade_id", cell.id)
         verdict = verdicts.get(cell_id)
-        if verdict is None:
-            why = verdicts.get(None, "the grader did not run")
-            log.error("test cell %s was not graded: %s", cell_id, why)
-            verdict = _not_graded(cell_id, why)
+        if verdict is None:  # `run_judge` raises unless a limit stopped the student's code
+            why = verdicts.get(None, "the judge did not reach it")
+            log.warning("test cell %s scores 0: %s", cell_id, why)
+            verdict = _stopped(cell_id, why)
         cell.outputs = [nbformat.from_dict(o) for o in verdict["outputs"]]
         cell.execution_count = None
         cell.metadata["course_lib"] = {
@@ -195,27 +321,72 @@ def apply_verdicts(nb, verdicts: dict, log) -> None:
             log.warning("TAMPERING in test cell %s: %s", cell_id, what)
 
 
-def run_judge(cells: list[dict], *, sandboxed: bool, timeout: float) -> dict:
-    """Run the judge on the cells (`judge_cells`), in the sandbox unless `sandboxed` is
-    False; its verdicts by cell id, plus why it stopped under the key None if it did not
-    grade every test cell."""
-    if not any(cell["role"] == "test" for cell in cells):
+def run_judge(
+    cells: list[dict], *, sandboxed: bool, timeout: float, limits: sandbox.Limits | None = None
+) -> dict:
+    """Run the judge on the cells (`judge_cells`), in the sandbox unless `sandboxed` is False,
+    for at most `timeout` seconds (with other `limits` than the sandbox's default, if given);
+    its verdicts by cell id (see `judge_outcome`)."""
+    tests = [cell["id"] for cell in cells if cell["role"] == "test"]
+    if not tests:
         return {}
     token = secrets.token_hex(16)
     request = json.dumps({"token": token, "cells": cells})
     argv = [sys.executable, "-m", "course_lib.grading.judge"]
     if sandboxed:
-        code, out, err, killed = sandbox.run(
-            argv, input=request, limits=sandbox.Limits(seconds=timeout)
-        )
+        limits = dataclasses.replace(limits or sandbox.Limits(), seconds=timeout)
+        code, out, err, killed = sandbox.run(argv, input=request, limits=limits)
     else:
         code, out, err, killed = _run_plain(argv, request, timeout)
-    verdicts: dict = {None: killed or f"the grader stopped (exit code {code}): {err[-800:]}"}
+    return judge_outcome(tests, token, code, out, err, killed)
+
+
+def judge_outcome(
+    tests: list[str], token: str, code: int, out: str, err: str, killed: str | None
+) -> dict:
+    """The verdicts by cell id in what the judge wrote (`out`: its lines after `token`), its
+    exit code, its stderr and why a limit stopped it (`sandbox.Guard.reason`).
+
+    If it stopped before it judged every test cell in `tests`, whose fault that is decides:
+    a limit (time, memory, processes) that stopped it while it ran a test cell, which runs
+    the student's code, is the student's, and the reason is kept under the key None (the
+    cells left score 0, as a part whose code ran out of time does). Any other stop is the
+    grader's and raises `GraderFailed`: it could not start or import, it failed outside a
+    test cell (`judge.main` reports that as "broken"), a limit stopped it outside a test
+    cell, or it died with no limit to blame."""
+    verdicts: dict = {}
+    judging = broken = None
     for line in out.splitlines():
         if line.startswith(token):
-            verdict = json.loads(line[len(token) :])
-            verdicts[verdict["id"]] = verdict
-    return verdicts
+            message = json.loads(line[len(token) :])
+            if "judging" in message:
+                judging = message["judging"]
+            elif "broken" in message:
+                broken = message["broken"]
+            else:
+                verdicts[message["id"]] = message
+                judging = None
+    if all(cell_id in verdicts for cell_id in tests):
+        return verdicts
+    if broken:
+        raise GraderFailed(f"the judge failed: {broken}")
+    if killed and judging is not None:
+        verdicts[None] = f"the judge was stopped while it judged {judging}: it {killed}"
+        return verdicts
+    where = (
+        f"while it judged {judging}"
+        if judging
+        else "between two test cells"
+        if verdicts
+        else "before it judged a test cell"
+    )
+    ended = f"it {killed}" if killed else sandbox.describe_exit(code)
+    raise GraderFailed(f"the judge stopped {where} ({ended}): {_last_lines(err) or 'no message'}")
+
+
+def _last_lines(text: str, lines: int = 3) -> str:
+    """The last few lines of a process's stderr, on one line."""
+    return " | ".join([line.strip() for line in text.splitlines() if line.strip()][-lines:])[-600:]
 
 
 def extra_credit(nb) -> dict[str, float]:
@@ -297,7 +468,9 @@ def _points(cell) -> float:
     return cell.metadata.get("nbgrader", {}).get("points", 0)
 
 
-def _not_graded(cell_id: str, why: str) -> dict:
+def _stopped(cell_id: str, why: str) -> dict:
+    """The verdict of a test cell the judge did not reach, having been stopped by a limit
+    while it ran the student's code: 0."""
     return {
         "id": cell_id,
         "score": 0,
@@ -305,19 +478,20 @@ def _not_graded(cell_id: str, why: str) -> dict:
         "outputs": [
             {
                 "output_type": "error",
-                "ename": "NotGraded",
+                "ename": "GradingStopped",
                 "evalue": why,
-                "traceback": [f"NotGraded: {why}"],
+                "traceback": [f"GradingStopped: {why}"],
             }
         ],
     }
 
 
-def _run_plain(argv: list[str], request: str, timeout: float) -> tuple[int, str, str, None]:
+def _run_plain(argv: list[str], request: str, timeout: float) -> tuple[int, str, str, str | None]:
     try:
         result = subprocess.run(
             argv, input=request, capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired as error:
-        return -9, error.stdout or "", f"ran longer than {timeout:g} s", None
+        out = error.stdout.decode() if isinstance(error.stdout, bytes) else error.stdout or ""
+        return -9, out, "", f"ran longer than {timeout:g} s"
     return result.returncode, result.stdout, result.stderr, None

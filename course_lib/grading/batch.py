@@ -2,6 +2,7 @@
 
     python -m course_lib.grading.batch grade [--jobs N] [--student S ...] [--no-sandbox]
     python -m course_lib.grading.batch merge
+    python -m course_lib.grading.batch not-graded
     python -m course_lib.grading.batch students
 
 nbgrader's gradebook is one SQLite file, and `nbgrader autograde` is written for one writer.
@@ -16,11 +17,21 @@ graded from the same state as in a serial run, and its scores are the same.
 
 The scratch folders can be graded anywhere that sees the course folder: `make autograde
 JOBS=N` on one machine, or one Slurm array task per student (examples/grade_class.sh).
+
+A submission the grader itself failed on (`autograde.GraderFailed`: no sandbox, a judge that
+cannot start...) has no grade, never a 0: `GradeInSandbox` removes it from the gradebook and
+records it in the course's NOT_GRADED. `merge` leaves such a submission out (and takes any
+older grade of it out of the course's gradebook), as it does one whose grading never finished
+or stopped before nbgrader recorded it, keeps its scratch folder and log, and exits non-zero
+naming each with its cause; `not-graded` does the same after a serial `make autograde`. A
+notebook nbgrader itself rejected (its cells' metadata forged, say) is merged as nbgrader
+recorded it: it scores 0, with a warning.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +47,9 @@ SCRATCH = "grading-scratch"
 GRADEBOOK = "gradebook.db"
 STATUS = "status.json"  # written in a scratch course once its grading is over
 LOG = "nbgrader.log"
+# In a course folder: one JSON line per submission left without a grade ({"student",
+# "assignment", "notebook", "cause"}), written by autograde.GradeInSandbox and by `merge`.
+NOT_GRADED = "not-graded.jsonl"
 BIN = Path(sys.executable).parent  # nbgrader's, and the `alembic` its gradebook runs
 
 
@@ -149,20 +163,24 @@ def merge_gradebook(scratch_db: Path, course_db: Path, student: str, assignment:
 
 def merge(course: Path) -> list[str]:
     """Merge every graded scratch course into the course (gradebook.db and autograded/),
-    one after the other, and remove it; the submissions that could not be graded."""
-    failed = []
+    one after the other, and remove it; the submissions nbgrader reported errors for but
+    recorded (they are merged). Those left without a grade are recorded in the course's
+    NOT_GRADED (see `not_graded`); their scratch folders stay, for a look at their logs."""
+    rejected = []
     for scratch in sorted((course / SCRATCH).glob("*/*")):
         student, assignment = scratch.parent.name, scratch.name
-        if not (scratch / STATUS).exists():
-            failed.append(f"{student}/{assignment} (its grading never finished)")
+        cause = _why_not_graded(scratch)
+        if cause is None:
+            try:
+                merge_gradebook(scratch / GRADEBOOK, course / GRADEBOOK, student, assignment)
+            except MissingEntry:  # nbgrader stopped before it recorded the submission
+                cause = f"nbgrader did not record it (see {scratch / LOG})"
+        if cause is not None:
+            _record_not_graded(course, student, assignment, cause)
             continue
         ok = json.loads((scratch / STATUS).read_text())["exit_code"] == 0
         if not ok:
-            failed.append(f"{student}/{assignment} (see {scratch / LOG})")
-        try:
-            merge_gradebook(scratch / GRADEBOOK, course / GRADEBOOK, student, assignment)
-        except MissingEntry:  # nbgrader stopped before it recorded the submission
-            continue
+            rejected.append(f"{student}/{assignment} (see {scratch / LOG})")
         graded = scratch / "autograded" / student / assignment
         into = course / "autograded" / student / assignment
         shutil.rmtree(into, ignore_errors=True)
@@ -173,12 +191,75 @@ def merge(course: Path) -> list[str]:
     for empty in [*(course / SCRATCH).glob("*"), course / SCRATCH]:
         if empty.is_dir() and not any(empty.iterdir()):
             empty.rmdir()
-    return failed
+    return rejected
+
+
+def _why_not_graded(scratch: Path) -> str | None:
+    """Why a scratch course's submission has no grade, or None if it was graded."""
+    if not (scratch / STATUS).exists():
+        return f"its grading never finished (see {scratch / LOG})"
+    records = _records(scratch)
+    if records:
+        return "; ".join(r["cause"].splitlines()[0] for r in records) + f" (see {scratch / LOG})"
+    return None
+
+
+def _record_not_graded(course: Path, student: str, assignment: str, cause: str) -> None:
+    """Record that a submission has no grade, and make it so: any older grade of it goes."""
+    with Gradebook(f"sqlite:///{course / GRADEBOOK}") as gradebook:
+        with contextlib.suppress(MissingEntry):
+            gradebook.remove_submission(assignment, student)
+    shutil.rmtree(course / "autograded" / student / assignment, ignore_errors=True)
+    with open(course / NOT_GRADED, "a") as f:
+        f.write(json.dumps({"student": student, "assignment": assignment, "cause": cause}) + "\n")
+
+
+def _records(course: Path) -> list[dict]:
+    path = course / NOT_GRADED
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def not_graded(course: Path) -> list[str]:
+    """The submissions of submitted/ the gradebook holds no grade of, each with why: the
+    causes NOT_GRADED records for it (the grader failed on it), else nbgrader's log."""
+    causes: dict[tuple[str, str], list[str]] = {}
+    for record in _records(course):
+        cause = record["cause"].splitlines()[0]
+        causes.setdefault((record["student"], record["assignment"]), []).append(cause)
+    if not (course / GRADEBOOK).exists():
+        raise SystemExit(f"no {GRADEBOOK} in {course}: run `make release` first")
+    missing = []
+    with Gradebook(f"sqlite:///{course / GRADEBOOK}") as gradebook:
+        for student, assignment in submissions(course):
+            try:
+                gradebook.find_submission(assignment, student)
+            except MissingEntry:
+                why = causes.get((student, assignment), ["nbgrader did not record it: see its log"])
+                missing.append(f"{student}/{assignment}: {'; '.join(dict.fromkeys(why))}")
+    return missing
+
+
+def report_not_graded(course: Path) -> int:
+    """Print the submissions left without a grade (`not_graded`); 1 if there are any."""
+    missing = not_graded(course)
+    if not missing:
+        return 0
+    print(
+        f"ERROR: {len(missing)} submission(s) NOT graded, because the grader itself failed "
+        "(not the students' code):",
+        *(f"  {line}" for line in missing),
+        f"They have no grade in {GRADEBOOK} (not a 0) and grades.csv was not written. Fix the "
+        "cause, then run `make autograde` again: it grades them.",
+        sep="\n",
+    )
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib.grading.batch")
-    parser.add_argument("command", choices=["grade", "merge", "students"])
+    parser.add_argument("command", choices=["grade", "merge", "not-graded", "students"])
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--student", action="append", help="only this student (repeatable)")
     parser.add_argument("--no-sandbox", action="store_true", help="as make autograde SANDBOX=off")
@@ -189,21 +270,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "students":
         print("\n".join(sorted({student for student, _ in submissions(course)})))
         return 0
+    if args.command == "not-graded":
+        return report_not_graded(course)
     if args.command == "grade":
         pairs = submissions(course, args.student)
         if not pairs:
             raise SystemExit("Nothing to grade: put submissions in submitted/<student>/<a>/")
         if args.student is None:  # the whole class: nothing left over from an earlier run
             shutil.rmtree(course / SCRATCH, ignore_errors=True)
+            (course / NOT_GRADED).unlink(missing_ok=True)
         grade_all(course, pairs, jobs=args.jobs, sandbox=not args.no_sandbox)
         return 0  # failures are reported by `merge`, as they would be by a serial run
-    failed = merge(course)
-    if failed:
+    rejected = merge(course)
+    if rejected:
         print(
-            "WARNING: these submissions could not be graded (they score 0; their logs are "
-            f"kept in {SCRATCH}/): {', '.join(failed)}. The others were graded."
+            "WARNING: nbgrader reported errors for these submissions, merged as it recorded "
+            f"them (a notebook it rejects scores 0; their logs are kept in {SCRATCH}/): "
+            f"{', '.join(rejected)}."
         )
-    return 0
+    return report_not_graded(course)
 
 
 if __name__ == "__main__":

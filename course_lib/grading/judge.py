@@ -13,9 +13,15 @@ may find more to deduct. Student code never runs here, so it cannot rebind
 a check, patch the judging code or fake a result: the ranks send back data only, and a rank
 whose libraries were changed fails the part (`course_lib._integrity`).
 
-The answer is one JSON line on stdout, after the request's token: lines the ranks print go to
-stdout too, and they cannot know the token. `course_lib.grading.autograde` starts this
-process inside the sandbox and reads that line.
+It answers on stdout, one JSON line after the request's token per message: lines the ranks
+print go to stdout too, and they cannot know the token. `{"judging": id}` before each test
+cell, the cell's verdict (`{"id": id, "score": ...}`) after it, and `{"broken": why}` if the
+judge itself failed outside a test cell. Before any student code runs it starts grading ranks
+and runs a call on them (`_start_ranks`): a launcher that cannot start is the grader's
+failure, not a part's. `course_lib.grading.autograde.run_judge` starts this process inside the
+sandbox, reads those lines and decides whose fault an early stop was: a judge that cannot
+import, breaks, or stops outside a test cell leaves the submission ungraded; one stopped by a
+limit while a test cell ran the student's code scores the cells left 0.
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ import json
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from course_lib.grading._harness import RESULT, CheckFailed, close_pool, share
+from course_lib.grading._harness import RESULT, CheckFailed, close_pool, grading_pool, share
 from course_lib.grading.answers import Answer, defined_names
 
 PR_SET_DUMPABLE = 4
+START_RANKS = 2  # the world size of the grading ranks started before any student code runs
 
 
 @dataclass
@@ -91,9 +98,11 @@ class CellVerdict:
         ]
 
 
-def grade(cells: list[dict]) -> Iterator[CellVerdict]:
+def grade(
+    cells: list[dict], judging: Callable[[str], None] = lambda cell_id: None
+) -> Iterator[CellVerdict]:
     """Run the test cells against the answer cells; one verdict per test cell, as each is
-    done."""
+    done. `judging(cell_id)` is called as each test cell starts."""
     namespace: dict = {"__name__": "__main__"}
     setup_names: set[str] = set()
     for cell in cells:
@@ -112,6 +121,7 @@ def grade(cells: list[dict]) -> Iterator[CellVerdict]:
                 namespace[name] = Answer(name, answer_cells)
     for cell in cells:
         if cell["role"] == "test":
+            judging(cell["id"])
             yield _run_test(cell, dict(namespace), rebound)
 
 
@@ -155,24 +165,43 @@ def _not_dumpable() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
+def _start_ranks() -> None:
+    """Start grading ranks (kept warm for the checks) and run a call on them, before any
+    student code runs: if the launcher cannot start here, the grader is broken."""
+    answers = grading_pool(START_RANKS).launch(int, timeout=120)
+    if answers != [0] * START_RANKS:
+        raise RuntimeError(f"grading ranks answered {answers!r} to int()")
+
+
 def main() -> None:
     _not_dumpable()
     request = json.loads(sys.stdin.read())
     sys.stdin.close()
     token = request["token"]
+
+    def say(message: dict) -> None:
+        sys.stdout.write("\n" + token + json.dumps(message) + "\n")
+        sys.stdout.flush()
+
     # One line per test cell as soon as it is graded: if the sandbox is stopped later (a
     # limit reached), the cells graded so far keep their scores.
-    for v in grade(request["cells"]):
-        line = {
-            "id": v.id,
-            "score": v.score,
-            "outputs": v.outputs(),
-            "tampering": v.tampering,
-            "seconds": round(v.seconds, 3),
-        }
-        sys.stdout.write("\n" + token + json.dumps(line) + "\n")
-        sys.stdout.flush()
-    close_pool()
+    try:
+        _start_ranks()
+        for v in grade(request["cells"], lambda cell_id: say({"judging": cell_id})):
+            say(
+                {
+                    "id": v.id,
+                    "score": v.score,
+                    "outputs": v.outputs(),
+                    "tampering": v.tampering,
+                    "seconds": round(v.seconds, 3),
+                }
+            )
+        close_pool()
+    except Exception as error:  # noqa: BLE001 (a test cell's own errors are caught in it)
+        lines = traceback.format_exception(type(error), error, error.__traceback__)
+        say({"broken": f"{type(error).__name__}: {error}\n" + "".join(lines[-12:])})
+        sys.exit(3)
 
 
 if __name__ == "__main__":

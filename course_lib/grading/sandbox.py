@@ -4,9 +4,18 @@ Inside the sandbox a process sees the system read-only (`/usr`, `/etc`, Python, 
 virtual environment and `course_lib`), a private `/tmp` of limited size and nothing else: not
 the course folder (solutions, hidden tests, other students' submissions, the gradebook), not
 the instructor's home. It has its own process and network namespaces (loopback only, so the
-ranks' rendezvous stays inside) and no capabilities. Limits: processes, memory, file size,
-scratch space and time, enforced by a cgroup where one can be made (as root, or with a
+ranks' rendezvous stays inside) and no capabilities. Limits (`Limits`): processes, memory, file
+size, scratch space and time, enforced by a cgroup where one can be made (as root, or with a
 delegated cgroup v2 subtree), else by rlimits and a watchdog that kills the whole sandbox.
+
+Memory is measured as the kernel accounts it, so that pages shared by several processes (a
+fork's copy-on-write memory, torch's libraries) are billed once: the cgroup's own count where
+there is a cgroup, else the sum of the processes' PSS (`/proc/PID/smaps_rollup`, which splits a
+shared page among its users). A folder the sandbox shares with the grader (`SharedFolder`, a
+kernel's working folder) has a total size limit: a tmpfs of that size where this process may
+mount one (as root), so that a write past it fails with "No space left on device"; else the
+watchdog checks its size and stops the sandbox past the limit. `Guard.reason` and
+`describe_exit` say why a sandboxed process ended, as far as is known.
 
 bubblewrap (`bwrap`) is a Debian/Ubuntu/Fedora package (`apt install bubblewrap`); it needs
 unprivileged user namespaces, which current distributions enable. `available()` says whether
@@ -16,14 +25,18 @@ it works here and why not.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,10 +49,11 @@ GIB = 1 << 30
 class Limits:
     """What one sandboxed run may use."""
 
-    memory_bytes: int = 8 * GIB  # resident memory of every process inside, together
+    memory_bytes: int = 8 * GIB  # every process inside together, shared pages billed once
     processes: int = 512  # tasks: threads count too
     file_bytes: int = 1 * GIB  # largest file it may write
     scratch_bytes: int = 1 * GIB  # its /tmp
+    folder_bytes: int = 1 * GIB  # a folder it shares with the grader: all its files together
     seconds: float = 1800.0
 
 
@@ -144,11 +158,15 @@ def environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 class Guard:
     """Enforces `Limits` on a sandboxed process and everything it starts: a cgroup if one can
-    be made, else rlimits (set in the child before it execs) and a watchdog thread."""
+    be made, else rlimits (set in the child before it execs) and a watchdog thread. `folders`
+    are shared folders whose size the watchdog checks (those that are not a tmpfs of their
+    own: see `SharedFolder`)."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, folders: Sequence[SharedFolder] = ()) -> None:
         self.limits = limits
         self.cgroups = _make_cgroups(limits)
+        self.folders = [f.path for f in folders if not f.mounted]
+        self._usage = _cgroup_file(self.cgroups, "memory.current", "memory.usage_in_bytes")
         # RLIMIT_NPROC counts all of this user's tasks; root is exempt (the cgroup covers it).
         uid = os.getuid()
         mine = sum(1 for p in psutil.process_iter(["uids"]) if p.info["uids"].real == uid)
@@ -156,6 +174,7 @@ class Guard:
         self.killed_because: str | None = None
         self._process: psutil.Process | None = None
         self._stop = threading.Event()
+        self._pss = (0, 0.0)  # the last PSS measured, and when the next may be
 
     def preexec(self) -> None:
         """In the child, before exec: join the cgroups and set the rlimits."""
@@ -178,18 +197,44 @@ class Guard:
 
     def _watch(self) -> None:
         deadline = time.monotonic() + self.limits.seconds
+        next_size = time.monotonic()
         while not self._stop.wait(0.2):
             try:
                 tree = [self._process, *self._process.children(recursive=True)]
-                rss = sum(_rss(p) for p in tree)
+                memory = self.memory(tree)
             except psutil.NoSuchProcess:
                 return
-            if rss > self.limits.memory_bytes:
-                self.kill(f"used {rss / GIB:.1f} GiB of memory (limit {self._gib()})")
+            if memory > self.limits.memory_bytes:
+                self.kill(f"used {memory / GIB:.1f} GiB of memory (limit {self._gib()})")
             elif len(tree) > self.limits.processes + 2:
                 self.kill(f"started {len(tree)} processes (limit {self.limits.processes})")
             elif time.monotonic() > deadline:
                 self.kill(f"ran longer than {self.limits.seconds:g} s")
+            elif self.folders and time.monotonic() > next_size:
+                next_size = time.monotonic() + 1.0
+                size = sum(_folder_size(folder) for folder in self.folders)
+                if size > self.limits.folder_bytes:
+                    limit = self.limits.folder_bytes / GIB
+                    self.kill(f"wrote {size / GIB:.1f} GiB to its folder (limit {limit:g} GiB)")
+
+    def memory(self, tree: list[psutil.Process]) -> int:
+        """Bytes of memory the processes `tree` use, as the kernel accounts them: the cgroup's
+        count if there is one, else their PSS summed (a page that n processes share counts
+        1/n in each). PSS is dear to measure (the kernel walks every page table: ~30 ms for a
+        process that imported torch), and never more than RSS: it is measured only when the
+        RSS sum is past the limit, and then at most every ten times what measuring it took."""
+        if self._usage is not None:
+            with contextlib.suppress(OSError, ValueError):
+                return int(Path(self._usage).read_text())
+        rss = sum(_rss(p) for p in tree)
+        if rss <= self.limits.memory_bytes:
+            return rss
+        pss, next_at = self._pss
+        if time.monotonic() >= next_at:
+            start = time.monotonic()
+            pss = sum(_pss(p) for p in tree)
+            self._pss = (pss, time.monotonic() + 10 * (time.monotonic() - start))
+        return pss
 
     def _gib(self) -> str:
         return f"{self.limits.memory_bytes / GIB:g} GiB"
@@ -201,6 +246,19 @@ class Guard:
                 for p in [*self._process.children(recursive=True), self._process]:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         p.kill()
+
+    def reason(self) -> str | None:
+        """Why the sandbox was stopped, if a limit stopped it: the watchdog's reason, or the
+        kernel's out-of-memory killer in the cgroup. Call it before `close`."""
+        if self.killed_because:
+            return self.killed_because
+        events = _cgroup_file(self.cgroups, "memory.events", "memory.oom_control")
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            for line in Path(events).read_text().splitlines():
+                name, _, count = line.partition(" ")
+                if name == "oom_kill" and int(count) > 0:
+                    return f"ran out of memory (limit {self._gib()})"
+        return None
 
     def close(self) -> None:
         self._stop.set()
@@ -217,11 +275,65 @@ class Guard:
                     time.sleep(0.05)
 
 
+def describe_exit(code: int | None) -> str:
+    """What a sandboxed process's exit code says (bwrap exits with 128 + N when its command
+    was killed by signal N; Popen gives -N for a process it started itself)."""
+    if code is None:
+        return "it did not end"
+    number = -code if code < 0 else code - 128 if code > 128 else 0
+    if number:
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        what = {
+            "SIGSEGV": "a segmentation fault",
+            "SIGBUS": "a bus error",
+            "SIGABRT": "an abort",
+            "SIGKILL": "killed: out of memory, or a kill from outside",
+        }.get(name)
+        return f"it was stopped by {name}" + (f" ({what})" if what else "")
+    return f"it exited with code {code}"
+
+
 def _rss(process: psutil.Process) -> int:
     try:
         return process.memory_info().rss
     except psutil.NoSuchProcess:
         return 0
+
+
+def _pss(process: psutil.Process) -> int:
+    """The process's proportional set size; its RSS if the kernel will not say (a process
+    that made itself undumpable, seen by another user)."""
+    try:
+        with open(f"/proc/{process.pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _rss(process)
+
+
+def _folder_size(folder: str) -> int:
+    """Bytes of the files under `folder` (what they take on disk: sparse files count what
+    they hold)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+def _cgroup_file(groups: list[str], v2: str, v1: str) -> str | None:
+    """The path of a memory controller file in the cgroups made (v2's name or v1's)."""
+    for group in groups:
+        for name in (v2, v1):
+            if os.path.exists(os.path.join(group, name)):
+                return os.path.join(group, name)
+    return None
 
 
 def _make_cgroups(limits: Limits) -> list[str]:
@@ -253,15 +365,76 @@ def _make_cgroups(limits: Limits) -> list[str]:
     return made
 
 
+# --- a folder shared with the grader ---------------------------------------------------------
+
+MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
+FOLDER_PREFIX = "course_lib-grade-"  # then the grader's pid
+
+
+class SharedFolder:
+    """A new folder that a sandbox may write to and the grader reads (a kernel's connection
+    files and working folder), of at most `size` bytes in all. Where this process may mount
+    (as root), it is a tmpfs of that size: a write past it fails with ENOSPC. Elsewhere it is
+    a plain folder, and `Guard` stops the sandbox once its files pass the size (`tmpfs=False`
+    makes one anyway, as a user who may not mount gets). `close` removes it; a grader killed
+    before it could leaves its tmpfs mounted, and the next one to make a folder removes it."""
+
+    def __init__(self, size: int, tmpfs: bool = True) -> None:
+        _sweep()
+        self.path = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
+        self.size = size
+        self.mounted = tmpfs and _mount_tmpfs(self.path, size)
+
+    def close(self) -> None:
+        if self.mounted:
+            ctypes.CDLL(None, use_errno=True).umount2(self.path.encode(), MNT_DETACH)
+            self.mounted = False
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> SharedFolder:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _sweep() -> None:
+    """Unmount and remove the tmpfs folders of graders that were killed before they could
+    (their folder names hold their pids)."""
+    with contextlib.suppress(OSError):
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+        prefix = os.path.join(tempfile.gettempdir(), FOLDER_PREFIX)
+        for line in mounts:
+            source, path, kind = line.split()[:3]
+            pid = path[len(prefix) :].split("-")[0]
+            if source == "course_lib" and kind == "tmpfs" and path.startswith(prefix):
+                if pid.isdigit() and not psutil.pid_exists(int(pid)):
+                    ctypes.CDLL(None, use_errno=True).umount2(path.encode(), MNT_DETACH)
+                    shutil.rmtree(path, ignore_errors=True)
+
+
+def _mount_tmpfs(path: str, size: int) -> bool:
+    options = f"size={size},mode=0700".encode()
+    libc = ctypes.CDLL(None, use_errno=True)
+    flags = MS_NOSUID | MS_NODEV
+    return libc.mount(b"course_lib", path.encode(), b"tmpfs", flags, options) == 0
+
+
 def run(
-    argv: list[str], *, input: str, limits: Limits, env: dict[str, str] | None = None
+    argv: list[str],
+    *,
+    input: str,
+    limits: Limits,
+    env: dict[str, str] | None = None,
+    folder: SharedFolder | None = None,
 ) -> tuple[int, str, str, str | None]:
-    """Run `argv` in a sandbox with `input` on stdin; (exit code, stdout, stderr, why the
-    guard killed it or None)."""
-    guard = Guard(limits)
+    """Run `argv` in a sandbox with `input` on stdin, in `folder` if given (else in its /tmp);
+    (exit code, stdout, stderr, why a limit stopped it or None: `Guard.reason`)."""
+    guard = Guard(limits, [folder] if folder else [])
+    shared, chdir = ([folder.path], folder.path) if folder else ([], "/tmp")
     try:
         process = subprocess.Popen(
-            command(argv, limits=limits, env=environment(env)),
+            command(argv, limits=limits, env=environment(env), shared=shared, chdir=chdir),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -274,6 +447,6 @@ def run(
         except subprocess.TimeoutExpired:
             guard.kill(f"ran longer than {limits.seconds:g} s")
             out, err = process.communicate()
-        return process.returncode, out, err, guard.killed_because
+        return process.returncode, out, err, guard.reason()
     finally:
         guard.close()
