@@ -29,9 +29,18 @@ import torch
 from torch.nn.modules import module as modules
 from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from course_lib import comm
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    """The tensors in an operation's arguments or results: a tensor, or tensors in (nested)
+    tuples and lists (what aten operations take and return; cheaper than torch's pytree)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 class _Meter(TorchDispatchMode):
@@ -54,10 +63,11 @@ class _Meter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
-        out = func(*args, **(kwargs or {}))
-        inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or id(t) in self.seen:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {id(t) for t in _tensors((*args, *kwargs.values()))}
+        for t in _tensors(out):
+            if id(t) in self.seen:
                 continue
             # An in-place op returns its input: new memory only if its storage was made
             # before the meter started and is counted from now on.

@@ -76,17 +76,27 @@ def _drop_grad(param: torch.Tensor) -> None:
     param.grad = None
 
 
-@functools.lru_cache(maxsize=64)
 def _plain_backward_samples(run: ZeroRun, s: int, r: int, ranks: int) -> tuple[dict, ...]:
     """In the checking process: each backward of step s on rank r's share, by the plain model
     with every full gradient dropped as soon as it is ready, metered as the ranks meter
     theirs (`GradientMeter.record`)."""
+    rows = len(_share(run, s, r, ranks)[0])
+    return _plain_backward_samples_of(rows, run.accumulates(s))
+
+
+@functools.lru_cache(maxsize=32)
+def _plain_backward_samples_of(rows: int, twice: bool) -> tuple[dict, ...]:
+    """`_plain_backward_samples` of a share of `rows` sequences, in one backward or (`twice`)
+    two. Bytes and operations depend on the shapes alone, not on the values (the tests hold
+    this against the ranks' own measurements), so each shape is measured once."""
+    run = ZeroRun(steps=2, batch_size=rows, accumulate=twice)
+    x, y = global_batches(run)[1]
     model = build_model(run)
     sampler = GradientMeter(model)
     for p in model.parameters():  # after the sampler's hooks, as a student's are
         p.register_post_accumulate_grad_hook(_drop_grad)
     out = []
-    for xs, ys, weight in run.backwards(s, *_share(run, s, r, ranks)):
+    for xs, ys, weight in run.backwards(1, x, y):
         loss = _weighted_loss(model, xs, ys, weight)
         with sampler.backward():
             loss.backward()
@@ -175,13 +185,20 @@ def _peak_stage3(shard_module: Callable, run: ZeroRun) -> list[dict]:
     return steps
 
 
-@functools.lru_cache(maxsize=64)
 def _plain_step_need(run: ZeroRun, s: int, r: int, ranks: int) -> tuple[int, int]:
     """In the checking process: what the plain model's forward and backward of step s on rank
     r's share need, without the full gradients they create (bytes), and their operations."""
+    return _plain_step_need_of(len(_share(run, s, r, ranks)[0]))
+
+
+@functools.lru_cache(maxsize=32)
+def _plain_step_need_of(rows: int) -> tuple[int, int]:
+    """`_plain_step_need` of a share of `rows` sequences, measured once per shape (bytes and
+    operations depend on the shapes alone)."""
+    run = ZeroRun(steps=1, batch_size=rows)
     plain = build_model(run)
     full_grads = sum(p.numel() * p.element_size() for p in plain.parameters())
-    measured = _step_peak(plain, *_share(run, s, r, ranks))
+    measured = _step_peak(plain, *global_batches(run)[0])
     return measured["peak"] - full_grads, measured["ops"]
 
 

@@ -11,6 +11,7 @@ notebook's per-rank table of bytes for one step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -220,12 +221,17 @@ def _gathered_bytes(counter: CommCounter) -> int:
 # --- the single-process reference, in the checking process --------------------------------
 
 
-@functools.lru_cache(maxsize=8)
 def reference(run: ZeroRun, loss_scale: float = 1.0, new_lr: bool = True) -> dict:
     """torch.optim.AdamW on one process on the whole batch: per step the gradients,
     parameters and optimizer state (named). The learning rate changes to NEW_LR at
     `run.new_lr_at` (unless `new_lr` is False); `loss_scale` > 1 trains on summed gradients
-    instead of averaged ones (both for telling a mistake apart)."""
+    instead of averaged ones (both for telling a mistake apart). Two backwards on a rank
+    (`run.accumulate`) add up to the same gradients: one reference serves both."""
+    return _reference(dataclasses.replace(run, accumulate=False), loss_scale, new_lr)
+
+
+@functools.lru_cache(maxsize=8)
+def _reference(run: ZeroRun, loss_scale: float, new_lr: bool) -> dict:
     model = build_model(run)
     optimizer = make_optimizer("adamw", model.parameters())
     steps = []
