@@ -1,4 +1,4 @@
-"""Part of Assignment 7's checks (grading/zero.py): the memory meter of the peak checks.
+"""Part of Assignment 7's checks (grading/zero.py): the meter of memory while work runs.
 
     with _Meter() as meter:
         loss.backward()
@@ -51,8 +51,10 @@ class _Meter(TorchDispatchMode):
 
     Code that pops it off torch's dispatch stack hides what it allocates meanwhile; so the
     meter looks for itself on the stack at every module's forward (global module hooks, which
-    run before a module's own), at every torch.distributed call and at the end; it also counts
-    the operations it saw (a sharded step runs at least the unsharded step's)."""
+    run before a module's own), at every torch.distributed call, at every gradient
+    `GradientMeter` samples and at the end; it also counts the operations it saw (a sharded
+    step runs at least the unsharded step's). Code that takes it off and puts it back between
+    these moments, calling no collective meanwhile, is not seen."""
 
     def __init__(self) -> None:
         super().__init__()
