@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import rank, world_size
-from course_lib.grading import CheckFailed, check_zero1, check_zero2, check_zero3, check_zero3_peak
+from course_lib.grading import CheckFailed, check_zero1, check_zero2, check_zero3
 from course_lib.grading.zero import (
     SMALL,
     chunk_of,
@@ -20,10 +20,19 @@ from course_lib.grading.zero import (
     optimizer_state_bytes,
     shard_bytes,
 )
-from course_lib.grading.zero_peak import LAYERS_ALLOWED, budget, largest_layer_bytes
+from course_lib.grading.zero_ranks import ZeroRun, _weighted_loss, build_model, global_batches
 from course_lib.models import TinyGPT, count_parameters
 from tests.adapters import mutant, planted, solution
-from tests.cheats.a07_zero import FULL_STATE_ZERO1
+from tests.cheats.a07_zero import (
+    FULL_STATE_ZERO1,
+    ZERO1_COPIED_PARAM_GROUPS,
+    ZERO1_PARAM_GROUPS_ATTRIBUTE,
+    ZERO2_BUFFERS_MADE_BEFORE,
+    ZERO2_ONE_BUFFER,
+    ZERO2_OVERWRITES,
+    ZERO2_SHARDS_AT_THE_END,
+    ZERO3_GATHER_INTO_A_LIST,
+)
 
 # --- right implementations: the solution notebook's, and others written differently -------
 
@@ -76,7 +85,8 @@ class AllReduceGradOptimizer(ShardedGradOptimizer):
         flat = padded(param.grad)
         dist.all_reduce(flat)
         c = shard.numel()
-        shard.grad = flat[rank() * c : (rank() + 1) * c].clone() / world_size()
+        chunk = flat[rank() * c : (rank() + 1) * c].clone() / world_size()
+        shard.grad = chunk if shard.grad is None else shard.grad + chunk
         param.grad = None
 
 
@@ -112,6 +122,41 @@ NoGatherOptimizer = mutant(
 # ZeRO-2 that reduce-scatters in the hook but forgets to free the full gradient.
 KeepsFullGradOptimizer = mutant(
     "zero", "zero2", ("param.grad = None  # the full gradient is gone", "pass  #")
+).ShardedGradOptimizer
+# ZeRO-2 whose second backward before a step overwrites the gradient shard (the cheat of
+# tests/cheats/a07_zero.py is the same mistake, written out).
+OverwritingGradOptimizer = mutant(
+    "zero",
+    "zero2",
+    ("shard.grad = grad if shard.grad is None else shard.grad + grad", "shard.grad = grad"),
+).ShardedGradOptimizer
+# ZeRO-2 whose zero_grad() leaves the shards' .grad: the next step's gradients add to them.
+KeepsShardGradsOptimizer = mutant(
+    "zero", "zero1", ("        self.optimizer.zero_grad()\n", "")
+).ShardedGradOptimizer
+# ZeRO-2 whose hook takes the memory meter off torch's dispatch stack around its
+# reduce-scatter (the memory it allocates meanwhile is hidden).
+MeterOffGradOptimizer = mutant(
+    "zero",
+    "zero2",
+    (
+        "        grad = reduce_scatter_mean(param.grad)\n",
+        "        meter = torch.utils._python_dispatch._pop_mode()\n"
+        "        grad = reduce_scatter_mean(param.grad)\n"
+        "        torch.utils._python_dispatch._push_mode(meter)\n",
+    ),
+).ShardedGradOptimizer
+# ZeRO-2 that removes every post-accumulate-grad hook made before its own (the check's).
+UnhookingGradOptimizer = mutant(
+    "zero",
+    "zero2",
+    (
+        "        for p, shard in zip(self.params, self.shards, strict=True):\n"
+        "            p.register",
+        "        for p, shard in zip(self.params, self.shards, strict=True):\n"
+        "            p._post_accumulate_grad_hooks = None\n"
+        "            p.register",
+    ),
 ).ShardedGradOptimizer
 # ZeRO-3 that keeps each layer's gathered parameters after its forward.
 keep_gathered = mutant(
@@ -243,6 +288,10 @@ def test_checks_accept_the_reference_solution(world):
 def test_checks_accept_other_right_styles():
     check_zero1(FlatShardedOptimizer, steps=4)
     check_zero2(AllReduceGradOptimizer)
+    # The alternatives of tests/cheats/a07_zero.py that the new rules bear on.
+    check_zero1(planted("zero", "zero1", ZERO1_PARAM_GROUPS_ATTRIBUTE).ShardedOptimizer)
+    check_zero2(planted("zero", "zero2", ZERO2_ONE_BUFFER).ShardedGradOptimizer, steps=4)
+    check_zero3(planted("zero", "zero3", ZERO3_GATHER_INTO_A_LIST).shard_module)
 
 
 def test_a_passing_check_says_what_it_verified_with_the_bytes_it_measured(capsys):
@@ -274,12 +323,16 @@ def test_the_ranks_step_with_torch_optim_adamw_as_the_reference_does():
         (FloorShardOptimizer, "was never updated: no rank stepped it"),
         (OverlappingShardOptimizer, "bytes of optimizer state; at most"),
         (NoParamGroups, "optimizer.param_groups[0]['lr'] is None"),
+        (
+            planted("zero", "zero1", ZERO1_COPIED_PARAM_GROUPS).ShardedOptimizer,
+            "before step 2 the check set the learning rate to 0.005 through your optimizer's",
+        ),
         (not_implemented, "your ShardedOptimizer raised NotImplementedError on rank "),
     ],
 )
 def test_check_zero1_rejects(impl, message):
     with pytest.raises(CheckFailed) as info:
-        check_zero1(impl, steps=2)
+        check_zero1(impl, steps=3)
     assert str(info.value).startswith("check_zero1: ")
     assert message in str(info.value)
 
@@ -293,6 +346,23 @@ def test_check_zero1_rejects(impl, message):
         (NoGatherOptimizer, "the ranks hold different parameters"),
         (HiddenFullGradOptimizer, "bytes of tensors kept from backward"),
         (not_implemented, "your ShardedGradOptimizer raised NotImplementedError"),
+        (OverwritingGradOptimizer, "the second must add its chunk to the shard's .grad"),
+        (KeepsShardGradsOptimizer, "zero_grad() clears the shards' .grad"),
+        (
+            planted("zero", "zero2", ZERO2_OVERWRITES).ShardedGradOptimizer,
+            "Step 1 ran two backwards before step(): do both add up in the gradients?",
+        ),
+        (
+            planted("zero", "zero2", ZERO2_SHARDS_AT_THE_END).ShardedGradOptimizer,
+            "step 0, backward 1 of 1 (TinyGPT(SMALL)",
+        ),
+        (
+            planted("zero", "zero2", ZERO2_BUFFERS_MADE_BEFORE).ShardedGradOptimizer,
+            "when the gradient of 'embed.tokens.weight' was ready, 67,472 bytes were alive "
+            "beyond what the unsharded model's backward holds at that moment",
+        ),
+        (MeterOffGradOptimizer, "the memory meter was switched off during backward"),
+        (UnhookingGradOptimizer, "the check's hook never saw the gradient of"),
     ],
 )
 def test_check_zero2_rejects(impl, message):
@@ -342,9 +412,10 @@ def test_a_failing_check_lists_each_failing_property():
     with pytest.raises(CheckFailed) as info:
         check_zero2(FullStateOptimizer, world_size=2, steps=1)
     text = str(info.value)
-    assert "[result] failed in 3 case(s):" in text
+    assert "[result] failed in 4 case(s):" in text
     assert "bytes of optimizer state" in text and "bytes of gradients" in text
     assert "bytes of tensors kept from backward" in text
+    assert "... and 1 more" in text  # the bytes during backward: only 3 cases are shown
 
 
 def test_a_bad_world_size_or_batch_is_refused_before_running():
@@ -402,47 +473,17 @@ def test_measured_memory_follows_the_zero_formulas():
         assert measured == [expected[stage]] * p, stage
 
 
-# --- Part 4: ZeRO-3 at its peak -------------------------------------------------------------
-
-# ZeRO-3 whose full weights stay in autograd's saved tensors, with the memory meter taken off
-# torch's dispatch stack from each layer's pre-hook to its forward hook.
-POP = "torch.utils._python_dispatch._pop_mode() if torch._C._len_torch_dispatch_stack() else None"
-meter_off = mutant(
-    "zero",
-    "zero3",
-    ("    module.saving.__enter__()\n", f"    module.meter = {POP}\n"),
-    (
-        "    module.saving.__exit__(None, None, None)\n",
-        "    if module.meter is not None:\n"
-        "        torch.utils._python_dispatch._push_mode(module.meter)\n",
-    ),
-).shard_module
-
-
-@pytest.mark.parametrize("world", [4, 3, 2, 1])
-def test_check_zero3_peak_accepts_the_solution(world, capsys):
-    check_zero3_peak(shard_module, world_size=world, seed=world, steps=1)
-    out = capsys.readouterr().out
-    assert out.startswith("check_zero3_peak: passed. Verified 1 steps"), out
-    assert "peaked at most at" in out and "of its budget" in out
-
-
-@pytest.mark.parametrize(
-    "impl, message",
-    [
-        (no_regather, "gradient shards and 3 x 12,144 for the largest layer's full parameters"),
-        (meter_off, "the memory meter was switched off during the step"),
-    ],
-)
-def test_check_zero3_peak_rejects(impl, message):
-    with pytest.raises(CheckFailed) as info:
-        check_zero3_peak(impl, steps=1)
-    assert str(info.value).startswith("check_zero3_peak: ")
-    assert message in str(info.value)
-
-
-def test_the_peak_budget_is_the_unsharded_need_plus_shards_plus_three_layers():
-    model = TinyGPT(SMALL, dtype=torch.float64)
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) * 8 for m in model.modules())
-    assert largest_layer_bytes(model) == largest == 12_144  # the attention's qkv: 22 x 66 + 66
-    assert budget(1000, model, 4) == 1000 + shard_bytes(model, 4) + LAYERS_ALLOWED * largest
+def test_two_backwards_add_up_to_the_mean_over_the_share():
+    run = ZeroRun(accumulate=True)
+    x, y = global_batches(run)[1]
+    pieces = run.backwards(1, x[:3], y[:3])
+    assert [(len(xs), weight) for xs, _, weight in pieces] == [(2, 2 / 3), (1, 1 / 3)]
+    assert len(run.backwards(0, x, y)) == 1 and len(run.backwards(1, x[:1], y[:1])) == 1
+    model = build_model(run)
+    for xs, ys, weight in pieces:
+        _weighted_loss(model, xs, ys, weight).backward()
+    accumulated = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    _weighted_loss(model, x[:3], y[:3], 1.0).backward()
+    for got, want in zip(accumulated, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)  # float64 rounding

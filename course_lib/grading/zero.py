@@ -13,16 +13,21 @@ Each check trains `TinyGPT(SMALL)` (tensor sizes not divisible by 2, 3 or 4, so 
 uneven) for a few AdamW steps in float64, with every global batch split across the ranks and
 each rank's loss the mean over its own share, and compares every rank after every step with
 `torch.optim.AdamW` on one process on the whole batch: parameters, and where visible the
-gradient shards and the optimizer state, to `TOLERANCE`. Memory is measured on every rank:
-the bytes of optimizer state (stage 1), of gradients after backward (stage 2) and of the
+gradient shards and the optimizer state, to `TOLERANCE`. The checks of stages 1 and 2 change
+the learning rate through `param_groups` before step `NEW_LR_AT`; stage 2's runs two
+backwards before every odd-numbered step (gradient accumulation). Memory is measured on every
+rank: the bytes of optimizer state (stage 1), of gradients after backward (stage 2) and of the
 tensors the model holds at rest (stage 3) may not exceed `shard_bytes`: per tensor, at most
 one element more than numel / P (c elements), summed over the tensors. Bytes are counted per
-storage, so a view that keeps a whole tensor alive counts as the whole tensor.
+storage, so a view that keeps a whole tensor alive counts as the whole tensor. Memory is
+also measured while the work runs (`zero_peak`): in stage 2 each time a gradient is ready
+during backward, in stage 3 at the peak of forward and backward.
 
-The checks stand on five parts: `zero_memory` (the sharding rule, how bytes are counted),
+The checks stand on six parts: `zero_memory` (the sharding rule, how bytes are counted),
 `zero_ranks` (what runs on each rank, the single-process reference, `measure_memory`),
-`zero_judge` (judging stages 1 and 2, `TOLERANCE`), `zero_judge3` (judging stage 3) and
-`zero_peak` (stage 3's memory at its peak, against the unsharded step's on the same rank).
+`zero_judge` (judging stages 1 and 2, `TOLERANCE`), `zero_judge3` (judging stage 3),
+`zero_meter` (the memory meter) and `zero_peak` (memory while the work runs, against what
+the unsharded model needs for the same work, measured in the checking process).
 """
 
 from __future__ import annotations
@@ -61,8 +66,14 @@ from course_lib.grading.zero_memory import (
     shard_bytes,
     shard_numel,
 )
-from course_lib.grading.zero_peak import LAYERS_ALLOWED, _judge_peak, _peak_stage3
+from course_lib.grading.zero_peak import (
+    LAYERS_ALLOWED,
+    _judge_backward_samples,
+    _judge_peak,
+    _peak_stage3,
+)
 from course_lib.grading.zero_ranks import (
+    NEW_LR,
     SMALL,
     ZeroRun,
     _train_stage3,
@@ -72,6 +83,10 @@ from course_lib.grading.zero_ranks import (
     measure_memory,
     reference,
 )
+
+# The step before which check_zero1 and check_zero2 set the learning rate to NEW_LR through
+# the optimizer's param_groups, as a learning-rate scheduler would.
+NEW_LR_AT = 2
 
 
 def check_zero1(
@@ -87,9 +102,10 @@ def check_zero1(
     optimizer (`zero_grad()`, `step()`, `param_groups`) after a plain backward on each rank's
     share of the batch. Its step averages the gradients over the ranks, steps each rank's
     shards with optimizer_cls, and leaves the full updated parameters on every rank.
-    Checked: parameters on every rank after every step; optimizer state bytes per rank."""
+    Checked: parameters on every rank after every step (the lr set to NEW_LR through
+    param_groups before step NEW_LR_AT); optimizer state bytes per rank."""
     __tracebackhide__ = True
-    run = ZeroRun(seed=seed, steps=steps, batch_size=batch_size)
+    run = _stage12_run(1, seed, steps, batch_size)
     _check_stage12("check_zero1", sharded_optimizer, 1, world_size, run, timeout)
 
 
@@ -102,12 +118,26 @@ def check_zero2(
     batch_size: int = 12,
     timeout: float = 60.0,
 ) -> None:
-    """ZeRO-2. As check_zero1, and after backward each rank holds gradients only for its own
-    shards: checked are the gradient shards' values (where the optimizer's tensors are
-    the shards) and the gradient bytes per rank."""
+    """ZeRO-2. As check_zero1, and each gradient is reduce-scattered during backward: checked
+    are the gradient shards' values after backward (where the optimizer's tensors are the
+    shards), also after two backwards (every odd-numbered step: they must add up), the
+    gradient bytes per rank after backward, and during each backward, each time a gradient
+    is ready, the bytes alive beyond the unsharded backward's (`zero_peak`)."""
     __tracebackhide__ = True
-    run = ZeroRun(seed=seed, steps=steps, batch_size=batch_size)
+    run = _stage12_run(2, seed, steps, batch_size)
     _check_stage12("check_zero2", sharded_grad_optimizer, 2, world_size, run, timeout)
+
+
+def _stage12_run(stage: int, seed: int, steps: int, batch_size: int) -> ZeroRun:
+    """From step 2 on, the learning rate is changed through param_groups; in stage 2, every
+    odd-numbered step runs two backwards before it."""
+    return ZeroRun(
+        seed=seed,
+        steps=steps,
+        batch_size=batch_size,
+        accumulate=stage == 2,
+        new_lr_at=NEW_LR_AT if steps > NEW_LR_AT else None,
+    )
 
 
 def _check_stage12(
@@ -137,11 +167,14 @@ def _check_stage12(
     for key in keys:
         with verdict.case():
             _judge_bytes_every_step(check, results, model, key, limits[key], where)
+    worst = None
     if stage == 2:
         with verdict.case():
             for s, ref_step in enumerate(ref["steps"]):
-                _compare_grad_shards(check, results, s, ref_step, ranks, f"after step {s}, {where}")
-    verdict.conclude(_verified_stage12(stage, results, limits, where))
+                _compare_grad_shards(check, results, s, ref_step, ranks, run, where)
+        with verdict.case():
+            worst = _judge_backward_samples(check, results, run, model, limits["kept_bytes"], where)
+    verdict.conclude(_verified_stage12(stage, results, limits, where, run, worst))
 
 
 def check_zero3(
@@ -213,7 +246,7 @@ def check_zero3_peak(
         check, _peak_stage3, shard_module, run, world_size=world_size, timeout=timeout,
         what="your shard_module",
     )  # fmt: skip
-    passed(check, _judge_peak(check, results, build_model(run), run.describe(world_size)))
+    passed(check, _judge_peak(check, results, run, build_model(run), run.describe(world_size)))
 
 
 __all__ = [
@@ -225,6 +258,7 @@ __all__ = [
     "check_zero3",
     "check_zero3_peak",
     "LAYERS_ALLOWED",
+    "NEW_LR",
     "chunk_of",
     "global_batches",
     "gradient_bytes",

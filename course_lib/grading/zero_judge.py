@@ -3,10 +3,12 @@ what every stage's judging shares.
 
 The ranks' records (`zero_ranks._train_stage12`) against the single-process reference: the
 parameters after every step (`_compare_parameters`, with `_parameter_hint` telling the usual
-mistakes apart), the optimizer state and gradient shards where the check can see them, the
-lr in param_groups, and the bytes of optimizer state, gradients and tensors kept from
+mistakes apart: an lr set through param_groups that did not take effect, two backwards
+that did not add up), the optimizer state and gradient shards where the check can see them,
+the lr in param_groups, and the bytes of optimizer state, gradients and tensors kept from
 backward per rank (`_check_bytes`: at most `shard_bytes` each). Each raises the failure a
-student sees; `_verified_stage12` is what a passing check says it verified.
+student sees; `_verified_stage12` is what a passing check says it verified. (Each
+backward's memory while it runs is `zero_peak`'s.)
 """
 
 from __future__ import annotations
@@ -16,8 +18,13 @@ from torch import nn
 from course_lib import compare
 from course_lib.grading._harness import fail
 from course_lib.grading.training import ADAMW
-from course_lib.grading.zero_memory import chunk_of, shard_bytes, shard_numel
-from course_lib.grading.zero_ranks import STATE_NAMES, ZeroRun, reference
+from course_lib.grading.zero_memory import (
+    chunk_of,
+    largest_parameter_bytes,
+    shard_bytes,
+    shard_numel,
+)
+from course_lib.grading.zero_ranks import NEW_LR, STATE_NAMES, ZeroRun, reference
 
 # float64 rounding between a split and a whole batch is ~1e-17 in the gradients and ~1e-14
 # after a few AdamW steps (measured); 1e-10 leaves room and still catches any real mistake.
@@ -63,6 +70,15 @@ def _parameter_hint(run: ZeroRun, results: list[dict], r: int, s: int, ranks: in
                 "other ranks' updated shards (all-gather or broadcast) so that all ranks "
                 "hold the same full model"
             )
+    if (
+        s == run.new_lr_at
+        and _mismatch(got, reference(run, new_lr=False)["steps"][s]["params"]) is None
+    ):
+        return (
+            f"before step {s} the check set the learning rate to {NEW_LR:g} through your "
+            "optimizer's param_groups, and your step still used the old one: param_groups "
+            "must be the inner optimizer's own list (its dicts), not a copy"
+        )
     if ranks > 1 and _mismatch(got, reference(run, ranks)["steps"][s]["params"]) is None:
         return (
             f"your parameters are what training with gradients {ranks} (the world size) "
@@ -81,9 +97,15 @@ def _parameter_hint(run: ZeroRun, results: list[dict], r: int, s: int, ranks: in
                 f"owns ceil(numel / P) = {shard_numel(value.numel(), ranks)} elements, and "
                 "together the shards must cover every element exactly once"
             )
+    accumulated = (
+        f" Step {s} ran two backwards before step(): do both add up in the gradients?"
+        if run.accumulates(s)
+        else ""
+    )
     return (
         "is every gradient averaged over the ranks before the step, and does each rank step "
         "exactly its own elements (shard boundaries: ceil(numel / P) elements per rank)?"
+        + accumulated
     )
 
 
@@ -134,8 +156,14 @@ def _compare_states(check: str, results: list[dict], ref: dict) -> None:
                 _compare_state(check, r, s, ranks, state, ref_step)
 
 
-def _compare_grad_shards(check: str, results, s: int, ref_step: dict, ranks: int, at: str):
+def _compare_grad_shards(
+    check: str, results: list[dict], s: int, ref_step: dict, ranks: int, run: ZeroRun, where: str
+) -> None:
+    """Every rank's gradient shards after step s's backward(s), where the check can see them:
+    its chunk of the full-batch gradient."""
     __tracebackhide__ = True
+    twice = run.accumulates(s)
+    at = f"step {s}{' (two backwards before it)' if twice else ''}, {where}"
     for r, result in enumerate(results):
         shards = result["steps"][s].get("grad_shards")
         if shards is None:
@@ -145,7 +173,7 @@ def _compare_grad_shards(check: str, results, s: int, ref_step: dict, ranks: int
             if got is None:
                 fail(
                     check,
-                    f"rank {r}, step {s}: the shard of {name!r} has no .grad after backward."
+                    f"rank {r}, {at}: the shard of {name!r} has no .grad after backward."
                     "\nHint: reduce-scatter each gradient during backward (a "
                     "post-accumulate-grad hook), not in step()",
                 )
@@ -153,17 +181,27 @@ def _compare_grad_shards(check: str, results, s: int, ref_step: dict, ranks: int
             problem = _mismatch({label: got}, {label: want}, GRAD_TOLERANCE)
             if problem:
                 summed = _mismatch({label: got}, {label: ranks * want}, GRAD_TOLERANCE) is None
-                hint = (
-                    f"it is {ranks} (the world size) times the average: divide the "
-                    "reduce-scattered sum by world_size()"
-                    if ranks > 1 and summed
-                    else "after backward, rank r's shard .grad must hold the r-th chunk of "
-                    "the gradient averaged over the ranks"
-                )
+                if ranks > 1 and summed:
+                    hint = (
+                        f"it is {ranks} (the world size) times the average: divide the "
+                        "reduce-scattered sum by world_size()"
+                    )
+                elif twice:
+                    hint = (
+                        "this step ran two backwards before step(): the second must add its "
+                        "chunk to the shard's .grad (as autograd adds to a .grad), not "
+                        "overwrite it; zero_grad() clears the shards' .grad"
+                    )
+                else:
+                    hint = (
+                        "after backward, rank r's shard .grad must hold the r-th chunk of "
+                        "the gradient averaged over the ranks; does zero_grad() clear the "
+                        "shards' .grad?"
+                    )
                 fail(
                     check,
-                    f"rank {r}, {at.replace('after', 'in')}: {problem} (against the "
-                    f"same elements of the full-batch gradient).\nHint: {hint}",
+                    f"rank {r}, {at}: {problem} (against the same elements of the full-batch "
+                    f"gradient).\nHint: {hint}",
                 )
 
 
@@ -223,8 +261,8 @@ STAGE12_BYTES = {
     ),
     "kept_bytes": (
         "tensors kept from backward (every tensor alive after backward that was "
-        "not before it, wherever it is kept; one parameter's full size is allowed "
-        "on top)",
+        "not before it, wherever it is kept; one parameter's full size and 1,024 bytes "
+        "are allowed on top)",
         None,
         "step {s}, ",
         "reduce-scatter each gradient in its hook and keep only the chunk: a full "
@@ -235,7 +273,7 @@ STAGE12_BYTES = {
 
 def _stage12_limits(model: nn.Module, ranks: int) -> dict[str, int]:
     """The most bytes one rank may hold, by the key its records keep them under."""
-    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    largest = largest_parameter_bytes(model)
     grad_allowed = shard_bytes(model, ranks)
     return {
         "state_bytes": shard_bytes(model, ranks, values_per_element=2),
@@ -272,23 +310,48 @@ def _check_param_groups(check: str, results: list[dict]) -> None:
 # --- what a passing check says ------------------------------------------------------------
 
 
-def _verified_stage12(stage: int, results: list[dict], limits: dict[str, int], where: str) -> str:
+def _verified_stage12(
+    stage: int,
+    results: list[dict],
+    limits: dict[str, int],
+    where: str,
+    run: ZeroRun,
+    most_during: int | None = None,
+) -> str:
     """What check_zero1 or check_zero2 verified, with the most bytes a rank took."""
 
     def most(key: str) -> int:
         return max(step[key] for result in results for step in result["steps"])
 
+    lr = (
+        f", also after the lr was set through param_groups before step {run.new_lr_at}"
+        if run.new_lr_at is not None
+        else ""
+    )
     verified = (
         f"{len(results[0]['steps'])} steps ({where}): every rank's parameters after every "
         f"step match torch.optim.AdamW on one process (rtol {TOLERANCE['rtol']:g}, atol "
-        f"{TOLERANCE['atol']:g}), param_groups holds the lr, and a rank's optimizer state "
-        f"took at most {most('state_bytes'):,} of the {limits['state_bytes']:,} bytes of its "
-        "shards"
+        f"{TOLERANCE['atol']:g}){lr}, param_groups holds the lr, and a rank's optimizer "
+        f"state took at most {most('state_bytes'):,} of the {limits['state_bytes']:,} bytes "
+        "of its shards"
     )
     if stage == 2:
+        twice = [s for s in range(run.steps) if run.accumulates(s)]
         verified += (
             f"; after backward, gradients at most {most('grad_bytes'):,} of "
             f"{limits['grad_bytes']:,} bytes per rank and tensors kept from backward at most "
             f"{most('kept_bytes'):,} of {limits['kept_bytes']:,}, the gradient shards right"
+            + (
+                f" (also after two backwards, step{'s' if len(twice) > 1 else ''} "
+                f"{', '.join(map(str, twice))})"
+                if twice
+                else ""
+            )
+            + (
+                f"; during backward, each time a gradient was ready, at most {most_during:,} "
+                f"of {limits['kept_bytes']:,} bytes alive beyond the unsharded backward's"
+                if most_during is not None
+                else ""
+            )
         )
     return verified

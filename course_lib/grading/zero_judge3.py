@@ -16,7 +16,12 @@ from torch import nn
 
 from course_lib.grading._harness import fail
 from course_lib.grading.zero_judge import GRAD_TOLERANCE, _check_bytes, _mismatch
-from course_lib.grading.zero_memory import chunk_of, shard_bytes, shard_numel
+from course_lib.grading.zero_memory import (
+    chunk_of,
+    largest_parameter_bytes,
+    shard_bytes,
+    shard_numel,
+)
 
 # When the model's holdings are measured (the key of the ranks' records), and what to do when
 # it holds more than its shards.
@@ -159,7 +164,7 @@ def _judge_private_copies(check: str, results: list[dict], model: nn.Module, whe
     the step, beyond one parameter's size (room for one reused gathering buffer)."""
     __tracebackhide__ = True
     ranks = len(results)
-    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    largest = largest_parameter_bytes(model)
     for s in range(len(results[0]["steps"])):
         full = _full_parameters(results, model, s)
         for r in range(ranks):

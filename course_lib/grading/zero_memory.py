@@ -49,6 +49,12 @@ def shard_bytes(model: nn.Module, world_size: int, values_per_element: int = 1) 
     )
 
 
+def largest_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the model's largest parameter, full (the room one full gradient or one
+    gathered parameter takes)."""
+    return max(p.numel() * p.element_size() for p in model.parameters())
+
+
 def chunk_of(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank `rank`'s padded shard of `full`, as the sharding rule defines it (a copy)."""
     chunk = shard_numel(full.numel(), world_size)

@@ -11,6 +11,7 @@ notebook's per-rank table of bytes for one step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from course_lib.grading.zero_memory import (
     shard_numel,
     storages_elsewhere,
 )
+from course_lib.grading.zero_meter import GradientMeter
 from course_lib.launch import launch
 from course_lib.models import GPTConfig, TinyGPT, lm_loss
 from course_lib.runtime import rank, world_size
@@ -47,17 +49,40 @@ STATE_NAMES = ("exp_avg", "exp_avg_sq")
 
 @dataclass(frozen=True)
 class ZeroRun:
-    """Which model, data and steps a check trains."""
+    """Which model, data and steps a check trains. With `accumulate`, every odd-numbered step
+    runs two backwards before it (gradient accumulation); from step `new_lr_at` on, the
+    learning rate is `NEW_LR`, set through the optimizer's param_groups."""
 
     seed: int = 0
     steps: int = 3
     batch_size: int = 12
+    accumulate: bool = False
+    new_lr_at: int | None = None
 
     def describe(self, ranks: int) -> str:
         return (
             f"TinyGPT(SMALL), AdamW, float64, seed {self.seed}, batches of {self.batch_size} "
             f"sequences split over {ranks} rank{'s' if ranks > 1 else ''}"
         )
+
+    def backwards(
+        self, s: int, x: torch.Tensor, y: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """The backwards of step s on a rank's share (x, y), as (inputs, targets, weight of
+        the loss): one, or with `accumulate` on an odd step two, on the two halves of the
+        share, each loss weighted by its share of the rows, so that the two gradients add up
+        to the gradient of the mean over the whole share."""
+        if not (self.accumulate and s % 2 and len(x) >= 2):
+            return [(x, y, 1.0)]
+        halves = zip(torch.tensor_split(x, 2), torch.tensor_split(y, 2), strict=True)
+        return [(xs, ys, len(xs) / len(x)) for xs, ys in halves]
+
+    def accumulates(self, s: int) -> bool:
+        return self.accumulate and s % 2 == 1
+
+
+# The learning rate the checks of ZeRO-1 and ZeRO-2 set through param_groups at `new_lr_at`.
+NEW_LR = ADAMW["lr"] / 2
 
 
 def build_model(run: ZeroRun) -> TinyGPT:
@@ -91,27 +116,53 @@ def _state_values(shards: list | None) -> list | None:
     return out
 
 
+def _weighted_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, weight: float):
+    loss = lm_loss(model(x), y)
+    return loss if weight == 1.0 else loss * weight
+
+
+def _set_lr(optimizer: object, lr: float) -> None:
+    """Set the learning rate through `optimizer.param_groups`, as a scheduler does."""
+    for group in getattr(optimizer, "param_groups", None) or []:
+        if isinstance(group, dict):
+            group["lr"] = lr
+
+
 def _train_stage12(impl: Callable, stage: int, run: ZeroRun) -> dict:
-    """On each rank: train with the student's optimizer; record what the check compares."""
+    """On each rank: train with the student's optimizer; record what the check compares.
+    In stage 2, each backward runs under `zero_meter.GradientMeter`, whose hooks are made
+    before the student's optimizer: the bytes alive each time a gradient is ready."""
     ranks, me = world_size(), rank()
     model = build_model(run)
+    sampler = GradientMeter(model) if stage == 2 else None
     # optimizer_cls is torch.optim.AdamW itself: on the CPU it runs its single-tensor code
     # (foreach=False), as the reference does.
     optimizer = impl(model.parameters(), torch.optim.AdamW, **ADAMW)
     groups = getattr(optimizer, "param_groups", None)
     lr = groups[0].get("lr") if isinstance(groups, list) and groups else None
     steps = []
-    for x, y in global_batches(run):
+    for s, (x, y) in enumerate(global_batches(run)):
         x, y = data.shard(x, me, ranks), data.shard(y, me, ranks)
         optimizer.zero_grad()
-        before = live_tensor_bytes() if stage == 2 else 0
-        lm_loss(model(x), y).backward()
-        record = {"grad_bytes": gradient_bytes(model, optimizer)}
-        if stage == 2:  # what backward left alive, wherever the student's code keeps it
+        before = live_tensor_bytes() if sampler else 0
+        backwards = []
+        for xs, ys, weight in run.backwards(s, x, y):
+            loss = _weighted_loss(model, xs, ys, weight)
+            if sampler:
+                with sampler.backward():
+                    loss.backward()
+                backwards.append(sampler.record())
+            else:
+                loss.backward()
+            del loss
+        record = {"grad_bytes": gradient_bytes(model, optimizer), "backwards": backwards}
+        if sampler:  # what backward left alive, wherever the student's code keeps it
             record["kept_bytes"] = live_tensor_bytes() - before
         shards = _visible_shards(optimizer, model, ranks)
         if stage == 2 and shards is not None:
             record["grad_shards"] = [None if p.grad is None else p.grad.clone() for _, p in shards]
+        if s == run.new_lr_at:
+            _set_lr(optimizer, NEW_LR)
         optimizer.step()
         record["params"] = snapshot(model.named_parameters())
         record["state_bytes"] = optimizer_state_bytes(optimizer)
@@ -170,18 +221,26 @@ def _gathered_bytes(counter: CommCounter) -> int:
 # --- the single-process reference, in the checking process --------------------------------
 
 
-@functools.lru_cache(maxsize=8)
-def reference(run: ZeroRun, loss_scale: float = 1.0) -> dict:
+def reference(run: ZeroRun, loss_scale: float = 1.0, new_lr: bool = True) -> dict:
     """torch.optim.AdamW on one process on the whole batch: per step the gradients,
-    parameters and optimizer state (named); `loss_scale` > 1 trains on summed gradients
-    instead of averaged ones (for telling that mistake apart)."""
+    parameters and optimizer state (named). The learning rate changes to NEW_LR at
+    `run.new_lr_at` (unless `new_lr` is False); `loss_scale` > 1 trains on summed gradients
+    instead of averaged ones (both for telling a mistake apart). Two backwards on a rank
+    (`run.accumulate`) add up to the same gradients: one reference serves both."""
+    return _reference(dataclasses.replace(run, accumulate=False), loss_scale, new_lr)
+
+
+@functools.lru_cache(maxsize=8)
+def _reference(run: ZeroRun, loss_scale: float, new_lr: bool) -> dict:
     model = build_model(run)
     optimizer = make_optimizer("adamw", model.parameters())
     steps = []
-    for x, y in global_batches(run):
+    for s, (x, y) in enumerate(global_batches(run)):
         optimizer.zero_grad()
         (loss_scale * lm_loss(model(x), y)).backward()
         grads = snapshot((n, p.grad) for n, p in model.named_parameters())
+        if new_lr and s == run.new_lr_at:
+            _set_lr(optimizer, NEW_LR)
         optimizer.step()
         state = {
             n: {k: optimizer.state[p][k].clone() for k in STATE_NAMES}
