@@ -347,7 +347,7 @@ def test_auto_says_once_which_backend_it_chose_and_why(
 ):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    monkeypatch.setattr("course_lib.pool._said", set())
+    monkeypatch.setattr("course_lib.backends._said", set())
     assert resolve_backend("auto", world_size) == chosen
     assert resolve_backend("auto", world_size) == chosen
     err = capsys.readouterr().err
@@ -364,7 +364,7 @@ def test_nccl_ranks_wait_for_each_collective_so_a_hang_shows_its_line(monkeypatc
     the ranks' start-up settings are read, not run)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr("course_lib.pool._said", set())
+    monkeypatch.setattr("course_lib.backends._said", set())
     nccl, gloo = WorkerPool(2, "nccl"), WorkerPool(2, "gloo")
     assert nccl._rank_env(0, 29500)["TORCH_NCCL_BLOCKING_WAIT"] == "1"
     assert "TORCH_NCCL_BLOCKING_WAIT" not in gloo._rank_env(0, 29500)

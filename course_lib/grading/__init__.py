@@ -102,12 +102,15 @@ GIVEN = {
     ),
 }
 
-# Functions of the grader a check hands to the student's code to call back (a relay to run in
-# each process, say), and the classes whose objects a given tool returns to it (what
-# send_tensor returns): the student's code calls them by design.
+# What of the grader the student's code runs by design: functions a check hands it to call
+# back (a relay to run in each process), classes whose objects a given tool returns to it
+# (what send_tensor returns), and instruments its operations pass through (a memory meter
+# whose callbacks run as its tensors are freed). New instruments belong in the machinery
+# (course_lib.comm, course_lib.meters); these predate the rule.
 HANDED = {
     "course_lib.grading.processes": ("_recording_relay",),
     "course_lib.grading.pipeline_plumbing": ("PendingSend",),
+    "course_lib.grading.zero_meter": ("_Meter", "GradientMeter"),
 }
 
 __all__ = [
