@@ -196,6 +196,7 @@ LIBRARY = frozenset(
         "_zygote",
         "calls",
         "comm",
+        "comm_log",
         "compare",
         "costs",
         "counted_group",

@@ -30,9 +30,16 @@ communicate_less = A03.communicate_less  # local SGD: parameters averaged every 
 # averaging (one all-reduce per tensor).
 less_in_half_precision = less_cheat(cheats.HALF_PRECISION_EVERY_2)
 less_with_warm_up = less_cheat(cheats.WARM_UP_THEN_EVERY_8)
+# ... and every 4 steps by a ring of isend/irecv (bytes exact, the sockets' count checked).
+less_by_a_ring = less_cheat(cheats.RING_OF_SENDS)
 # Cheats: local SGD through the lecture's average_parameters; one average at the end.
 less_with_lecture_code = less_cheat(cheats.LECTURE_AVERAGING_EVERY_4)
 less_once_at_the_end = less_cheat(cheats.AVERAGE_ONCE_AT_THE_END)
+# Cheats at the count (issue 28): per-step all-reduce with the rank's counters emptied (the
+# launcher counts the calls), and on the counted group's inner group (the kernel counts the
+# bytes on the sockets).
+less_counters_emptied = less_cheat(cheats.PER_STEP_COUNTERS_EMPTIED)
+less_inner_group = less_cheat(cheats.PER_STEP_INNER_GROUP)
 
 
 def less_per_step(model, optimizer, batches):
@@ -74,7 +81,9 @@ def less_alone(model, optimizer, batches):
 
 
 @pytest.mark.parametrize(
-    "fn", [communicate_less, less_in_half_precision, less_with_warm_up], ids=["k4", "fp16", "warm"]
+    "fn",
+    [communicate_less, less_in_half_precision, less_with_warm_up, less_by_a_ring],
+    ids=["k4", "fp16", "warm", "ring"],
 )
 def test_check_communicate_less_accepts_right_answers_of_every_kind(fn, capsys):
     check_communicate_less(fn)
@@ -96,8 +105,12 @@ def test_check_communicate_less_accepts_right_answers_of_every_kind(fn, capsys):
         (less_once_at_the_end, "x the per-step baseline's"),
         # Provenance: the lecture's code, whatever the bytes and the loss.
         (less_with_lecture_code, "runs course_lib.data_parallel.average_parameters"),
+        # Bytes, though the rank's own counters were emptied around every call.
+        (less_counters_emptied, "bytes, over the budget of 188,928"),
+        # Tampering: calls the launcher never heard of, whose bytes the kernel counted.
+        (less_inner_group, "that none of its send/recv calls account for"),
     ],
-    ids=["per-step", "gather-samples", "alone", "once-at-end", "lecture"],
+    ids=["per-step", "gather-samples", "alone", "once-at-end", "lecture", "emptied", "inner"],
 )
 def test_check_communicate_less_rejects(fn, message):
     with pytest.raises(CheckFailed) as info:

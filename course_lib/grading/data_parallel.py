@@ -10,10 +10,11 @@ across the ranks in shards of random, uneven sizes, and compare every rank's gra
 every step, with single-process training on the whole batch, and its parameters with what
 torch's optimizer makes of those gradients (`_Replay`).
 
-Each rank draws its own samples at random (`secrets`) while the check runs and sends them back
-with its results; the reference is trained on them in the checking process. No rank can know
-another rank's samples, so communication is the only way to the full-batch gradient: an
-answer that recomputes the gradient of data every rank could regenerate gets nothing.
+The checking process draws every rank's samples and initial weights from a secret new for
+each call (`data_parallel_cases`) and gives each rank only its own (`PerRank`); the reference
+is trained on all of them here. A rank holds nothing of another's, so communication is the
+only way to the full-batch gradient (and, in Part 2, to rank 0's weights). The ranks run only
+the student's code and return their gradients and parameters (`data_parallel_rank`).
 
 Part 1: rank r's loss is the mean over its own n_r samples, and `sync_gradients(model, n_r)`
 must leave the full-batch gradient sum_r n_r g_r / sum_r n_r. The lecture's
@@ -26,17 +27,19 @@ full-batch mean. Ranks start from different weights (a different seed per rank):
 broadcast at construction makes them match. `ProbeModel` has what trips implementations up:
 parameters of uneven sizes, a frozen one, one that never gets a gradient, and a buffer; a
 parameter that gets no gradient keeps .grad None, as with torch's DDP and
-find_unused_parameters=True. Communication is recorded on every route (`AllReduceLog`) and
-judged as three properties: the result (which gates the others), the buckets and the overlap
-(`DDP_WEIGHTS`).
+find_unused_parameters=True. Communication is judged by the launcher's tallies (every call of
+the ranks' process groups, whatever route it took, reported as it happened between the marks
+of the steps' phases and gradients), as three properties: the result (which gates the
+others), the buckets and the overlap (`DDP_WEIGHTS`).
 
 This module holds the checks, the assignment's bucket rule (`buckets`, `bucket_layout`) and
 everything the notebook imports; their parts:
 
     data_parallel_runs.py           the runs: models (ProbeModel), shards, samples, losses
-    data_parallel_rank.py           what runs on each rank: training, AllReduceLog
+    data_parallel_cases.py          what is drawn, what each rank gets, the cases it marks
+    data_parallel_rank.py           what runs on each rank: training with the student's code
     data_parallel_training.py       the single-process reference; comparing training, hints
-    data_parallel_communication.py  check_ddp's communication: traffic, buckets, overlap
+    data_parallel_communication.py  the tallies by step; check_ddp's traffic, buckets, overlap
 """
 
 from __future__ import annotations
@@ -46,10 +49,20 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from course_lib.grading._harness import RESULT, CheckFailed, Verdict, fail, run_on_ranks
+from course_lib.calls import PerRank
+from course_lib.grading._harness import (
+    RESULT,
+    CheckFailed,
+    Verdict,
+    calls_by_case,
+    fail,
+    judge_unreported,
+    run_on_ranks,
+)
 from course_lib.grading.data_parallel_budget import check_communicate_less
-from course_lib.grading.data_parallel_communication import _judge_communication
-from course_lib.grading.data_parallel_rank import AllReduceCall, AllReduceLog, _train_one
+from course_lib.grading.data_parallel_cases import cases, draw, given, rank_run
+from course_lib.grading.data_parallel_communication import _judge_communication, step_calls
+from course_lib.grading.data_parallel_rank import train_on_rank
 from course_lib.grading.data_parallel_runs import (
     BUCKET_ELEMENTS,
     FORBIDDEN,
@@ -65,7 +78,6 @@ from course_lib.grading.data_parallel_training import (
     _compare_training,
     _reference,
 )
-from course_lib.grading.provenance import Provenance
 from course_lib.launch import LaunchTimeout
 
 # check_ddp's points: half for the buckets, half for the overlap, neither unless the result
@@ -91,25 +103,29 @@ def buckets(parameters: list[nn.Parameter], cap_bytes: float) -> list[list]:
     return [bucket for bucket in out if bucket]
 
 
-# --- what runs on each rank ---------------------------------------------------------------
-
-
-def _train_on_rank(impl: Callable, kind: str, runs: list[DDPRun]) -> dict:
-    """Every run with the student's code, watched for the course's own implementations."""
-    with Provenance(FORBIDDEN[kind]) as seen:
-        results = [_train_one(impl, kind, run) for run in runs]
-    return {"runs": results, "copied": seen.complaint()}
-
-
 # --- the checks ---------------------------------------------------------------------------
 
 
 def _run(check: str, impl: Callable, kind: str, runs: list[DDPRun], ranks: int, timeout: float):
+    """Draw every rank's weights and samples, train on the ranks, each with its own; the
+    results, the launcher's tallies by case, and what was drawn."""
     __tracebackhide__ = True
     what = "your sync_gradients" if kind == "sync" else "your DDP"
+    drawn = draw(runs, ranks)
+    labels = cases(kind, runs, drawn)
+    on_ranks = [rank_run(run, d) for run, d in zip(runs, drawn, strict=True)]
     try:
-        return run_on_ranks(
-            check, _train_on_rank, impl, kind, runs, world_size=ranks, timeout=timeout, what=what
+        results, traffic = run_on_ranks(
+            check,
+            train_on_rank,
+            impl,
+            kind,
+            on_ranks,
+            PerRank(given(kind, runs, drawn, ranks)),
+            world_size=ranks,
+            timeout=timeout,
+            what=what,
+            traffic=True,
         )
     except CheckFailed as error:
         probed = any(run.model == "probe" for run in runs)
@@ -121,39 +137,47 @@ def _run(check: str, impl: Callable, kind: str, runs: list[DDPRun], ranks: int, 
             "still incomplete itself instead of waiting for it. Also check that every rank "
             "makes the same all-reduce calls in the same order."
         ) from None
-
-
-def _judge(check: str, kind: str, runs: list[DDPRun], results: list[dict], verdict: Verdict):
-    """Every run's training (and for DDP its communication), each a case of the verdict."""
     copied = next((result["copied"] for result in results if result["copied"]), None)
     if copied:
-        with verdict.case():
-            fail(check, copied)
-        return
+        fail(check, copied)
+    per_case = calls_by_case(check, traffic.tallies, len(labels))
+    judge_unreported(check, traffic)
+    calls = [step_calls(labels, sent) for sent in per_case]
+    return results, calls, drawn
+
+
+def _judge(check, kind, runs, results, calls, drawn, verdict: Verdict):
+    """Every run's training (and for DDP its communication), each a case of the verdict."""
     prefix = "module." if kind == "ddp" else ""
-    for i, run in enumerate(runs):
-        per_rank = [result["runs"][i] for result in results]
-        ref = None
-        with verdict.case():
-            ref = _reference(check, run, per_rank, prefix)
-        if ref is None:
-            continue
+    for i, (run, d) in enumerate(zip(runs, drawn, strict=True)):
+        steps = [
+            [
+                {**step, **calls[r][(i, s)], "communicated": bool(calls[r][(i, s)]["calls"])}
+                for s, step in enumerate(result["runs"][i]["steps"])
+            ]
+            for r, result in enumerate(results)
+        ]
+        per_rank = [
+            {"initial": result["runs"][i]["initial"], "steps": steps[r]}
+            for r, result in enumerate(results)
+        ]
+        ref = _reference(run, d, prefix)
         with verdict.case():
             if kind == "ddp":
                 _compare_initial(check, run, per_rank, ref)
             _compare_training(check, kind, run, per_rank, ref)
         if kind == "ddp" and len(per_rank) > 1:  # one rank may rightly skip communicating
-            _judge_communication(check, run, per_rank, ref, verdict, buckets)
+            _judge_communication(check, run, steps, ref, d.gradients, verdict, buckets)
 
 
 def _grade(check: str, impl: Callable, kind: str, runs: list[DDPRun], ranks: int, timeout, verdict):
-    """DDPRun the student's code on the ranks, then judge what came back (each a verdict case)."""
+    """Run the student's code on the ranks, then judge what came back (each a verdict case)."""
     __tracebackhide__ = True
-    results = None
+    ran = None
     with verdict.case():
-        results = _run(check, impl, kind, runs, ranks, timeout)
-    if results is not None:
-        _judge(check, kind, runs, results, verdict)
+        ran = _run(check, impl, kind, runs, ranks, timeout)
+    if ran is not None:
+        _judge(check, kind, runs, *ran, verdict)
 
 
 def _runs(models, optimizers, **fields) -> list[DDPRun]:
@@ -267,8 +291,6 @@ def bucket_layout(module: nn.Module, bucket_cap_mb: float) -> list[list[str]]:
 
 __all__ = [
     "DDP_WEIGHTS",
-    "AllReduceCall",
-    "AllReduceLog",
     "ProbeModel",
     "DDPRun",
     "bucket_layout",

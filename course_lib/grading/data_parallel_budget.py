@@ -5,9 +5,10 @@
 `communicate_less(model, optimizer, batches)` runs on every rank: the same seeded MLP, an Adam
 optimizer over its parameters, and this rank's T batches. The check measures, on P ranks:
 
-- the bytes every rank sends (`CommCounter`, every torch.distributed call on every route,
-  counted as the lectures count them): at most `BYTES_FRACTION` of what an all-reduce of
-  every gradient at every step sends, T * all_reduce_bytes(gradient bytes, P);
+- the bytes every rank sends (the launcher's tallies: every call of the rank's process group,
+  whatever route it took, reported as it happened, its bytes counted as the lectures' formulas
+  count them, `comm.volume`): at most `BYTES_FRACTION` of what an all-reduce of every gradient
+  at every step sends, T * all_reduce_bytes(gradient bytes, P);
 - that the ranks end with the same parameters (max |difference| <= `SAME_PARAMETERS`);
 - the final model's mean squared error on all the samples every rank trained on: at most
   `LOSS_FACTOR` times that of the per-step baseline (single-process training on the whole
@@ -15,8 +16,9 @@ optimizer over its parameters, and this rank's T batches. The check measures, on
 
 The ranks' data is not identically distributed: rank r's inputs come from its own region of
 input space (`draw_batches`), so ranks that train alone drift towards different models, and
-averaging once at the end gives a poor model. Each rank draws its samples from a fresh secret
-seed (as Parts 1-2 do) and reports them; the loss is measured on them in the checking process.
+averaging once at the end gives a poor model. The checking process draws every rank's samples
+from a fresh secret seed and gives each rank only its own (`PerRank`, as in Parts 1-2); the
+baseline and the loss are computed here, on all of them.
 Samples may travel, but they count like every other byte, and there are many of them
 (`SAMPLES_PER_RANK` per batch): sending a rank's inputs to the others, even at 8 bits per
 number and without the targets, costs 5.5x the budget at P = 2 (11x at P = 4), so a rank cannot
@@ -39,14 +41,20 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from course_lib.comm import CommCounter
+from course_lib import counted_group
+from course_lib.calls import PerRank
 from course_lib.costs import all_reduce_bytes
-from course_lib.grading._harness import Verdict, fail, run_on_ranks
+from course_lib.grading._harness import (
+    Verdict,
+    calls_by_case,
+    fail,
+    judge_unreported,
+    run_on_ranks,
+)
 from course_lib.grading.data_parallel_runs import FORBIDDEN
 from course_lib.grading.provenance import Provenance
 from course_lib.grading.training import snapshot
 from course_lib.models import MLP
-from course_lib.runtime import rank, world_size
 
 BYTES_FRACTION = 0.25  # of what per-step gradient all-reduce sends
 LOSS_FACTOR = 5.0  # times the per-step baseline's final loss
@@ -96,20 +104,15 @@ def build(seed: int) -> tuple[MLP, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
 
 
-def _on_rank(impl: Callable, seed: int, steps: int) -> dict:
-    """Train with the student's function, counting every byte this rank sends."""
-    batches = draw_batches(seed, steps, rank(), world_size(), secrets.randbits(62))
+def _on_rank(impl: Callable, seed: int, batches: list[tuple]) -> dict:
+    """Train with the student's function on this rank's own batches; its calls reach the
+    launcher between the marks 0 and 1."""
     model, optimizer = build(seed)
-    given = [(x.clone(), y.clone()) for x, y in batches]
-    with CommCounter() as counter, Provenance(FORBIDDEN_BUDGET) as seen:
-        impl(model, optimizer, given)
-    return {
-        "batches": batches,
-        "params": snapshot(model.named_parameters()),
-        "sent": counter.bytes_sent,
-        "calls": dict(counter.calls),
-        "copied": seen.complaint(),
-    }
+    with Provenance(FORBIDDEN_BUDGET) as seen:
+        counted_group.mark(0)
+        impl(model, optimizer, batches)
+        counted_group.mark(1)
+    return {"params": snapshot(model.named_parameters()), "copied": seen.complaint()}
 
 
 def full_loss(model: torch.nn.Module, batches: list[tuple]) -> float:
@@ -138,7 +141,9 @@ def budget_bytes(steps: int, ranks: int) -> int:
     return int(BYTES_FRACTION * steps * all_reduce_bytes(gradient_bytes, ranks))
 
 
-def _judge(check: str, results: list[dict], seed: int, steps: int, verdict: Verdict) -> dict:
+def _judge(check: str, results, sent, batches, seed: int, steps: int, verdict: Verdict) -> dict:
+    """`sent[r]`: the bytes rank r's calls sent, by the launcher's tallies; `batches[r]`, the
+    batches drawn for it."""
     __tracebackhide__ = True
     ranks = len(results)
     where = f"P = {ranks}, seed {seed}, {steps} steps"
@@ -147,7 +152,7 @@ def _judge(check: str, results: list[dict], seed: int, steps: int, verdict: Verd
         if copied:
             fail(check, copied)
         allowed = budget_bytes(steps, ranks)
-        most = max(r["sent"] for r in results)
+        most = max(sent)
         if most > allowed:
             fail(
                 check,
@@ -166,7 +171,7 @@ def _judge(check: str, results: list[dict], seed: int, steps: int, verdict: Verd
                         f"{gap:.2e} (at most {SAME_PARAMETERS:g}): the ranks must end with "
                         "the same model",
                     )
-        want, whole = baseline(seed, [r["batches"] for r in results])
+        want, whole = baseline(seed, batches)
         model, _ = build(seed)
         model.load_state_dict(first)
         got = full_loss(model, whole)
@@ -198,20 +203,26 @@ def check_communicate_less(
         raise ValueError("steps must be >= 1 and every world size 2..8")
     verdict, seen = Verdict(check), []
     for ranks in world_sizes:
-        results = None
+        batches = [draw_batches(seed, steps, r, ranks, secrets.randbits(62)) for r in range(ranks)]
+        ran = None
         with verdict.case():
-            results = run_on_ranks(
+            ran = run_on_ranks(
                 check,
                 _on_rank,
                 communicate_less,
                 seed,
-                steps,
+                PerRank(batches),
                 world_size=ranks,
                 timeout=timeout,
                 what="your communicate_less",
+                traffic=True,
             )
-        if results is not None:
-            measured = _judge(check, results, seed, steps, verdict)
+        if ran is not None:
+            results, traffic = ran
+            per_case = calls_by_case(check, traffic.tallies, 1)
+            judge_unreported(check, traffic)
+            sent = [sum(call.sent for call in calls[0]) for calls in per_case]
+            measured = _judge(check, results, sent, batches, seed, steps, verdict)
             if measured:
                 seen.append((ranks, measured))
     verdict.conclude(

@@ -1,15 +1,15 @@
 """The training runs of Assignment 3's checks, as the ranks and the reference both see them.
 
-`DDPRun` says which model, optimizer, precision and batches; `build_model` builds its model
-(`ProbeModel` is the check's own); `shard_sizes` splits each global batch into the ranks'
-uneven shards, `draw_shard` draws a rank's samples (secret: no other rank can predict them),
-and `rank_loss` is the loss a rank backpropagates in part 1 ("sync") or part 2 ("ddp").
+`DDPRun` says which model, optimizer, precision and batches (`RankRun`: what a rank is told of
+it); `build_model` builds its model (`ProbeModel` is the check's own); `shard_sizes` splits
+each global batch into the ranks' uneven shards, `draw_shard` draws a shard's samples (in the
+checking process, from a secret seed), and `rank_loss` is the loss a rank backpropagates in
+part 1 ("sync") or part 2 ("ddp").
 """
 
 from __future__ import annotations
 
 import itertools
-import secrets
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,6 @@ from course_lib.grading.training import snapshot
 from course_lib.models import MLP, TinyGPT
 
 MB = 2**20  # bytes in one "MB" of bucket_cap_mb, as in torch's DDP
-INIT_SEED_STRIDE = 1000  # check_ddp builds rank r's model with seed + 1000 * r
 # (rtol, atol) per dtype; fp32 rounding between split and whole batches is ~1e-7 (measured on
 # the course's models), fp64 ~1e-14.
 TOLERANCE = {torch.float32: (1e-5, 1e-6), torch.float64: (1e-10, 1e-10)}
@@ -44,15 +43,14 @@ LECTURE_DP = tuple(
         "host_step",
     )
 )
-FORBIDDEN = {
-    "sync": LECTURE_DP,
-    "ddp": (
-        *LECTURE_DP,
-        "course_lib.grading.data_parallel.buckets",
-        "course_lib.grading.data_parallel.bucket_layout",
-        "torch.nn.parallel.DistributedDataParallel",
-    ),
-}
+# The notebook bans the three in every part.
+_BANNED = (
+    *LECTURE_DP,
+    "course_lib.grading.data_parallel.buckets",
+    "course_lib.grading.data_parallel.bucket_layout",
+    "torch.nn.parallel.DistributedDataParallel",
+)
+FORBIDDEN = {"sync": _BANNED, "ddp": _BANNED}
 
 # --- the check's own model ----------------------------------------------------------------
 
@@ -119,7 +117,21 @@ class DDPRun:
         return BUCKET_ELEMENTS[self.model] * element_size / MB
 
 
-def build_model(run: DDPRun, seed: int) -> nn.Module:
+@dataclass(frozen=True)
+class RankRun:
+    """What a rank is told of a run: the model to build (its weights come apart), the
+    optimizer, the precision, the bucket cap and how many of the model's parameters get a
+    gradient in each backward. Not the seed: the samples and weights are drawn from a secret
+    in the checking process."""
+
+    model: str
+    optimizer: str
+    dtype: torch.dtype
+    cap_mb: float
+    gradients: int
+
+
+def build_model(run: DDPRun | RankRun, seed: int) -> nn.Module:
     if run.model == "mlp":
         return MLP((8, 32, 32, 4), seed=seed, dtype=run.dtype)
     if run.model == "probe":
@@ -140,15 +152,16 @@ def shard_sizes(run: DDPRun, ranks: int, step: int) -> list[int]:
     return [b - a for a, b in itertools.pairwise(edges)]
 
 
-def draw_shard(run: DDPRun, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`n` samples nobody else can predict: a fresh secret seed on every call."""
-    seed = secrets.randbits(62)
+def draw_shard(run: DDPRun, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n` samples of `run`'s kind, from `seed` (drawn from a secret by the checking process)."""
     if run.model == "gpt":
         return data.tokens(n, seed=seed)
     return data.regression(n, seed=seed, dtype=run.dtype)
 
 
-def per_sample_loss(run: DDPRun, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def per_sample_loss(
+    run: DDPRun | RankRun, output: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
     """One loss per sample: mean squared error, or mean next-token cross-entropy."""
     if run.model == "gpt":
         tokens = F.cross_entropy(output.flatten(0, 1), target.flatten(), reduction="none")
@@ -156,14 +169,20 @@ def per_sample_loss(run: DDPRun, output: torch.Tensor, target: torch.Tensor) -> 
     return (output - target).pow(2).mean(dim=1)
 
 
-def rank_loss(kind: str, run: DDPRun, output, target, sizes: list[int]) -> torch.Tensor:
-    """This rank's loss when the ranks hold `sizes` samples. Part 1 ("sync"): the mean over
-    its shard (sync_gradients weights it). Part 2 ("ddp"): the shard's sum * world_size /
-    batch size, whose plain average over the ranks is the full-batch mean for any split."""
+def loss_scale(sizes: list[int]) -> float:
+    """Part 2's weight of a shard's summed loss when the ranks hold `sizes` samples: world
+    size / batch size."""
+    return len(sizes) / sum(sizes)
+
+
+def rank_loss(kind: str, run: DDPRun | RankRun, output, target, scale: float) -> torch.Tensor:
+    """This rank's loss. Part 1 ("sync"): the mean over its shard (sync_gradients weights
+    it). Part 2 ("ddp"): the shard's sum * `scale` (`loss_scale`), whose plain average over
+    the ranks is the full-batch mean for any split."""
     losses = per_sample_loss(run, output, target)
     if kind == "sync":
         return losses.mean()
-    return losses.sum() * (len(sizes) / sum(sizes))
+    return losses.sum() * scale
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:

@@ -1,6 +1,6 @@
 """Judging the training of Assignment 3's checks, in the checking process.
 
-The single-process reference (`_Replay`: the whole batches the ranks drew, steered by one
+The single-process reference (`_Replay`: the whole batches drawn for the ranks, steered by one
 rank's gradients), the comparison of every rank's gradients and parameters with it after
 every step (`_compare_training`) and of a DDP's state right after construction
 (`_compare_initial`), and the hints that say which mistake makes a wrong gradient.
@@ -12,40 +12,29 @@ import torch
 
 from course_lib import compare
 from course_lib.grading._harness import fail
+from course_lib.grading.data_parallel_cases import Drawn
 from course_lib.grading.data_parallel_runs import (
     TOLERANCE,
     DDPRun,
     _grads,
     build_model,
+    loss_scale,
     per_sample_loss,
     rank_loss,
-    shard_sizes,
 )
 from course_lib.grading.training import make_optimizer, snapshot
 
 # --- the single-process reference, in the checking process --------------------------------
 
 
-def _shards(check: str, run: DDPRun, results: list[dict], s: int) -> list[tuple]:
-    """Step s's samples as the ranks report them, checked for shape (they come from a rank
-    that ran the student's code)."""
-    shards = []
-    for r, (result, n) in enumerate(zip(results, shard_sizes(run, len(results), s), strict=True)):
-        x, y = result["steps"][s]["x"], result["steps"][s]["y"]
-        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or (
-            len(x) != n or len(y) != n
-        ):
-            fail(check, f"rank {r}, step {s}: the samples it reports are not the {n} it drew")
-        shards.append((x, y))
-    return shards
-
-
-def _reference(check: str, run: DDPRun, results: list[dict], prefix: str) -> dict:
-    """What every rank is measured against: the whole batches the ranks drew (as shards, per
-    step) and the initial model, its names prefixed with `prefix` (e.g. "module.")."""
-    initial = build_model(run, run.seed)
+def _reference(run: DDPRun, drawn: Drawn, prefix: str) -> dict:
+    """What every rank is measured against: the whole batches (as the shards drawn for the
+    ranks, per step) and the initial model (rank 0's weights), its names prefixed with
+    `prefix` (e.g. "module.")."""
+    initial = build_model(run, drawn.seeds[0])
     return {
-        "shards": [_shards(check, run, results, s) for s in range(run.steps)],
+        "shards": drawn.shards,
+        "seed": drawn.seeds[0],
         "initial_params": {prefix + n: p.detach() for n, p in initial.named_parameters()},
         "initial_buffers": {prefix + n: b for n, b in initial.named_buffers()},
         "frozen": {prefix + n for n, p in initial.named_parameters() if not p.requires_grad},
@@ -61,9 +50,9 @@ class _Replay:
     turns a gradient of 1e-10 where the whole batch gives exactly 0 into a step of lr / 100,
     after which free-running reference training and a right rank would part ways."""
 
-    def __init__(self, run: DDPRun, prefix: str):
+    def __init__(self, run: DDPRun, prefix: str, seed: int):
         self.run, self.prefix = run, prefix
-        self.model = build_model(run, run.seed)
+        self.model = build_model(run, seed)
         self.optimizer = make_optimizer(run.optimizer, self.model.parameters())
         self.steps: list[dict] = []  # per step: weights before, full-batch gradients, shards
 
@@ -87,11 +76,11 @@ class _Replay:
 def _local_grads(kind: str, run: DDPRun, step: dict, name: str) -> list[torch.Tensor]:
     """The gradient of parameter `name` each rank computes from its own shard alone."""
     out = []
-    sizes = [len(x) for x, _ in step["shards"]]
+    scale = loss_scale([len(x) for x, _ in step["shards"]])
     for x, y in step["shards"]:
-        model = build_model(run, run.seed)
+        model = build_model(run, 0)
         model.load_state_dict(step["before"])
-        rank_loss(kind, run, model(x), y, sizes).backward()
+        rank_loss(kind, run, model(x), y, scale).backward()
         out.append(dict(model.named_parameters())[name].grad)
     return out
 
@@ -215,7 +204,7 @@ def _step_problem(kind: str, run: DDPRun, ref: dict, s: int, r: int, step: dict,
         problem = compare.find_mismatch({name: got}, {name: want}, rtol=rtol, atol=atol)
         if problem:
             hint = _gradient_hint(kind, run, replay, s, r, name, got)
-            if not step["calls"] and not step["others"]:
+            if not step["communicated"]:
                 hint = "no collective call was seen during the step; " + hint
             return f"the gradient after {sync} differs from the full-batch gradient: " + (
                 f"{problem}.\nHint: {hint}"
@@ -237,7 +226,7 @@ def _compare_training(check: str, kind: str, run: DDPRun, results: list[dict], r
     __tracebackhide__ = True
     where = run.describe(len(results))
     prefix = "module." if kind == "ddp" else ""
-    replays = [_Replay(run, prefix) for _ in results]
+    replays = [_Replay(run, prefix, ref["seed"]) for _ in results]
     for s in range(run.steps):
         wrong = [
             (r, problem)
