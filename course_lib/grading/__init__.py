@@ -64,7 +64,7 @@ from course_lib.grading.zero import check_zero1, check_zero2, check_zero3, check
 # is the grader's own, which a check refuses when the student's code calls it (`provenance`).
 # tests/test_topics.py holds this table to the set-up cells' imports.
 GIVEN = {
-    "course_lib.grading.data_parallel": ("AllReduceLog", "ProbeModel", "bucket_layout"),
+    "course_lib.grading.data_parallel": ("ProbeModel", "bucket_layout"),
     "course_lib.grading.gossip": ("in_neighbors", "out_neighbors"),
     "course_lib.grading.compression": ("BytesByKind", "all_reduce_bound", "payload_budget"),
     "course_lib.grading.zero": (
