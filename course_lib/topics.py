@@ -204,6 +204,7 @@ LIBRARY = frozenset(
         "exercises",
         "launch",
         "magic",
+        "meters",
         "models",
         "network",
         "plots",
