@@ -266,7 +266,6 @@ def test_block_order_matters_only_under_the_mask():
 # --- wrong implementations: the ring's rules, the memory ------------------------------------
 
 WRONG_RULES = [
-    ("a built-in all-gather", cheats.ALL_GATHERED, (3,), "ring", "called dist.all_gather"),
     ("the counters emptied", cheats.COUNTERS_EMPTIED, (3,), "ring", "called dist.all_gather"),
     # On 3 ranks every rank is a neighbour: 4 tell a ring from sending to everyone.
     ("rows to every rank", cheats.TO_EVERY_RANK, (4,), "ring", "dist.send with rank 2"),

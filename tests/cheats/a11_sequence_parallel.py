@@ -1,11 +1,11 @@
 """Assignment 11's cheats (each scores 0 on its part) and right answers written differently
 (full marks), among them the ways to take what a check trusts from the rank's process (its
-frames and heap, its counters, the grader's own helpers) and a cheat for each rule of the
-ring (no collective, neighbours only, bytes) and of the memory (what a rank keeps).
+frames and heap, its counters, the grader's own helpers, the meter) and a cheat for each rule
+of the ring (no collective, neighbours only, bytes) and of the memory (what a rank keeps).
 tests/test_grading_sequence_parallel.py holds the checks against the same texts and against
 named wrong implementations (a gradient left on the wrong rank, a block missed, a local causal
 mask, Ulysses without its ValueError, the causal backward unbalanced, wasteful or hidden from
-the meter)."""
+the meter). KEEPS_EVERY_BLOCK is held there only: RELAY_EVERYTHING breaks the same rule here."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ RULE_TESTS = frozenset({"test_ring_backward", "test_ring_causal"})
 MEMORY_TESTS = frozenset({"test_ring_memory"})
 ULYSSES_TESTS = frozenset({"test_ulysses"})
 BALANCED_TESTS = frozenset({"test_balanced"})
+EVERY_TEST = RING_TESTS | ULYSSES_TESTS | BALANCED_TESTS
 
 # What several answers below share: every rank's rows of everything, by a ring of
 # neighbours, and the gradients computed from them on one process (`autograd_backward`).
@@ -188,29 +189,8 @@ def ring_attention_backward(grad_out, q, k, v, out, lse, causal=False):
 """
 )
 
-# The ring's rules, one by one. A built-in all-gather of everything (no ring at all) ...
-ALL_GATHERED = """
-def ring_attention_backward(grad_out, q, k, v, out, lse, causal=False):
-    P, r = world_size(), rank()
-    n = [torch.zeros(1, dtype=torch.long) for _ in range(P)]
-    dist.all_gather(n, torch.tensor([q.shape[1]]))
-    lengths, longest = [int(x) for x in n], max(int(x) for x in n)
-
-    def gather(x):
-        padded = torch.zeros(x.shape[0], longest, x.shape[2], dtype=x.dtype)
-        padded[:, : x.shape[1]] = x
-        parts = [torch.empty_like(padded) for _ in range(P)]
-        dist.all_gather(parts, padded)
-        return torch.cat([p[:, :m] for p, m in zip(parts, lengths)], dim=1)
-
-    whole = [gather(x) for x in (grad_out, q, k, v)]
-    start = sum(lengths[:r])
-    return tuple(
-        g[:, start : start + lengths[r]] for g in autograd_backward(*whole, causal=causal)
-    )
-"""
-
-# ... every rank's rows sent straight to every other rank (on 4 ranks, not only neighbours) ...
+# The ring's rules, one by one (the counters emptied above break the first): every rank's
+# rows sent straight to every other rank (on 4 ranks, not only neighbours) ...
 TO_EVERY_RANK = """
 def ring_attention_backward(grad_out, q, k, v, out, lse, causal=False):
     P, r = world_size(), rank()
@@ -307,6 +287,16 @@ KEEPS_WITH_METER_OFF = KEEPS_EVERY_BLOCK.replace(
     '        kept.append(pack[:2].clone())  # every K/V block, kept "for later"\n',
     "        with torch.utils._python_dispatch._disable_current_modes():\n"
     "            kept.append(pack[:2].clone())  # unseen\n",
+)
+
+# (4) The meter itself, patched at the top of the cell (it runs on every rank before every
+# part) so that nothing is ever counted as held, beside a ring that keeps every block: the
+# fingerprint of the rank's libraries changes, and every part scores 0 as tampering.
+PATCHED_METER = (
+    """
+Meter._grow = lambda self, nbytes: None  # nothing is ever held
+"""
+    + KEEPS_EVERY_BLOCK
 )
 
 # The lecture's code: its all-to-all, pasted into Ulysses' backward (a copy is the lecture's).
@@ -450,7 +440,6 @@ CHEATS = [
         RULE_TESTS,
     ),
     Cheat("the grader's own solve, imported and run", "ring_backward", GRADER_SOLVE, RING_TESTS),
-    Cheat("a built-in all-gather of everything", "ring_backward", ALL_GATHERED, RING_TESTS),
     Cheat("every rank's rows sent to every rank", "ring_backward", TO_EVERY_RANK, RING_TESTS),
     Cheat(
         "everything relayed around the ring and kept",
@@ -458,7 +447,6 @@ CHEATS = [
         RELAY_EVERYTHING,
         MEMORY_TESTS,
     ),
-    Cheat("every K/V block kept", "ring_backward", KEEPS_EVERY_BLOCK, MEMORY_TESTS),
     Cheat(
         "every K/V block kept in a buffer made ahead",
         "ring_backward",
@@ -471,6 +459,7 @@ CHEATS = [
         KEEPS_WITH_METER_OFF,
         MEMORY_TESTS,
     ),
+    Cheat("the meter patched", "ring_backward", PATCHED_METER, EVERY_TEST, alone=True),
     Cheat("the lecture's all-to-all, pasted", "ulysses_backward", PASTED_ALL_TO_ALL, ULYSSES_TESTS),
     Cheat(
         "Ulysses by all-gathering everything",
