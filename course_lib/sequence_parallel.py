@@ -23,7 +23,8 @@ all do the same work. Ranks pass their tokens' positions with their K/V, and the
 built from positions, so it is the global mask whatever the layout.
 
 All tensors are [..., tokens, head_dim] (e.g. [batch, heads, tokens, head_dim]). The formulas
-for the bytes are in `course_lib.costs` (`ring_attention_bytes`, `all_to_all_bytes`).
+for the bytes are in `course_lib.costs` (`ring_attention_bytes`, `all_to_all_bytes`). Forward
+passes only: their backward passes are Assignment 11's.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def ring_attention(q, k, v, positions, causal: bool = False, group=None, work=No
     own tokens' q, k, v ([..., s_local, d]) at `positions` (see `sequence_positions`): equal to
     `attention` on the gathered sequence. K and V go around the ring of ranks, P - 1 hops;
     `work` (a list) gets the number of scores computed for each block. Forward only: the
-    backward pass would send dK and dV around the ring the other way."""
+    backward pass is Assignment 11's."""
     if positions.shape != (q.shape[-2],) or k.shape[-2] != q.shape[-2]:
         raise ValueError(
             f"positions must hold one position per local token: q has {q.shape[-2]} tokens, "

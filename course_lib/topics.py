@@ -173,7 +173,12 @@ TOPICS = (
         "sequence_parallel",
         "Sequence parallelism: splitting the tokens",
         assignment="ring attention and Ulysses",
-        deliverables=("ring_attention", "ulysses_attention", "layout", "balanced_causal_attention"),
+        deliverables=(
+            "ring_attention_backward",
+            "ulysses_attention_backward",
+            "layout",
+            "balanced_attention_backward",
+        ),
     ),
     Topic(
         12,
@@ -205,6 +210,7 @@ LIBRARY = frozenset(
         "exercises",
         "launch",
         "magic",
+        "meters",
         "models",
         "network",
         "plots",

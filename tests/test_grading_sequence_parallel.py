@@ -1,260 +1,107 @@
-"""Assignment 11's checks accept right ring and Ulysses attentions and reject wrong ones."""
+"""Assignment 11's checks accept right backward passes of ring attention and Ulysses, written
+in several ways, and reject wrong ones, each for the rule it breaks; the meter they measure
+with counts what its docstring says."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-import torch.distributed as dist
+import torch.nn.functional as F
 
-from course_lib import rank, world_size
-from course_lib.costs import ring_attention_bytes
+from course_lib.costs import all_to_all_bytes, cp_layer_bytes, ring_attention_bytes
 from course_lib.grading import (
     CheckFailed,
-    check_balanced_attention,
-    check_ring_attention,
-    check_ring_traffic,
-    check_ulysses_attention,
+    check_balanced_backward,
+    check_ring_backward,
+    check_ring_memory,
+    check_ulysses_backward,
 )
 from course_lib.grading.sequence_parallel import (
     BALANCE,
+    GROWTH_BLOCKS,
     WORK,
     Case,
-    WorkMeter,
-    causal_attention_flops,
-    lengths,
-    reference,
+    causal_backward_flops,
     ring_budget,
+    ulysses_budget,
 )
+from course_lib.grading.sequence_parallel_cases import draw, expected, given, solve
+from course_lib.meters import Meter
 from tests.adapters import mutant, planted, solution
 from tests.cheats import a11_sequence_parallel as cheats
 
 A11 = solution("sequence_parallel")
-LOGSUMEXP = planted("sequence_parallel", "ring_attention", cheats.RING_LOGSUMEXP)
-ULYSSES_P2P = planted("sequence_parallel", "ulysses_attention", cheats.ULYSSES_P2P)
 
 
-def expect_failure(check, fn, message: str, **options) -> CheckFailed:
+def ring(source: str):
+    return planted("sequence_parallel", "ring_backward", source).ring_attention_backward
+
+
+def expect_failure(check, *fns, message: str, prop: str = "result", **options) -> CheckFailed:
     with pytest.raises(CheckFailed) as info:
-        check(fn, **options)
-    assert message in str(info.value), str(info.value)
-    return info.value
+        check(*fns, **options)
+    error = info.value
+    assert message in str(error), str(error)
+    assert error.score == 0 and prop in error.failed, (error.failed, str(error))
+    return error
 
 
-# --- the reference and the budget ----------------------------------------------------------
+# --- the reference, the shards and the budgets ----------------------------------------------
 
 
-def test_reference_is_torch_attention_on_the_whole_sequence():
-    """The check's reference against torch's own attention (float64, to 1e-12)."""
-    from course_lib.grading.sequence_parallel_ranks import inputs
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_reference_is_torchs_attention_and_its_autograd(causal):
+    """The judge's out, lse and gradients against torch's fused attention and its backward,
+    a computation of its own (float64, to 1e-12)."""
+    case = Case(3, 2, 11, 4, causal)
+    drawn = draw(case, secret=12345)
+    solved = solve(case, drawn)
+    q, k, v = (drawn[name].clone().requires_grad_() for name in "qkv")
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    out.backward(drawn["grad_out"])
+    tol = dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(solved["out"], out.detach(), **tol)
+    for name, tensor in zip(("dq", "dk", "dv"), (q, k, v), strict=True):
+        torch.testing.assert_close(solved[name], tensor.grad, **tol)
+    scores = drawn["q"] @ drawn["k"].transpose(-2, -1) / math.sqrt(4)
+    if causal:
+        scores = scores.masked_fill(torch.ones(11, 11, dtype=torch.bool).triu(1), -math.inf)
+    torch.testing.assert_close(solved["lse"], scores.exp().sum(-1).log(), **tol)
 
-    for causal in (False, True):
-        case = Case(3, 2, 11, 4, causal, 0)
-        q, k, v = inputs(case)
-        torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        torch.testing.assert_close(reference(case), torch_out, rtol=1e-12, atol=1e-12)
+
+def test_each_rank_is_given_its_own_rows_only():
+    case = Case(3, 2, 11, 4, False)
+    solved = solve(case, draw(case, secret=7))
+    assert case.lengths() == [4, 4, 3]
+    mine = given(case, solved, 2)
+    assert [tuple(t.shape) for t in mine] == [(2, 3, 4)] * 5 + [(2, 3)]
+    torch.testing.assert_close(mine[1], solved["q"][:, 8:], rtol=0, atol=0)
+    assert expected(case, solved, 2)["dk"].shape == (2, 3, 4)
+    zigzag = Case(2, 2, 8, 4, True, positions=((0, 1, 6, 7), (2, 3, 4, 5)))
+    torch.testing.assert_close(given(zigzag, solved, 0)[2], solved["k"][:, [0, 1, 6, 7]])
 
 
-def test_shards_are_tensor_split_and_the_budget_is_the_cost_formula_when_even():
-    assert lengths(Case(4, 2, 14, 4, False, 0)) == [4, 4, 3, 3]
-    even = Case(4, 2, 12, 4, False, 0)
+def test_the_inputs_are_new_at_every_draw():
+    case = Case(2, 2, 6, 4, False)
+    assert not torch.equal(draw(case, 1)["q"], draw(case, 2)["q"])
+
+
+def test_the_budgets_are_the_cost_formulas():
+    even = Case(4, 2, 12, 4, False)
+    block = 2 * 3 * 4 * 8
     kv_bytes = 2 * 2 * 12 * 4 * 8
-    slack = 3 * (8 * 3 + 64)
-    assert ring_budget(even) == ring_attention_bytes(kv_bytes, 4) + slack
+    # the backward's share of costs.cp_layer_bytes, one more round of two blocks, the slack
+    backward = cp_layer_bytes(kv_bytes, 4) - ring_attention_bytes(kv_bytes, 4)
+    assert ring_budget(even) == backward + 2 * block + 4 * (2 * 2 * 3 * 8 + 64)
+    assert ring_budget(even) == (4 * 4 - 2) * block + 4 * (16 * 2 * 3 + 64)
+    assert ring_budget(Case(1, 2, 5, 4, False)) == 0
+    rows = 2 * 2 * 3 * 8
+    assert ulysses_budget(even) == all_to_all_bytes(7 * block + rows, 4) + 3 * 64
 
 
-# --- right implementations -----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("module", [A11, LOGSUMEXP], ids=["solution", "logsumexp-leftwards"])
-def test_ring_checks_accept_right_implementations(module, capsys):
-    check_ring_attention(module.ring_attention, world_sizes=(1, 2, 3, 4))
-    check_ring_attention(module.ring_attention, causal=True, world_sizes=(1, 2, 3, 4))
-    check_ring_traffic(module.ring_attention, world_sizes=(2, 3, 4))
-    assert capsys.readouterr().out.count(": passed.") == 3
-
-
-@pytest.mark.parametrize("module", [A11, ULYSSES_P2P], ids=["solution", "isend-irecv-sdpa"])
-def test_ulysses_check_accepts_right_implementations(module):
-    check_ulysses_attention(module.ulysses_attention, world_sizes=(1, 2, 3, 4))
-
-
-# --- wrong implementations -----------------------------------------------------------------
-
-OFF_BY_ONE = mutant(
-    "sequence_parallel",
-    "ring_attention",
-    ("source = (r - step) % P", "source = (r - step - 1) % P"),
-).ring_attention
-NO_RESCALE = mutant(
-    "sequence_parallel",
-    "ring_attention",
-    ("row_sum = row_sum * rescale + ", "row_sum = row_sum + "),
-    ("acc = acc * rescale + ", "acc = acc + "),
-).ring_attention
-LOCAL_MASK = mutant(
-    "sequence_parallel",
-    "ring_attention",
-    ("if not (causal and source > r):", "if True:"),
-    ("if causal and source == r:", "if causal:"),
-).ring_attention
-MISSING_LAST_BLOCK = mutant(
-    "sequence_parallel", "ring_attention", ("for step in range(P):", "for step in range(P - 1):")
-).ring_attention
-NO_VALUE_ERROR = mutant(
-    "sequence_parallel", "ulysses_attention", ("if heads % P:", "if False:")
-).ulysses_attention
-
-
-def ring_to_everyone(q, k, v, causal=False):
-    """Right numbers, but every rank sends its K/V straight to every other rank."""
-    P, r = world_size(), rank()
-    blocks = {r: (k, v)}
-    sizes = {}
-    works = []
-    for other in range(P):
-        if other != r:
-            size = torch.empty(1, dtype=torch.long)
-            works += [dist.isend(torch.tensor([k.shape[1]]), other), dist.irecv(size, other)]
-            sizes[other] = size
-    for work in works:
-        work.wait()
-    works = []
-    for other, size in sizes.items():
-        into = torch.empty(2, k.shape[0], int(size), k.shape[2], dtype=k.dtype)
-        works += [dist.isend(torch.stack([k, v]), other), dist.irecv(into, other)]
-        blocks[other] = into
-    for work in works:
-        work.wait()
-    whole_k = torch.cat([blocks[s][0] for s in range(P)], dim=1)
-    whole_v = torch.cat([blocks[s][1] for s in range(P)], dim=1)
-    start = sum(int(sizes.get(s, torch.tensor([q.shape[1]]))) for s in range(r))
-    scores = q @ whole_k.transpose(-2, -1) / q.shape[-1] ** 0.5
-    if causal:
-        positions = torch.arange(start, start + q.shape[1])
-        hidden = torch.arange(whole_k.shape[1])[None, :] > positions[:, None]
-        scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ whole_v
-
-
-def ring_gather_then_attend(q, k, v, causal=False):
-    """Right numbers and a ring's messages, but every block is kept and joined: the whole
-    sequence's K and V on every rank, then attention over all of it."""
-    P, r = world_size(), rank()
-    right, left = (r + 1) % P, (r - 1) % P
-    blocks, current = {r: (k, v)}, (k, v)
-    for step in range(1, P):
-        n_in = torch.empty(1, dtype=torch.long)
-        for work in [
-            dist.isend(torch.tensor([current[0].shape[1]]), right),
-            dist.irecv(n_in, left),
-        ]:
-            work.wait()
-        into = torch.empty(2, k.shape[0], int(n_in), k.shape[2], dtype=k.dtype)
-        for work in [dist.isend(torch.stack(current), right), dist.irecv(into, left)]:
-            work.wait()
-        current = (into[0], into[1])
-        blocks[(r - step) % P] = current
-    whole_k = torch.cat([blocks[s][0] for s in range(P)], dim=1)
-    whole_v = torch.cat([blocks[s][1] for s in range(P)], dim=1)
-    start = sum(blocks[s][0].shape[1] for s in range(r))
-    scores = q @ whole_k.transpose(-2, -1) / q.shape[-1] ** 0.5
-    if causal:
-        positions = torch.arange(start, start + q.shape[1])
-        hidden = torch.arange(whole_k.shape[1])[None, :] > positions[:, None]
-        scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ whole_v
-
-
-def ulysses_all_gathered(q, k, v, causal=False):
-    """Right numbers and the ValueError, but all-gathers the whole q, k, v instead of swapping
-    shards for heads."""
-    P, r = world_size(), rank()
-    if q.shape[0] % P:
-        raise ValueError("heads must divide")
-    whole = []
-    for x in (q, k, v):
-        parts = [torch.empty_like(x) for _ in range(P)]
-        dist.all_gather(parts, x.contiguous())
-        whole.append(torch.cat(parts, dim=1))
-    scores = whole[0] @ whole[1].transpose(-2, -1) / q.shape[-1] ** 0.5
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
-    out = torch.softmax(scores, dim=-1) @ whole[2]
-    return out.tensor_split(P, dim=1)[r]
-
-
-CAUSAL_ONLY = {"causal": True}
-WRONG_RING = [
-    ("off-by-one block order", check_ring_attention, OFF_BY_ONE, CAUSAL_ONLY, "differs"),
-    ("missing softmax rescale", check_ring_attention, NO_RESCALE, {}, "rescale"),
-    ("causal mask per block", check_ring_attention, LOCAL_MASK, CAUSAL_ONLY, "diagonal block"),
-    ("a block never seen", check_ring_attention, MISSING_LAST_BLOCK, {}, "differs"),
-    # On 3 ranks every rank is a neighbour: 4 tell a ring from sending to everyone.
-    ("K/V to every rank", check_ring_traffic, ring_to_everyone, {"world_sizes": (4,)}, "rank 2"),
-    ("whole K/V kept", check_ring_traffic, ring_gather_then_attend, {}, "made a tensor of"),
-]
-
-
-@pytest.mark.parametrize(
-    "check, fn, options, message", [w[1:] for w in WRONG_RING], ids=[w[0] for w in WRONG_RING]
-)
-def test_ring_checks_reject_wrong_implementations(check, fn, options, message):
-    options = {"world_sizes": (3,), **options}
-    error = expect_failure(check, fn, message, **options)
-    assert error.score == 0
-    assert f"world size {options['world_sizes'][0]}" in str(error), "which case failed?"
-
-
-def test_block_order_matters_only_under_the_mask():
-    check_ring_attention(OFF_BY_ONE, world_sizes=(3,))
-
-
-def test_all_gathered_kv_is_right_but_fails_the_traffic_check():
-    sdpa = planted("sequence_parallel", "ring_attention", cheats.SDPA_ALL_GATHERED).ring_attention
-    check_ring_attention(sdpa, causal=True, world_sizes=(3,))
-    error = expect_failure(check_ring_traffic, sdpa, "called dist.all_gather", world_sizes=(3,))
-    assert error.score == 0 and error.failed == {"ring"}
-
-
-def test_ulysses_without_its_value_error_scores_nothing():
-    error = expect_failure(
-        check_ulysses_attention, NO_VALUE_ERROR, "expected a ValueError", world_sizes=(2,)
-    )
-    assert error.score == 0
-
-
-def test_ulysses_all_gathered_earns_half():
-    error = expect_failure(
-        check_ulysses_attention, ulysses_all_gathered, "dist.all_gather", world_sizes=(2,)
-    )
-    assert error.failed == {"all-to-all"} and error.score == 0.5
-
-
-@pytest.mark.parametrize(
-    "check, source",
-    [
-        (check_ring_traffic, cheats.LECTURE_RING),
-        (check_ring_attention, cheats.PASTED_MERGE),
-    ],
-    ids=["wrapped", "pasted"],
-)
-def test_the_lectures_ring_is_refused(check, source):
-    fn = planted("sequence_parallel", "ring_attention", source).ring_attention
-    expect_failure(check, fn, "the course's own implementation", world_sizes=(2,))
-
-
-def test_the_lectures_ulysses_is_refused():
-    fn = planted("sequence_parallel", "ulysses_attention", cheats.LECTURE_ULYSSES)
-    expect_failure(check_ulysses_attention, fn.ulysses_attention, "lecture", world_sizes=(2,))
-
-
-# --- Part 5: causal attention, balanced ----------------------------------------------------
-
-STRIPED = planted("sequence_parallel", "balanced_attention", cheats.STRIPED_ROWS)
-
-
-def balanced(module):
-    return module.layout, module.balanced_causal_attention
+# --- the meter ------------------------------------------------------------------------------
 
 
 def test_the_meter_counts_products_by_flops_and_the_rest_by_elements():
@@ -268,10 +115,10 @@ def test_the_meter_counts_products_by_flops_and_the_rest_by_elements():
         ("einsum", lambda: torch.einsum("bmk,bkn->bmn", a, b)),
         ("broadcast and sum", lambda: (a[..., None] * b[:, None]).sum(-2)),
     ]:
-        with WorkMeter() as meter:
+        with Meter() as meter:
             product()
         assert meter.work == flops, name
-    with WorkMeter() as meter:
+    with Meter() as meter:
         torch.softmax(a, dim=-1)
         a.transpose(-2, -1)
         torch.empty_like(a)
@@ -281,63 +128,299 @@ def test_the_meter_counts_products_by_flops_and_the_rest_by_elements():
 
 def test_fused_attention_costs_its_whole_rectangle():
     q, k, v = (torch.randn(2, 6, 4, dtype=torch.float64) for _ in range(3))
-    with WorkMeter() as meter:
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with Meter() as meter:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert meter.work >= 2 * (2 * 2 * 6 * 6 * 4)  # both products, every score
 
 
+def test_the_meter_keeps_the_peak_of_live_storages_each_once():
+    """Storages made under the meter count from creation to their last tensor's death, views
+    once; the arguments (exempt) do not count."""
+    given_ = torch.zeros(1000, dtype=torch.float64)
+    with Meter(exempt=[given_]) as meter:
+        x = torch.zeros(100, dtype=torch.float64)  # 800 bytes
+        views = [x[:10], x.view(10, 10), x[::2]]  # free
+        y = torch.ones(50, dtype=torch.float64)  # 400 more: 1,200 at the peak
+        del x, views, y
+        z = torch.ones(25, dtype=torch.float64)  # 200, after the others died
+        given_.mul_(2)  # an argument written in place: exempt
+        given_[:10]  # a view of an argument: nothing
+        del z
+    assert meter.peak_bytes == 1200
+    assert meter.live_bytes == 0
+
+
+def test_a_buffer_made_ahead_counts_by_the_bytes_written_into_it():
+    """A storage made before the meter counts from the call's first write into it, by the
+    bytes written, each byte once: the same place written again adds nothing."""
+    ahead = torch.zeros(8, 100, dtype=torch.float64)  # 6,400 bytes, made before
+    with Meter() as meter:
+        ahead[0].copy_(torch.ones(100, dtype=torch.float64))  # 800 written, 800 made and freed
+        ahead[0].add_(1)  # the same bytes again
+        assert meter.live_bytes == 800
+        ahead[1:3] = 2.0  # 1,600 more
+        torch.add(ahead[3], 1, out=ahead[4])  # 800 more, through out=
+    assert meter.live_bytes == meter.peak_bytes == 800 + 1600 + 800
+
+
+def test_the_meter_notices_being_switched_off():
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with Meter() as meter:
+        with _disable_current_modes():
+            meter.look("inside")
+    assert meter.missing == ["inside"]
+
+
 def test_the_causal_minimum_is_torchs_flop_count_of_the_visible_pairs():
-    """causal_attention_flops against torch's FlopCounterMode on attention row by row, each
-    query against exactly the keys it sees."""
+    """causal_backward_flops against torch's FlopCounterMode on a backward row by row: each
+    query's scores against exactly the keys it sees, then the four products of the
+    gradients."""
     from torch.utils.flop_counter import FlopCounterMode
 
     heads, tokens, d = 2, 9, 4
-    q, k, v = (torch.randn(heads, tokens, d, dtype=torch.float64) for _ in range(3))
+    q, k, v, g = (torch.randn(heads, tokens, d, dtype=torch.float64) for _ in range(4))
     with FlopCounterMode(display=False) as counter:
         for i in range(tokens):
             scores = q[:, i : i + 1] @ k[:, : i + 1].transpose(-2, -1)
-            torch.softmax(scores, dim=-1) @ v[:, : i + 1]
-    assert counter.get_total_flops() == causal_attention_flops(tokens, heads, d)
+            probs = torch.softmax(scores, dim=-1)
+            _ = probs.transpose(-2, -1) @ g[:, i : i + 1]  # dv
+            dp = g[:, i : i + 1] @ v[:, : i + 1].transpose(-2, -1)
+            ds = probs * dp
+            _ = ds @ k[:, : i + 1]  # dq
+            _ = ds.transpose(-2, -1) @ q[:, i : i + 1]  # dk
+    assert counter.get_total_flops() == causal_backward_flops(tokens, heads, d)
+
+
+# --- right implementations ------------------------------------------------------------------
+
+RIGHT_RINGS = {
+    "solution": A11.ring_attention_backward,
+    "queries-travel": ring(cheats.QUERIES_TRAVEL),
+    "two-messages-blocking": ring(cheats.TWO_MESSAGES_BLOCKING),
+}
+
+
+@pytest.mark.parametrize("fn", RIGHT_RINGS.values(), ids=RIGHT_RINGS.keys())
+def test_ring_checks_accept_right_implementations(fn, capsys):
+    check_ring_backward(fn, world_sizes=(1, 2, 3, 4))
+    check_ring_backward(fn, causal=True, world_sizes=(1, 2, 3, 4))
+    check_ring_memory(fn, world_sizes=(3, 4))
+    assert capsys.readouterr().out.count(": passed.") == 3
+
+
+@pytest.mark.parametrize(
+    "source", [None, cheats.ULYSSES_P2P_FORMULA], ids=["solution", "isend-irecv-formula"]
+)
+def test_ulysses_check_accepts_right_implementations(source):
+    module = A11 if source is None else planted("sequence_parallel", "ulysses_backward", source)
+    check_ulysses_backward(module.ulysses_attention_backward, world_sizes=(1, 2, 3, 4))
+
+
+# --- wrong implementations: the gradients ---------------------------------------------------
+
+NOT_HOME = mutant(
+    "sequence_parallel",
+    "ring_backward",
+    ("    if P > 1:  # one more hop: home to their owner", "    if False:"),
+)
+MISSING_BLOCK = mutant(
+    "sequence_parallel", "ring_backward", ("for step in range(P):", "for step in range(P - 1):")
+)
+LOCAL_MASK = mutant(
+    "sequence_parallel",
+    "ring_backward",
+    ("if not (causal and source > r):", "if True:"),
+    ("if causal and source == r:", "if causal:"),
+)
+OFF_BY_ONE = mutant(
+    "sequence_parallel", "ring_backward", ("source = (r - step) % P", "source = (r - step - 1) % P")
+)
+
+WRONG_RESULTS = [
+    ("gradients left a rank short of home", NOT_HOME, {}, "returned the dk and dv of rank"),
+    ("a block never seen", MISSING_BLOCK, {}, "differs"),
+    ("causal mask per block", LOCAL_MASK, {"causal": True}, "by position in the whole sequence"),
+    ("off-by-one block order, causal", OFF_BY_ONE, {"causal": True}, "differs"),
+]
+
+
+@pytest.mark.parametrize(
+    "module, options, message", [w[1:] for w in WRONG_RESULTS], ids=[w[0] for w in WRONG_RESULTS]
+)
+def test_ring_check_rejects_wrong_gradients(module, options, message):
+    error = expect_failure(
+        check_ring_backward,
+        module.ring_attention_backward,
+        message=message,
+        world_sizes=(3,),
+        **options,
+    )
+    assert "world size 3" in str(error), "which case failed?"
+
+
+def test_block_order_matters_only_under_the_mask():
+    check_ring_backward(OFF_BY_ONE.ring_attention_backward, world_sizes=(3,))
+
+
+# --- wrong implementations: the ring's rules, the memory ------------------------------------
+
+WRONG_RULES = [
+    ("the counters emptied", cheats.COUNTERS_EMPTIED, (3,), "ring", "called dist.all_gather"),
+    # On 3 ranks every rank is a neighbour: 4 tell a ring from sending to everyone.
+    ("rows to every rank", cheats.TO_EVERY_RANK, (4,), "ring", "dist.send with rank 2"),
+    ("over the bytes", cheats.OVER_BUDGET_COUNTERS_EMPTIED, (2,), "ring", "sent 1,736 bytes"),
+]
+
+
+@pytest.mark.parametrize(
+    "source, world_sizes, prop, message",
+    [w[1:] for w in WRONG_RULES],
+    ids=[w[0] for w in WRONG_RULES],
+)
+def test_ring_check_rejects_what_breaks_the_rings_rules(source, world_sizes, prop, message):
+    expect_failure(
+        check_ring_backward, ring(source), message=message, prop=prop, world_sizes=world_sizes
+    )
+
+
+def test_relaying_everything_keeps_the_rings_rules_but_not_its_memory():
+    """A ring of neighbours that passes every rank's rows on (4(P-1) blocks, within the
+    budget) and keeps them all: Parts 1 and 2 pass, Part 3 sees what the rank keeps."""
+    fn = ring(cheats.RELAY_EVERYTHING)
+    check_ring_backward(fn, causal=True, world_sizes=(4,))
+    expect_failure(check_ring_memory, fn, message="more than the busiest rank", prop="memory")
+
+
+@pytest.mark.parametrize(
+    "source",
+    [cheats.KEEPS_EVERY_BLOCK, cheats.KEEPS_IN_A_BUFFER_MADE_AHEAD],
+    ids=["kept", "in-a-buffer-made-ahead"],
+)
+def test_memory_check_rejects_a_rank_that_keeps_every_block(source):
+    error = expect_failure(
+        check_ring_memory, ring(source), message="more than the busiest rank", prop="memory"
+    )
+    assert f"at most {GROWTH_BLOCKS} block" in str(error)
+
+
+def test_memory_check_refuses_the_meter_switched_off():
+    expect_failure(check_ring_memory, ring(cheats.KEEPS_WITH_METER_OFF), message="dispatch stack")
+
+
+def test_memory_check_needs_three_ranks_and_more():
+    with pytest.raises(ValueError, match="compares 3 ranks with more"):
+        check_ring_memory(A11.ring_attention_backward, world_sizes=(2, 4))
+
+
+# --- what a rank may not use ------------------------------------------------------------------
+
+
+def test_the_heap_holds_nothing_to_copy():
+    expect_failure(
+        check_ring_backward, ring(cheats.FRAMES_AND_HEAP), message="differs", world_sizes=(2,)
+    )
+
+
+def test_the_graders_own_solve_is_refused():
+    expect_failure(
+        check_ring_backward,
+        ring(cheats.GRADER_SOLVE),
+        message="the grader's own code",
+        world_sizes=(2,),
+    )
+
+
+def test_the_lectures_all_to_all_pasted_is_refused():
+    fn = planted("sequence_parallel", "ulysses_backward", cheats.PASTED_ALL_TO_ALL)
+    expect_failure(
+        check_ulysses_backward,
+        fn.ulysses_attention_backward,
+        message="the course's own implementation",
+        world_sizes=(2,),
+    )
+
+
+# --- Ulysses ----------------------------------------------------------------------------------
+
+NO_VALUE_ERROR = mutant("sequence_parallel", "ulysses_backward", ("if heads % P:", "if False:"))
+
+
+def test_ulysses_without_its_value_error_scores_nothing():
+    expect_failure(
+        check_ulysses_backward,
+        NO_VALUE_ERROR.ulysses_attention_backward,
+        message="expected a ValueError",
+        world_sizes=(2,),
+    )
+
+
+def test_ulysses_value_error_after_a_message_scores_nothing():
+    late = mutant(
+        "sequence_parallel",
+        "ulysses_backward",
+        ("    heads = q.shape[0]\n", "    heads = q.shape[0]\n    dist.barrier()\n"),
+    )
+    expect_failure(
+        check_ulysses_backward,
+        late.ulysses_attention_backward,
+        message="only after calling dist.barrier",
+        world_sizes=(2,),
+    )
+
+
+def test_ulysses_all_gathered_is_refused():
+    fn = planted("sequence_parallel", "ulysses_backward", cheats.ULYSSES_ALL_GATHERED)
+    expect_failure(
+        check_ulysses_backward,
+        fn.ulysses_attention_backward,
+        message="dist.all_gather",
+        prop="all-to-all",
+        world_sizes=(2,),
+    )
+
+
+# --- Part 5: the causal backward, balanced ----------------------------------------------------
+
+
+def balanced(module):
+    return module.layout, module.balanced_attention_backward
+
+
+STRIPED = planted("sequence_parallel", "balanced_backward", cheats.STRIPED_ROWS)
 
 
 @pytest.mark.parametrize("module", [A11, STRIPED], ids=["zigzag-solution", "striped-rows"])
 def test_balanced_check_accepts_right_layouts(module, capsys):
-    check_balanced_attention(*balanced(module), world_sizes=(2, 3, 4))
+    check_balanced_backward(*balanced(module), world_sizes=(2, 3, 4))
     out = capsys.readouterr().out
-    assert out.startswith("check_balanced_attention: passed."), out
+    assert out.startswith("check_balanced_backward: passed."), out
     assert f"(allowed {BALANCE:g})" in out and f"(allowed {WORK:g})" in out
 
 
-CONTIGUOUS = planted("sequence_parallel", "balanced_attention", cheats.CONTIGUOUS_RING)
+CONTIGUOUS = planted("sequence_parallel", "balanced_backward", cheats.CONTIGUOUS_RING)
+ZIGZAG_KEEPER = planted("sequence_parallel", "balanced_backward", cheats.ZIGZAG_KEEPER)
 # zigzag shards, but every query against every key, then the mask: right, twice the work
 FULL_SCORES = mutant(
-    "sequence_parallel", "balanced_attention", ("seen = int(pos[-1]) + 1", "seen = n * P")
-)
-# the mask by positions inside a chunk instead of the sequence's
-LOCAL_MASK_5 = mutant(
     "sequence_parallel",
-    "balanced_attention",
-    ("> pos[:, None]", "> torch.arange(len(pos))[:, None]"),
+    "balanced_backward",
+    ("                if keys[0] > queries[-1]:\n                    continue", ""),
+    ("if keys[-1] > queries[0]:", "if True:"),
+)
+# a mask that hides each query's own key too
+STRICT_MASK = mutant(
+    "sequence_parallel",
+    "balanced_backward",
+    ("keys[None, :] > queries[:, None]", "keys[None, :] >= queries[:, None]"),
 )
 # the scores computed in numpy: out of the meter's sight
 NUMPY_SCORES = mutant(
     "sequence_parallel",
-    "balanced_attention",
+    "balanced_backward",
     (
-        "scores = q[:, rows] @ whole_k[:, :seen].transpose(-2, -1)",
+        "scores = q[:, rows] @ bk[:, cols].transpose(-2, -1) * scale",
         "scores = torch.from_numpy(q[:, rows].numpy() @ "
-        "whole_k[:, :seen].transpose(-2, -1).numpy())",
-    ),
-)
-# the same scores, with the meter taken off torch's dispatch stack meanwhile
-METER_OFF = mutant(
-    "sequence_parallel",
-    "balanced_attention",
-    (
-        "scores = q[:, rows] @ whole_k[:, :seen].transpose(-2, -1)",
-        "with __import__('torch').utils._python_dispatch._disable_current_modes():\n"
-        "            scores = q[:, rows] @ whole_k[:, :seen].transpose(-2, -1)\n"
-        "        scores = scores",
+        "bk[:, cols].transpose(-2, -1).numpy()) * scale",
     ),
 )
 
@@ -348,14 +431,15 @@ def everyone_holds_chunk_zero(tokens, world_size):
 
 
 WRONG_BALANCE = [
-    ("contiguous shards: unbalanced", balanced(CONTIGUOUS), "balance", "x the ranks' mean"),
-    ("every score, then the mask", balanced(FULL_SCORES), "work", "x the causal minimum"),
-    ("mask by chunk positions", balanced(LOCAL_MASK_5), "result", "differs"),
-    ("scores in numpy", balanced(NUMPY_SCORES), "result", "Tensor.numpy()"),
-    ("meter switched off", balanced(METER_OFF), "result", "work meter"),
+    ("contiguous shards: unbalanced", balanced(CONTIGUOUS), (2,), "balance", "x the ranks' mean"),
+    ("every score, then the mask", balanced(FULL_SCORES), (2,), "work", "x the causal minimum"),
+    ("a query blind to its own key", balanced(STRICT_MASK), (2,), "result", "differs"),
+    ("scores in numpy", balanced(NUMPY_SCORES), (2,), "result", "Tensor.numpy()"),
+    ("every block kept", balanced(ZIGZAG_KEEPER), (3, 4), "memory", "more than the busiest"),
     (
         "not a partition",
-        (everyone_holds_chunk_zero, A11.balanced_causal_attention),
+        (everyone_holds_chunk_zero, A11.balanced_attention_backward),
+        (2,),
         "result",
         "not a partition",
     ),
@@ -363,25 +447,28 @@ WRONG_BALANCE = [
 
 
 @pytest.mark.parametrize(
-    "fns, prop, message", [w[1:] for w in WRONG_BALANCE], ids=[w[0] for w in WRONG_BALANCE]
+    "fns, world_sizes, prop, message",
+    [w[1:] for w in WRONG_BALANCE],
+    ids=[w[0] for w in WRONG_BALANCE],
 )
-def test_balanced_check_rejects(fns, prop, message):
-    with pytest.raises(CheckFailed) as info:
-        check_balanced_attention(*fns, world_sizes=(2,))
-    error = info.value
-    assert message in str(error), str(error)
-    assert error.score == 0 and prop in error.failed, (error.failed, str(error))
+def test_balanced_check_rejects(fns, world_sizes, prop, message):
+    expect_failure(
+        check_balanced_backward, *fns, message=message, prop=prop, world_sizes=world_sizes
+    )
 
 
 def test_unbalanced_fails_on_every_world_size():
-    """Contiguous shards: the last rank's share grows with P (2P/(P+1) of the mean)."""
+    """Contiguous shards: the last rank's share grows with P."""
     for P in (2, 3, 4):
         with pytest.raises(CheckFailed, match=f"world size {P}"):
-            check_balanced_attention(*balanced(CONTIGUOUS), world_sizes=(P,))
+            check_balanced_backward(*balanced(CONTIGUOUS), world_sizes=(P,))
 
 
-def test_the_lectures_balanced_attention_is_refused():
-    module = planted("sequence_parallel", "balanced_attention", cheats.LECTURE_BALANCED)
-    with pytest.raises(CheckFailed, match="the course's own implementation") as info:
-        check_balanced_attention(*balanced(module), world_sizes=(2,))
-    assert info.value.score == 0
+def test_the_lectures_zigzag_is_refused():
+    module = planted("sequence_parallel", "balanced_backward", cheats.LECTURE_ZIGZAG)
+    expect_failure(
+        check_balanced_backward,
+        *balanced(module),
+        message="the course's own implementation",
+        world_sizes=(2,),
+    )

@@ -339,7 +339,6 @@ OPEN_DELIVERABLES = {
     "tensor_parallel": A10_IMPORTS,
     "parallel_3d": "course_lib.zero.train_step (lecture 7's ZeRO step, not a copy) has the name "
     "of a10's train_step",
-    "sequence_parallel": "topic 11 is another branch's (ring_attention, ulysses_attention)",
 }
 
 

@@ -45,10 +45,10 @@ from course_lib.grading.processes import (
     check_spread,
 )
 from course_lib.grading.sequence_parallel import (
-    check_balanced_attention,
-    check_ring_attention,
-    check_ring_traffic,
-    check_ulysses_attention,
+    check_balanced_backward,
+    check_ring_backward,
+    check_ring_memory,
+    check_ulysses_backward,
 )
 from course_lib.grading.tensor_parallel import (
     check_column_parallel_linear,
@@ -119,7 +119,7 @@ __all__ = [
     "check_all_gather",
     "check_all_reduce",
     "check_all_reduce_fast",
-    "check_balanced_attention",
+    "check_balanced_backward",
     "check_broadcast",
     "check_chain",
     "check_column_parallel_linear",
@@ -143,8 +143,8 @@ __all__ = [
     "check_quantized_all_reduce",
     "check_reduce",
     "check_reduce_scatter",
-    "check_ring_attention",
-    "check_ring_traffic",
+    "check_ring_backward",
+    "check_ring_memory",
     "check_round_trip_time",
     "check_spread",
     "check_row_parallel_linear",
@@ -152,7 +152,7 @@ __all__ = [
     "check_simulate_schedule",
     "check_split_schedule",
     "check_sync_gradients",
-    "check_ulysses_attention",
+    "check_ulysses_backward",
     "check_vocab_parallel_cross_entropy",
     "check_zero1",
     "check_zero2",

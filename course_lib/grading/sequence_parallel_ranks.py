@@ -1,129 +1,139 @@
-"""What runs on each rank for Assignment 11's checks: the rank's shard of q, k, v cut from a
-seeded sequence, the student's attention run on it, and what its messages did (calls, peers,
-bytes), recorded for `sequence_parallel.py` to judge against a single-process reference.
+"""What runs on each rank for Assignment 11's checks: the student's backward pass on this
+rank's own rows, case after case, and what it returned (and, where a part measures them, the
+work and memory of its torch operations, by `course_lib.meters.Meter`).
 
-    Case                         one run: world size, heads, tokens, head size, causal, seed
-    inputs(case)                 the whole sequence's q, k, v (every rank draws the same)
-    shard(x, r, P)               rank r's tokens: chunk r of torch.tensor_split(tokens, P)
-    run_cases(fn, cases)         what every rank runs: one record per case
+A rank holds nothing else. The other ranks' rows and the gradients torch's autograd gives
+are drawn and computed in the checking process (`sequence_parallel_cases`), and the calls
+each rank makes are reported to the launcher as they happen (`course_lib.counted_group`),
+between the marks that say which case they belong to.
+
+    run_cases(fn, cases, inputs, measure)   the student's function on this rank's rows
+    run_layout(layout, tokens)              the student's layout, as plain lists
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils import _python_dispatch
 
-from course_lib import comm
-from course_lib.comm import POINT_TO_POINT, CommCounter
+from course_lib import counted_group
 from course_lib.grading.provenance import Provenance
-from course_lib.runtime import rank, world_size
+from course_lib.grading.sequence_parallel_cases import Case
+from course_lib.meters import Meter
+from course_lib.runtime import world_size
 
-# Lecture 11's module answers both parts as it stands (and its `attention`, `merge_block` and
-# `_all_to_all` are the pieces of them): an answer that runs any of it, or a copy, is not the
-# student's own.
+# Lecture 11's module holds ring attention and Ulysses (forward), the online softmax's merge
+# and the zigzag layout: an answer that runs any of it, or a copy, is not the student's own.
 LECTURE_SP = ("course_lib.sequence_parallel",)
-# float64: the online softmax adds the blocks in another order than one softmax does, which
-# moves the result by ~1e-15; a merge gone wrong moves it by 1e-2 or more.
-RTOL, ATOL = 1e-9, 1e-12
+POINT_TO_POINT = ("send", "recv")  # what a process group reports for send/isend, recv/irecv
+# Functions that take the meter off torch's dispatch stack: running them hides work.
+METER_OFF = tuple(
+    f"torch.utils._python_dispatch.{name}"
+    for name in ("_disable_current_modes", "_pop_mode_temporarily")
+    if hasattr(_python_dispatch, name)
+)
+# Tensor methods that hand a floating-point tensor's numbers to Python or numpy.
+LEAVE_TORCH = ("numpy", "tolist", "item", "__array__", "__float__")
 
 
-@dataclass(frozen=True)
-class Case:
-    """One run of an attention: P ranks, `heads` heads of `head_dim`, `tokens` in all."""
+class Watch(Provenance):
+    """Provenance (the lecture's code, copies of it, the grader's own code), and, where a
+    part measures, the functions that switch the meter off and the calls that take
+    floating-point numbers out of torch, where the meter cannot see them."""
 
-    world_size: int
-    heads: int
-    tokens: int
-    head_dim: int
-    causal: bool
-    seed: int
+    def __init__(self, measure: bool) -> None:
+        super().__init__((*LECTURE_SP, *METER_OFF) if measure else LECTURE_SP)
+        self.measure = measure
+        self.left: list[str] = []
 
-    def __str__(self) -> str:
-        mask = "causal" if self.causal else "not causal"
-        return (
-            f"world size {self.world_size}, {self.heads} heads, {self.tokens} tokens, "
-            f"head_dim {self.head_dim}, {mask}, seed {self.seed}"
-        )
+    def _profile(self, frame, event, arg):
+        if event == "c_call" and self.measure:
+            self._c_call(arg)
+        return super()._profile(frame, event, arg)
 
+    def _c_call(self, fn) -> None:
+        owner, name = getattr(fn, "__self__", None), getattr(fn, "__name__", "?")
+        module = owner.__name__ if isinstance(owner, types.ModuleType) else None
+        module = module or getattr(fn, "__module__", None) or ""
+        if isinstance(owner, torch.Tensor) and name in LEAVE_TORCH:
+            if owner.is_floating_point() and f"Tensor.{name}()" not in self.left:
+                self.left.append(f"Tensor.{name}()")
+        elif module.split(".")[0] == "numpy" and f"numpy.{name}" not in self.left:
+            self.left.append(f"numpy.{name}")
 
-def inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The whole sequence's q, k, v, (heads, tokens, head_dim) float64, from the case's seed.
-    Scores spread over several units, so that a softmax merged wrongly shows."""
-    g = torch.Generator().manual_seed(10_007 * case.seed + 101 * case.tokens + case.heads)
-    shape = (case.heads, case.tokens, case.head_dim)
-    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(3))
-    return 1.5 * q, 1.5 * k, v
-
-
-def shard(x: torch.Tensor, r: int, P: int) -> torch.Tensor:
-    """Rank r's contiguous shard of the tokens (dim -2), as torch.tensor_split cuts them."""
-    return x.tensor_split(P, dim=-2)[r].contiguous()
-
-
-class _Messages:
-    """While active: every torch.distributed call of this rank, whatever route it took, as
-    (op, peer, bytes sent). On grading ranks the process group reports every call."""
-
-    def __enter__(self) -> _Messages:
-        self.log: list[tuple[str, int | None, int]] = []
-        comm.add_around_hook(self._seen)
-        return self
-
-    def _seen(self, op, args, sent, received, call):
-        peer = None
-        if op in POINT_TO_POINT:
-            names = ("dst", "group_dst") if op in ("send", "isend") else ("src", "group_src")
-            peer = next((args[n] for n in names if args.get(n) is not None), None)
-        self.log.append((op, peer, int(sent)))
-        return call()
-
-    def __exit__(self, *exc_info: object) -> None:
-        comm.remove_around_hook(self._seen)
+    def problem(self) -> str | None:
+        """What to tell the student, or None."""
+        off = [hit for hit in self.hits if hit in METER_OFF]
+        if off:
+            return (
+                f"your code ran {off[0]}, which takes the meter off torch's dispatch stack; "
+                "the measurement must see the whole call"
+            )
+        if self.left:
+            return (
+                f"your code called {', '.join(self.left[:3])}: it took floating-point numbers "
+                "out of torch, where the meter cannot see them; compute with torch "
+                "operations on tensors"
+            )
+        return self.complaint()
 
 
-class _Largest(TorchDispatchMode):
-    """While active: the most elements of any tensor an operation made on this rank (the
-    whole sequence's K, or a row of scores over every key, is larger than any block)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.most = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self.most = max(self.most, leaf.numel())
-        return out
+def _returned(value) -> tuple[list | None, str]:
+    """Three tensors, detached (or None), and the type of what was returned."""
+    kind = type(value).__name__
+    if not isinstance(value, tuple | list) or len(value) != 3:
+        return None, kind
+    if not all(isinstance(t, torch.Tensor) for t in value):
+        return None, f"{kind} of {', '.join(type(t).__name__ for t in value)}"
+    return [t.detach().clone() for t in value], kind
 
 
-def _run_case(fn: Callable, case: Case) -> dict:
-    r, P = rank(), world_size()
-    q, k, v = (shard(x, r, P) for x in inputs(case))
-    with CommCounter() as counter, _Messages() as messages, _Largest() as largest:
+def _run_case(fn: Callable, case: Case, args: tuple, measure: bool) -> dict:
+    kwargs = {"causal": case.causal} if case.positions is None else {}
+    meter = Meter(exempt=args) if measure else None
+    raised = value = None
+    try:
+        if meter is None:
+            value = fn(*args, **kwargs)
+        else:
+            with meter:
+                value = fn(*args, **kwargs)
+    except ValueError as error:  # the checks judge whether it was asked for
+        raised = str(error) or "ValueError()"
+    grads, kind = _returned(value)
+    record = {"grads": grads, "returned": kind, "raised": raised}
+    if meter is not None:
+        record.update(peak=meter.peak_bytes, work=meter.work, missing=meter.missing[:3])
+    return record
+
+
+def run_cases(fn: Callable, cases: list[Case], inputs: list[tuple], measure: bool) -> dict:
+    """On each rank: every case in turn, in the same order on every rank, on this rank's own
+    `inputs` (one tuple of arguments per case). Before each case a mark goes to the launcher,
+    so that the calls reported after it count for that case."""
+    with Watch(measure) as watch:
+        results = []
+        for i, (case, args) in enumerate(zip(cases, inputs, strict=True)):
+            counted_group.mark(i)
+            results.append(_run_case(fn, case, args, measure))
+        counted_group.mark(len(cases))  # what comes after the last case belongs to none
+    return {"cases": results, "copied": watch.problem()}
+
+
+def run_layout(layout: Callable, tokens: list[int]) -> dict:
+    """On each rank: the student's layout for each length, as plain lists (or what it was)."""
+    with Watch(measure=True) as watch:
+        answers = [layout(n, world_size()) for n in tokens]
+    found = []
+    for shards in answers:  # converted after the watch: the student's code is done
         try:
-            out = fn(q.clone(), k.clone(), v.clone(), causal=case.causal)
-            raised = None
-        except ValueError as error:  # the checks judge whether it was asked for
-            out, raised = None, str(error) or "ValueError()"
-    return {
-        "out": out.detach().clone() if isinstance(out, torch.Tensor) else None,
-        "returned": type(out).__name__,
-        "raised": raised,
-        "sent": counter.bytes_sent,
-        "messages": messages.log,
-        "largest": largest.most,
-    }
+            found.append([torch.as_tensor(s).tolist() for s in shards])
+        except (TypeError, ValueError, RuntimeError):
+            found.append(repr(shards)[:80])
+    return {"layouts": found, "copied": watch.problem()}
 
 
-def run_cases(fn: Callable, cases: list[Case]) -> dict:
-    """On each rank: every case in turn, in the same order on every rank."""
-    # An outer counter keeps torch.distributed wrapped for the whole run; each case counts
-    # its own calls.
-    with CommCounter(), Provenance(LECTURE_SP) as seen:
-        results = [_run_case(fn, case) for case in cases]
-    return {"cases": results, "copied": seen.complaint()}
+__all__ = ["LECTURE_SP", "POINT_TO_POINT", "Watch", "run_cases", "run_layout"]
