@@ -92,7 +92,7 @@ GIVEN = {
         "sharded_adamw_report",
         "split_counts",
     ),
-    "course_lib.grading.sequence_parallel": ("WorkMeter", "causal_attention_flops"),
+    "course_lib.grading.sequence_parallel": ("causal_backward_flops",),
     "course_lib.grading.expert_parallel": (
         "dedup_cases",
         "inputs",
