@@ -315,11 +315,19 @@ def submit(course: Path, student: str, assignment: str, nb: nbformat.NotebookNod
     nbformat.write(nb, str(folder / name))
 
 
-def judge(course: Path, assignment: str, notebook: str, nb) -> dict[str, list[float]]:
+def judge(
+    course: Path, assignment: str, notebook: str, nb, tests: set[str] | None = None
+) -> dict[str, list[float]]:
     """grade id -> [score, max score] of a submission as `make autograde` scores it, from
     the judge alone: the cells it gets from the gradebook, the sandboxed judge, its verdicts
     turned into the test cells' outputs and nbgrader's scoring of those. What it skips is the
-    kernel that runs the notebook for the feedback, which has no say in a score."""
+    kernel that runs the notebook for the feedback, which has no say in a score. With `tests`,
+    only those test cells are judged (and scored)."""
+    if tests is not None:
+        nb = copy.deepcopy(nb)
+        nb.cells = [
+            c for c in nb.cells if role(c) != "test" or c.metadata.nbgrader["grade_id"] in tests
+        ]
     info = {"db_url": f"sqlite:///{course / 'gradebook.db'}"}
     info.update(notebook=notebook, assignment=assignment)
     extra = bonus(assignment)
@@ -426,7 +434,11 @@ def build(course: Path) -> float:
     make(course, "feedback")
     judged = {}
     for student, assignment, notebook, nb in judge_only:
-        judged.setdefault(assignment, {})[student] = judge(course, assignment, notebook, nb)
+        # A cheat that changes only its own answer cells is judged on the parts it targets.
+        targeted = cheats.targets(assignment, student)
+        judged.setdefault(assignment, {})[student] = judge(
+            course, assignment, notebook, nb, targeted
+        )
     (course / JUDGED).write_text(json.dumps(judged, indent=1))
     return seconds
 

@@ -29,6 +29,9 @@ def _ids(pairs):
 def test_each_cheat_scores_zero_on_its_target_and_nothing_else_changes(
     graded_course, assignment, student
 ):
+    """Cheats that change only their own answer cells are judged on their targets alone
+    (`cheats.targets`); "nothing else changes" is asserted of the `alone` cheats' notebooks,
+    graded whole through `make autograde`."""
     course, _ = graded_course
     grades = scores(course, assignment, student)
     planted = cheats.students(assignment)[student]

@@ -15,9 +15,12 @@ A module defines
     ALTERNATIVES = [Alternative(...)]   # right answers the notebook allows: full marks
 
 Cheats that change only their own answer cell are graded together in one notebook when they
-rewrite different cells and fail different tests (a notebook takes ~15 s to grade), and so
+rewrite different cells and fail different tests (a notebook takes ~15-60 s to grade), and so
 are alternatives; a cheat with `alone=True` (one that changes shared state, such as rebinding
-a check or patching a module) gets a notebook of its own.
+a check or patching a module) gets a notebook of its own. A notebook of cheats that change
+only their own cells is judged on the tests they target (`targets`): the other parts run the
+solution's code, which the solution's own grading already scores; an `alone` cheat's notebook
+is graded whole, and must lose nothing outside its targets.
 """
 
 from __future__ import annotations
@@ -92,6 +95,13 @@ def planted(nb: nbformat.NotebookNode, items: list) -> nbformat.NotebookNode:
         assert cell is not None, f"{item.name}: no cell {item.cell!r}"
         cell.source = textwrap.dedent(item.source).strip("\n")
     return nb
+
+
+def targets(assignment: str, student: str) -> set[str] | None:
+    """The tests a cheater's notebook targets (None for any other student): a notebook of
+    cheats that change only their own answer cells is judged on those tests alone."""
+    planted = students(assignment).get(student) if student.startswith("cheater") else None
+    return set().union(*(cheat.fails for cheat in planted)) if planted else None
 
 
 def students(assignment: str) -> dict[str, list]:
