@@ -224,8 +224,19 @@ def reduce_scatter(output, input_list):
 """
 
 # (4) A right broadcast, with the operators and torch.testing the checks compare with made
-# to agree with anything: the fingerprint of the rank's libraries changes, and the part scores
-# 0 as tampering.
+# to agree with anything: the fingerprint of the rank's libraries changes, and since the
+# answer cells run on every rank before every part, every part scores 0 as tampering.
+EVERY_PART = frozenset(
+    {
+        "test_broadcast",
+        "test_all_reduce_naive",
+        "test_reduce",
+        "test_all_gather",
+        "test_reduce_scatter",
+        "test_ring_all_reduce",
+        "test_all_reduce_fast",
+    }
+)
 OPERATORS_PATCHED = """
 import torch.testing
 
@@ -279,7 +290,7 @@ CHEATS = [
         "Tensor.__eq__, __ne__ and torch.testing patched beside a right broadcast",
         "broadcast",
         OPERATORS_PATCHED,
-        frozenset({"test_broadcast", "test_all_reduce_naive"}),
+        EVERY_PART,
         alone=True,
     ),
     Cheat(
