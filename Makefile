@@ -107,7 +107,8 @@ SUBMITTED = $(sort $(notdir $(wildcard submitted/*/*)))
 # in a process of its own while the other tests run (tests/conftest.py).
 test-e2e: install
 	$(BIN)/python -m pytest tests -m e2e
-# The lectures run before, not alongside, the class's grading: both are heavy on the CPU.
+# The lectures run before, not alongside, the class's grading (both are heavy on the CPU);
+# the other tests run beside each.
 test-all: PYTEST_SELECT =
 test-all: export COURSE_SITE_FIRST = 1
 test-all: test

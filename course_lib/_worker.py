@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import importlib
 import io
 import json
 import linecache
@@ -29,6 +30,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -49,6 +51,12 @@ PARENT_POLL_S = 0.2
 # run on a worker that freezes more (to hide a tensor from such a scan) goes through
 # `_freeze`, and the scans unfreeze everything first (`frozen_by_a_call`).
 FROZEN_OBJECTS = 0
+# Rewrites of a call's (args, kwargs) once unpickled, before the call, in order: the layers
+# above add theirs (course_lib.grading.answers, when imported, turns a student's answer
+# shipped as source into what its cells define). The launcher itself knows none of them. A
+# tuple, rebound to add one: on an untrusted rank, a rebinding after the ranks' preload is
+# tampering (`_integrity`), as a change to a list would not be.
+ARGUMENT_HOOKS: tuple[Callable[[tuple, dict], tuple[tuple, dict]], ...] = ()
 _real_freeze = gc.freeze
 _frozen_by_a_call = False
 
@@ -162,11 +170,12 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _join_process_group(spec: dict) -> None:
+    # What the pool asks for (for grading ranks, everything the checks use) is imported before
+    # any call, hence before any student code can run.
+    for name in spec.get("preload", ()):
+        importlib.import_module(name)
     if spec.get("untrusted"):
-        # Everything the checks use is imported before any student code can run, and the
-        # default group is one that reports every call, whatever route the call took.
-        import course_lib.grading  # noqa: F401
-
+        # The default group is one that reports every call, whatever route the call took.
         counted_group.register()
         counted_group.set_reporter(_report_tally)
     store = dist.TCPStore(
@@ -199,10 +208,8 @@ def _run_call(call: Call, spec: dict) -> Result | Raised:
     _apply_context(call, spec)
     try:
         fn, args, kwargs = cloudpickle.loads(call.payload)
-        # Unpickling an Answer (grading: the student's code as source) imported its module.
-        answers = sys.modules.get("course_lib.grading.answers")
-        if answers is not None and answers.contains_answer((args, kwargs)):
-            args, kwargs = answers.resolve(args, kwargs)
+        for rewrite in ARGUMENT_HOOKS:
+            args, kwargs = rewrite(args, kwargs)
         value = fn(*args, **kwargs)
         # CUDA work (NCCL collectives included) runs after the Python call returns: wait for
         # it here, so that a call whose collective cannot complete hangs (and is reported)

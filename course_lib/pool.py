@@ -77,6 +77,7 @@ class WorkerPool:
         *,
         start_method: str | None = None,
         untrusted: bool = False,
+        preload: tuple[str, ...] = (),
     ) -> None:
         self.backend = resolve_backend(backend, world_size)
         self.world_size = world_size
@@ -85,6 +86,10 @@ class WorkerPool:
         # default group counts every call whatever route it took (`counted_group`), and a
         # rank that changes the libraries the checks use fails the call (`_integrity`).
         self.untrusted = untrusted
+        # Modules every rank imports before its first call: an untrusted pool's checks, say,
+        # before any student code runs. The fork server, if this pool starts it, imports them
+        # once for every rank it forks.
+        self.preload = tuple(preload)
         self.start_method = start_method or default_start_method()
         if self.start_method not in ("fork-server", "subprocess"):
             raise ValueError(
@@ -201,7 +206,7 @@ class WorkerPool:
             master_listen_fd=listener.fileno(),
         )
         listener.detach()  # the store owns the socket now and closes it when it goes
-        self._server = fork_server() if self.start_method == "fork-server" else None
+        self._server = fork_server(self.preload) if self.start_method == "fork-server" else None
         try:
             # One at a time into self._workers, so that if a start is cut short (Ctrl-C, a
             # rank that dies), _kill stops every rank started so far.
@@ -223,6 +228,7 @@ class WorkerPool:
             "stack_file": os.path.join(self._tmpdir.name, f"stack-{rank}.txt"),
             "pg_timeout_s": PG_TIMEOUT_S,
             "untrusted": self.untrusted,
+            "preload": list(self.preload),
             "env": self._rank_env(rank, port),
         }
 

@@ -224,12 +224,14 @@ _server: ForkServer | None = None
 _server_lock = threading.Lock()
 
 
-def fork_server() -> ForkServer:
-    """This process's fork server, started the first time it is needed (or again if it died)."""
+def fork_server(preload: tuple[str, ...] = ()) -> ForkServer:
+    """This process's fork server, started the first time it is needed (or again if it died),
+    importing the modules `preload` names once for every worker it forks. One already running
+    without them stays: its workers import them themselves, a little slower."""
     global _server
     with _server_lock:
         if _server is None or not _server.alive():
-            _server = ForkServer(_worker_env())
+            _server = ForkServer(_worker_env(), preload)
         return _server
 
 

@@ -35,12 +35,37 @@ def students(count: int) -> list[str]:
     return [f"s{i:02d}-{KINDS[i % len(KINDS)]}" for i in range(count)]
 
 
-def build(course: Path, names: list[str]) -> None:
-    """A course folder with a01 released and one submission per student in `names`."""
+# a01 cut to its first two parts and its written question, for the tests that grade a class
+# (tests/test_batch.py) or run the exchange cycle (tests/test_exchange.py): what they test is
+# how submissions travel and are graded (one at a time, in parallel, by Slurm tasks, merged,
+# late), which two graded parts and a written answer show as well as five; the later parts
+# cost most of a submission's time (Part 4 launches ranks for each message size up to 16 MB).
+# tests/test_autograde.py grades the whole of a01.
+SHORT = (
+    "title", "setup", "part1", "ping_pong", "try_ping_pong_md", "try_ping_pong",
+    "test_ping_pong", "part2", "chain", "try_chain_md", "try_chain", "test_chain",
+    "message_cost_md", "message_cost",
+)  # fmt: skip
+
+
+def keep_only(notebook: Path, cells: tuple[str, ...]) -> None:
+    """Rewrite `notebook` with only the cells of those ids (each must be there)."""
+    nb = nbformat.read(notebook, as_version=4)
+    missing = set(cells) - {c.id for c in nb.cells}
+    assert not missing, f"{notebook.name} has no cells {sorted(missing)}"
+    nb.cells = [c for c in nb.cells if c.id in cells]
+    nbformat.write(nb, notebook)
+
+
+def build(course: Path, names: list[str], cells: tuple[str, ...] | None = None) -> None:
+    """A course folder with a01 released and one submission per student in `names`; with
+    `cells`, a01 keeps only the cells of those ids (`SHORT`)."""
     course.mkdir(parents=True, exist_ok=True)
     for name in COURSE_FILES:
         shutil.copy2(ROOT / name, course / name)  # copy2 keeps mtimes: no reinstall
     shutil.copytree(ROOT / "solutions" / ASSIGNMENT, course / "solutions" / ASSIGNMENT)
+    if cells is not None:
+        keep_only(course / "solutions" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", cells)
     make(course, "release")
     for release in notebooks(course / "assignments" / ASSIGNMENT):
         solution = course / "solutions" / ASSIGNMENT / release.name

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,6 +50,7 @@ if os.environ.get("COURSE_E2E_ONLY"):
 COURSE_FILES = ("Makefile", "pyproject.toml", "requirements.lock", "nbgrader_config.py")
 VENV = Path(sys.executable).parent.parent
 JUDGED = "judged.json"  # scores of the submissions graded by the judge alone (`judge`)
+JUDGES_BESIDE_AUTOGRADE = 1  # judges run at a time while `make autograde` runs (`build`)
 
 
 def source(assignment: str) -> nbformat.NotebookNode:
@@ -315,14 +317,12 @@ def submit(course: Path, student: str, assignment: str, nb: nbformat.NotebookNod
     nbformat.write(nb, str(folder / name))
 
 
-def judge(
+def judge_request(
     course: Path, assignment: str, notebook: str, nb, tests: set[str] | None = None
-) -> dict[str, list[float]]:
-    """grade id -> [score, max score] of a submission as `make autograde` scores it, from
-    the judge alone: the cells it gets from the gradebook, the sandboxed judge, its verdicts
-    turned into the test cells' outputs and nbgrader's scoring of those. What it skips is the
-    kernel that runs the notebook for the feedback, which has no say in a score. With `tests`,
-    only those test cells are judged (and scored)."""
+) -> tuple[nbformat.NotebookNode, list[dict]]:
+    """What `judge` sends to the judge: the notebook (with `tests`, only those test cells)
+    and the cells the judge gets from the gradebook, as `make autograde` would send them.
+    Read before the class is graded, so that no judge reads the gradebook nbgrader writes."""
     if tests is not None:
         nb = copy.deepcopy(nb)
         nb.cells = [
@@ -330,8 +330,14 @@ def judge(
         ]
     info = {"db_url": f"sqlite:///{course / 'gradebook.db'}"}
     info.update(notebook=notebook, assignment=assignment)
+    return nb, judge_cells(nb, {"nbgrader": info}, bonus(assignment))
+
+
+def judge_scores(assignment: str, nb, cells: list[dict]) -> dict[str, list[float]]:
+    """grade id -> [score, max score] of the test cells of `nb` once the sandboxed judge has
+    judged `cells` (`judge_request`): its verdicts turned into the test cells' outputs and
+    nbgrader's scoring of those."""
     extra = bonus(assignment)
-    cells = judge_cells(nb, {"nbgrader": info}, extra)
     verdicts = run_judge(cells, sandboxed=True, timeout=1800)
     apply_verdicts(nb, verdicts, logging.getLogger(__name__))
     save_extra_credit(nb, {}, extra)
@@ -344,6 +350,17 @@ def judge(
             else:
                 out[grade_id] = list(determine_grade(cell))
     return out
+
+
+def judge(
+    course: Path, assignment: str, notebook: str, nb, tests: set[str] | None = None
+) -> dict[str, list[float]]:
+    """grade id -> [score, max score] of a submission as `make autograde` scores it, from
+    the judge alone: the cells it gets from the gradebook, the sandboxed judge, its verdicts
+    turned into the test cells' outputs and nbgrader's scoring of those. What it skips is the
+    kernel that runs the notebook for the feedback, which has no say in a score. With `tests`,
+    only those test cells are judged (and scored)."""
+    return judge_scores(assignment, *judge_request(course, assignment, notebook, nb, tests))
 
 
 def scores(course: Path, assignment: str, student: str) -> dict[str, tuple[float, float]]:
@@ -430,15 +447,26 @@ def build(course: Path) -> float:
                     submit(course, student, assignment, nb, release.name)
                 else:
                     judge_only.append((student, assignment, release.stem, nb))
-    seconds = make(course, "autograde", timeout=2700)
-    make(course, "feedback")
-    judged = {}
-    for student, assignment, notebook, nb in judge_only:
-        # A cheat that changes only its own answer cells is judged on the parts it targets.
-        targeted = cheats.targets(assignment, student)
-        judged.setdefault(assignment, {})[student] = judge(
-            course, assignment, notebook, nb, targeted
-        )
+    # The submissions judged alone are judged while `make autograde` grades the others: a
+    # grading waits on processes starting and on timeouts as much as it computes, so the two
+    # share the CPU well (one judge at a time besides it: the checks' own time limits must
+    # hold on a busy CI machine). A cheat that changes only its own answer cells is judged
+    # on the parts it targets.
+    requests = [
+        (student, assignment, *judge_request(course, assignment, notebook, nb, targets))
+        for student, assignment, notebook, nb in judge_only
+        for targets in [cheats.targets(assignment, student)]
+    ]
+    pool = ThreadPoolExecutor(JUDGES_BESIDE_AUTOGRADE)
+    try:
+        scored = [pool.submit(judge_scores, a, nb, cells) for _, a, nb, cells in requests]
+        seconds = make(course, "autograde", timeout=3600)
+        make(course, "feedback")
+        judged: dict = {}
+        for (student, assignment, *_), future in zip(requests, scored, strict=True):
+            judged.setdefault(assignment, {})[student] = future.result()
+    finally:
+        pool.shutdown(cancel_futures=True)  # a failed `make` waits for no more judges
     (course / JUDGED).write_text(json.dumps(judged, indent=1))
     return seconds
 

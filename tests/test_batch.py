@@ -1,10 +1,12 @@
 """Grading a class in parallel gives the same gradebook as grading it serially.
 
-Three a01 submissions (solution, blank, planted bug) are graded by `make autograde` (one at
-a time), by `make autograde JOBS=2` (scratch courses, then a merge) and, for two students,
-by the Slurm recipe run locally (examples/grade_class.sh: one task per student, then the
-merge). Every score, cell by cell, must be the serial run's. When the grader itself cannot
-run, both ways fail loudly and leave every submission without a grade, for a rerun.
+Three submissions of a short a01 (its first two parts and its written question: solution,
+blank, planted bug) are graded by `make autograde` (one at a time), by `make autograde JOBS=2`
+(scratch courses, then a merge) and, for two students, by the Slurm recipe run locally
+(examples/grade_class.sh: one task per student, then the merge). Every score, cell by cell,
+must be the serial run's. When the grader itself cannot run, both ways fail loudly and leave
+every submission without a grade, for a rerun. The class is released once; each test grades
+a copy.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from course_lib.grading.batch import (
     scratch_course,
 )
 from tests.conftest import ROOT, require_sandbox
-from tests.grading_class import ASSIGNMENT, build, gradebook_scores, students
+from tests.grading_class import ASSIGNMENT, SHORT, build, gradebook_scores, students
 from tests.grading_course import make, run_make
 
 NAMES = students(3)
@@ -40,10 +42,25 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def serial(tmp_path_factory) -> dict:
+def released(tmp_path_factory) -> Path:
+    """The class's course folder: the short a01 released, every submission in place."""
+    course = tmp_path_factory.mktemp("released")
+    build(course, NAMES, SHORT)
+    return course
+
+
+def copy_class(released: Path, course: Path, names: list[str] = NAMES) -> Path:
+    """`course`, made a copy of the released class with the submissions of `names` only."""
+    shutil.copytree(released, course, dirs_exist_ok=True)  # copy2: mtimes kept, no reinstall
+    for student in set(NAMES) - set(names):
+        shutil.rmtree(course / "submitted" / student)
+    return course
+
+
+@pytest.fixture(scope="module")
+def serial(released, tmp_path_factory) -> dict:
     """The class graded one submission at a time, as `make autograde` always did."""
-    course = tmp_path_factory.mktemp("serial")
-    build(course, NAMES)
+    course = copy_class(released, tmp_path_factory.mktemp("serial"))
     make(course, "autograde")
     return gradebook_scores(course)
 
@@ -68,8 +85,8 @@ def graded_notebook(course: Path, student: str) -> Path:
 
 @require_sandbox
 @pytest.mark.timeout(900)
-def test_jobs_2_scores_every_cell_as_the_serial_run(serial, tmp_path):
-    build(tmp_path, NAMES)
+def test_jobs_2_scores_every_cell_as_the_serial_run(serial, released, tmp_path):
+    copy_class(released, tmp_path)
     make(tmp_path, "autograde", "JOBS=2")
     assert gradebook_scores(tmp_path) == serial
     for student in NAMES:  # the feedback's source is merged too, with the judge's verdicts
@@ -82,9 +99,9 @@ def test_jobs_2_scores_every_cell_as_the_serial_run(serial, tmp_path):
 
 @require_sandbox
 @pytest.mark.timeout(900)
-def test_the_slurm_recipe_run_locally_grades_each_student_then_merges(serial, tmp_path):
+def test_the_slurm_recipe_run_locally_grades_each_student_then_merges(serial, released, tmp_path):
     names = NAMES[:2]
-    build(tmp_path, names)
+    copy_class(released, tmp_path, names)
     env = {**os.environ, "VENV": str(Path(sys.executable).parent.parent)}
     env.pop("SLURM_ARRAY_TASK_ID", None)
     script = str(ROOT / "examples" / "grade_class.sh")
@@ -170,13 +187,13 @@ def test_merge_takes_the_graded_and_leaves_the_rest_ungraded_keeping_their_logs(
 # --- when the grader itself fails ------------------------------------------------------------
 
 
-def broken_course(course: Path, names: list[str]) -> dict[str, str]:
+def broken_course(released: Path, course: Path, names: list[str]) -> dict[str, str]:
     """A class whose grader cannot run: the course folder holds a copy of course_lib, which
     nbgrader imports (it puts the course folder on sys.path; PYTHONPATH points there too, for
     the scratch courses of JOBS=N), while the venv belongs to another checkout: the sandbox
     shows the copy, its Python looks for the other, and the judge cannot import course_lib.
     Returns the environment that does this."""
-    build(course, names)
+    copy_class(released, course, names)
     shutil.copytree(ROOT / "course_lib", course / "course_lib")
     return {"PYTHONPATH": str(course)}
 
@@ -194,9 +211,11 @@ def assert_not_graded(course: Path, names: list[str], code: int, out: str) -> No
 
 @require_sandbox
 @pytest.mark.timeout(900)
-def test_a_grader_that_cannot_run_grades_nobody_loudly_and_a_rerun_grades_them(serial, tmp_path):
+def test_a_grader_that_cannot_run_grades_nobody_loudly_and_a_rerun_grades_them(
+    serial, released, tmp_path
+):
     names = NAMES[:2]
-    env = broken_course(tmp_path, names)
+    env = broken_course(released, tmp_path, names)
     code, out, err = run_make(tmp_path, "autograde", env=env)
     assert_not_graded(tmp_path, names, code, out + err)
     shutil.rmtree(tmp_path / "course_lib")  # the machinery mended
@@ -207,9 +226,9 @@ def test_a_grader_that_cannot_run_grades_nobody_loudly_and_a_rerun_grades_them(s
 
 @require_sandbox
 @pytest.mark.timeout(900)
-def test_with_jobs_2_a_grader_that_cannot_run_grades_nobody_loudly(tmp_path):
+def test_with_jobs_2_a_grader_that_cannot_run_grades_nobody_loudly(released, tmp_path):
     names = NAMES[:2]
-    env = broken_course(tmp_path, names)
+    env = broken_course(released, tmp_path, names)
     code, out, err = run_make(tmp_path, "autograde", "JOBS=2", env=env)
     assert_not_graded(tmp_path, names, code, out + err)
     for name in names:  # each log stays, for a look

@@ -1,6 +1,7 @@
 """nbgrader's exchange cycle end to end on one machine: an instructor and two students.
 
-The instructor releases a01_processes through a local exchange (COURSE_EXCHANGE, as on
+The instructor releases a01_processes (its first two parts and its written question:
+tests/grading_class.SHORT) through a local exchange (COURSE_EXCHANGE, as on
 JupyterHub); alice and bob fetch it, each solves a different part (copied from solutions/),
 bob submits on time and alice after the due date; the instructor collects, autogrades
 (`make autograde`), writes feedback and releases it; the students fetch it. A third rostered
@@ -25,6 +26,7 @@ import pytest
 from nbgrader.api import Gradebook
 
 from tests.conftest import ROOT, require_sandbox
+from tests.grading_class import SHORT, keep_only
 from tests.grading_course import COURSE_FILES, VENV, make
 
 # About 2 minutes on an idle 2-core machine (two sandboxed submissions, ~20 s each); several
@@ -37,15 +39,15 @@ ZONE = "Europe/Paris"  # the schedule's time zone: the due date is converted to 
 PER_DAY, MOST = 1.5, 5  # late rule: 1.5 points per started day; alice is late by seconds
 
 
-def max_score(assignment: str) -> str:
-    """The assignment's maximum as grades.csv and the feedback print it: every graded cell's
-    points, written answers included."""
+def max_score(assignment: str, kept: tuple[str, ...]) -> str:
+    """The maximum of the assignment cut to the cells `kept`, as grades.csv and the feedback
+    print it: every graded cell's points, written answers included."""
     nb = nbformat.read(ROOT / "solutions" / assignment / f"{assignment}.ipynb", as_version=4)
-    cells = [c.metadata.get("nbgrader", {}) for c in nb.cells]
+    cells = [c.metadata.get("nbgrader", {}) for c in nb.cells if c.id in kept]
     return f"{float(sum(c.get('points', 0) for c in cells if c.get('grade'))):.1f}"
 
 
-MAX = max_score(A)
+MAX = max_score(A, SHORT)
 
 
 def run(cwd: Path, *args: str, env: dict[str, str]) -> str:
@@ -81,6 +83,7 @@ def cycle(tmp_path_factory) -> Path:
     for name in COURSE_FILES:
         shutil.copy2(ROOT / name, course / name)  # copy2 keeps mtimes: no reinstall
     shutil.copytree(ROOT / "solutions" / A, course / "solutions" / A)
+    keep_only(course / "solutions" / A / f"{A}.ipynb", SHORT)  # the parts the students solve
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     env.update(COURSE_EXCHANGE=str(exchange), PATH=f"{VENV / 'bin'}:{env['PATH']}")
     before = os.environ.get("COURSE_EXCHANGE")

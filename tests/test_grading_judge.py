@@ -244,6 +244,29 @@ def test_a_rank_that_changes_torch_distributed_fails_and_is_replaced():
         assert pool.launch(world_size, timeout=60) == [2, 2]  # fresh, untainted workers
 
 
+def _preloaded() -> list[bool]:
+    import sys
+
+    return [name in sys.modules for name in _harness.PRELOAD]
+
+
+def _drop_the_answer_hook():
+    from course_lib import _worker
+
+    _worker.ARGUMENT_HOOKS = ()
+
+
+def test_grading_ranks_preload_the_checks_and_dropping_the_answer_hook_is_tampering():
+    """The launcher imports nothing of grading: a grading pool names what its ranks load
+    before any student code, the answers' hook included, which a rank must not drop."""
+    with WorkerPool(2, "gloo", untrusted=True, preload=_harness.PRELOAD) as pool:
+        assert pool.launch(_preloaded, timeout=60) == [[True, True]] * 2
+        with pytest.raises(RankError) as error:
+            pool.launch(_drop_the_answer_hook, timeout=60)
+        assert error.value.exc_type == "TamperingDetected"
+        assert "ARGUMENT_HOOKS" in str(error.value)
+
+
 def test_grading_ranks_count_every_route_to_a_collective():
     with WorkerPool(2, "gloo", untrusted=True) as pool:
         results = pool.launch(_prebound_all_reduce_counted, timeout=60)

@@ -128,9 +128,6 @@ def test_the_tools_given_to_students_are_what_the_set_up_cells_import():
 
 # Imports that break the layers on purpose (docs/architecture.md says why): (importer, imported).
 LAYER_EXCEPTIONS = {
-    # an untrusted rank loads the checks before any student code runs on it
-    ("_worker", "grading"),
-    ("_zygote", "grading"),
     # the large partition problems' optimum: the lecture's DP, itself held to a brute force
     ("grading.pipeline_partition", "pipeline"),
     # the bytes a tensor's storage takes, as lecture 6 counts them
@@ -192,6 +189,26 @@ def test_imports_follow_the_layers():
                 if topic_of_name or top in ("grading", "measure"):
                     broken.append(f"{module} -> {name}")
     assert not broken, "imports across the layers (docs/architecture.md):\n" + "\n".join(broken)
+
+
+def test_course_lib_imports_form_no_circle():
+    """No module imports, even through others, one that imports it back: the launcher, at the
+    bottom, is told by grading what its ranks preload (`WorkerPool(preload=...)`) and how to
+    resolve an answer (`_worker.ARGUMENT_HOOKS`), and imports none of it."""
+    # _worker run as a script imports itself (the module, not __main__'s copy): no circle
+    graph = {module: names - {module} for module, names in course_lib_imports().items()}
+    assert "pool" in graph["launch"] and "_worker" in graph["grading.answers"]  # read right
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for name in graph.get(todo.pop(), set()) - seen:
+                seen.add(name)
+                todo.append(name)
+        return seen
+
+    circles = sorted(module for module in graph if module in reachable(module))
+    assert not circles, f"modules on an import circle: {circles}"
 
 
 def readme_course_table() -> list[list[str]]:

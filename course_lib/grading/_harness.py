@@ -233,6 +233,9 @@ def reject_lecture_code(check: str, *answers: Any) -> None:
 
 
 _pools: dict[int, WorkerPool] = {}
+# What a grading rank imports before any call, hence before any student code runs: every
+# check, and the resolving of answers (whose hook is then part of what `_integrity` watches).
+PRELOAD = ("course_lib.grading", "course_lib.grading.answers")
 
 
 def grading_pool(world_size: int) -> WorkerPool:
@@ -240,7 +243,7 @@ def grading_pool(world_size: int) -> WorkerPool:
     `WorkerPool`), apart from the pool `launch` uses. One warm pool per world size, since a
     check tries several one after the other."""
     if world_size not in _pools:
-        _pools[world_size] = WorkerPool(world_size, "gloo", untrusted=True)
+        _pools[world_size] = WorkerPool(world_size, "gloo", untrusted=True, preload=PRELOAD)
     return _pools[world_size]
 
 

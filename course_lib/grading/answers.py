@@ -15,6 +15,8 @@ import linecache
 from dataclasses import dataclass
 from typing import Any
 
+from course_lib import _worker
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -107,3 +109,12 @@ def contains_answer(values: Any, depth: int = 0) -> bool:
     if depth < 3 and isinstance(values, dict):
         return any(contains_answer(v, depth + 1) for v in values.values())
     return False
+
+
+def _resolve_answers(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return resolve(args, kwargs) if contains_answer((args, kwargs)) else (args, kwargs)
+
+
+# Imported on a rank (grading ranks preload it; elsewhere, unpickling an Answer imports it),
+# this module tells the worker to resolve answers before each call.
+_worker.ARGUMENT_HOOKS = (*_worker.ARGUMENT_HOOKS, _resolve_answers)
