@@ -224,14 +224,28 @@ _server: ForkServer | None = None
 _server_lock = threading.Lock()
 
 
+_preload_always: tuple[str, ...] = ()
+
+
+def preload_in_fork_server(names: tuple[str, ...]) -> None:
+    """Have the fork server, whenever this process starts it, import the modules `names` once
+    for every worker it forks: a layer above calls this when imported, for the pools it will
+    start (grading's ranks load the checks), so that a server another pool starts first (the
+    student's `launch`, say) has them too."""
+    global _preload_always
+    _preload_always = tuple(dict.fromkeys((*_preload_always, *names)))
+
+
 def fork_server(preload: tuple[str, ...] = ()) -> ForkServer:
     """This process's fork server, started the first time it is needed (or again if it died),
-    importing the modules `preload` names once for every worker it forks. One already running
-    without them stays: its workers import them themselves, a little slower."""
+    importing the modules `preload` names (and `preload_in_fork_server`'s) once for every
+    worker it forks. One already running without them stays: its workers import them
+    themselves, a little slower."""
     global _server
     with _server_lock:
         if _server is None or not _server.alive():
-            _server = ForkServer(_worker_env(), preload)
+            modules = tuple(dict.fromkeys((*_preload_always, *preload)))
+            _server = ForkServer(_worker_env(), modules)
         return _server
 
 

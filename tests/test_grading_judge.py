@@ -267,6 +267,28 @@ def test_grading_ranks_preload_the_checks_and_dropping_the_answer_hook_is_tamper
         assert "ARGUMENT_HOOKS" in str(error.value)
 
 
+def test_the_fork_server_a_launch_starts_after_the_checks_are_imported_preloads_them(
+    run_script,
+):
+    """A notebook imports the checks in its set-up cell, then runs `launch` before any check:
+    the fork server that launch starts loads the checks once for the grading ranks to come."""
+    script = run_script(
+        """
+        import sys
+        import course_lib.grading  # the set-up cell
+        from course_lib import launch
+
+        def loaded():
+            return "course_lib.grading" in sys.modules
+
+        print(launch(loaded, world_size=2, timeout=60))
+        """
+    )
+    out, err = script.communicate(timeout=120)
+    assert script.returncode == 0, err
+    assert out.strip() == "[True, True]"
+
+
 def test_grading_ranks_count_every_route_to_a_collective():
     with WorkerPool(2, "gloo", untrusted=True) as pool:
         results = pool.launch(_prebound_all_reduce_counted, timeout=60)

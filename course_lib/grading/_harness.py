@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from course_lib.grading.provenance import Provenance
 from course_lib.grading.traffic import Sent, Traffic, split_by_marks, unreported_bytes
 from course_lib.launch import LaunchTimeout, RankError, WorkerDied, WorkerPool
+from course_lib.rank_process import preload_in_fork_server
 from course_lib.topics import TOPICS
 
 RESULT = "result"  # the property every part has: the answer is right
@@ -235,7 +236,10 @@ def reject_lecture_code(check: str, *answers: Any) -> None:
 _pools: dict[int, WorkerPool] = {}
 # What a grading rank imports before any call, hence before any student code runs: every
 # check, and the resolving of answers (whose hook is then part of what `_integrity` watches).
+# The fork server imports them once for all, whichever pool starts it (a notebook's set-up
+# cell imports the checks before its first `launch`).
 PRELOAD = ("course_lib.grading", "course_lib.grading.answers")
+preload_in_fork_server(PRELOAD)
 
 
 def grading_pool(world_size: int) -> WorkerPool:
