@@ -87,8 +87,8 @@ class WorkerPool:
         # rank that changes the libraries the checks use fails the call (`_integrity`).
         self.untrusted = untrusted
         # Modules every rank imports before its first call: an untrusted pool's checks, say,
-        # before any student code runs. The fork server, if this pool starts it, imports them
-        # once for every rank it forks.
+        # before any student code runs. (The fork server imports once, for every rank it
+        # forks, what `rank_process.preload_in_fork_server` named: grading names its checks.)
         self.preload = tuple(preload)
         self.start_method = start_method or default_start_method()
         if self.start_method not in ("fork-server", "subprocess"):
@@ -206,7 +206,7 @@ class WorkerPool:
             master_listen_fd=listener.fileno(),
         )
         listener.detach()  # the store owns the socket now and closes it when it goes
-        self._server = fork_server(self.preload) if self.start_method == "fork-server" else None
+        self._server = fork_server() if self.start_method == "fork-server" else None
         try:
             # One at a time into self._workers, so that if a start is cut short (Ctrl-C, a
             # rank that dies), _kill stops every rank started so far.

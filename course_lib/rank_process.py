@@ -236,16 +236,15 @@ def preload_in_fork_server(names: tuple[str, ...]) -> None:
     _preload_always = tuple(dict.fromkeys((*_preload_always, *names)))
 
 
-def fork_server(preload: tuple[str, ...] = ()) -> ForkServer:
+def fork_server() -> ForkServer:
     """This process's fork server, started the first time it is needed (or again if it died),
-    importing the modules `preload` names (and `preload_in_fork_server`'s) once for every
-    worker it forks. One already running without them stays: its workers import them
-    themselves, a little slower."""
+    importing the modules `preload_in_fork_server` named once for every worker it forks. One
+    already running without a module named later stays: its workers import it themselves
+    (`WorkerPool(preload=...)`), a little slower."""
     global _server
     with _server_lock:
         if _server is None or not _server.alive():
-            modules = tuple(dict.fromkeys((*_preload_always, *preload)))
-            _server = ForkServer(_worker_env(), modules)
+            _server = ForkServer(_worker_env(), _preload_always)
         return _server
 
 

@@ -3,7 +3,8 @@
 Shared by tests/test_batch.py and bench/autograde_parallel.py. a01 is the
 fastest assignment to grade (about 20 s a submission in the sandbox). The submissions are
 built as tests/grading_course.py builds its own: the solution, the blank release and the
-solution with a planted bug, taken in turn.
+solution with a planted bug, taken in turn; `expected_scores` says what each must score,
+worked out from the released source rather than from a grading run.
 """
 
 from __future__ import annotations
@@ -73,6 +74,27 @@ def build(course: Path, names: list[str], cells: tuple[str, ...] | None = None) 
             kind = student.split("-")[-1]
             nb = submission(kind, release, solution)
             submit(course, student, ASSIGNMENT, nb, release.name)
+
+
+def expected_scores(course: Path, names: list[str]) -> dict[str, dict[str, tuple]]:
+    """What `gradebook_scores` must hold once the submissions of `names` are graded, from the
+    course's source notebook: a test cell scores its points unless the submission is blank or
+    carries the planted bug in a part it fails (then 0); a written answer waits for a grader
+    (no score yet: 0, needs a manual grade) unless it was left as released (0 at once)."""
+    source = nbformat.read(course / "solutions" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", 4)
+    graded = [c for c in source.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    out: dict[str, dict[str, tuple]] = {}
+    for student in names:
+        kind = student.split("-")[-1]
+        cells = out.setdefault(student, {})
+        for cell in graded:
+            grade_id, points = cell.metadata.nbgrader["grade_id"], cell.metadata.nbgrader["points"]
+            if cell.cell_type == "markdown":  # a written answer
+                cells[f"{ASSIGNMENT}/{grade_id}"] = (0, points, kind != "blank")
+            else:
+                lost = kind == "blank" or (kind == "buggy" and grade_id in BUG[ASSIGNMENT][3])
+                cells[f"{ASSIGNMENT}/{grade_id}"] = (0 if lost else points, points, False)
+    return out
 
 
 def gradebook_scores(course: Path) -> dict[str, dict[str, tuple]]:

@@ -1,12 +1,13 @@
-"""Grading a class in parallel gives the same gradebook as grading it serially.
+"""Grading a class in parallel or by the Slurm recipe scores every cell as it should.
 
 Three submissions of a short a01 (its first two parts and its written question: solution,
-blank, planted bug) are graded by `make autograde` (one at a time), by `make autograde JOBS=2`
-(scratch courses, then a merge) and, for two students, by the Slurm recipe run locally
-(examples/grade_class.sh: one task per student, then the merge). Every score, cell by cell,
-must be the serial run's. When the grader itself cannot run, both ways fail loudly and leave
-every submission without a grade, for a rerun. The class is released once; each test grades
-a copy.
+blank, planted bug) are graded by `make autograde JOBS=2` (scratch courses, then a merge) and,
+for two students, by the Slurm recipe run locally (examples/grade_class.sh: one task per
+student, then the merge). Every score, cell by cell, must be what the released source says
+each submission earns (`grading_class.expected_scores`); one submission at a time, `make
+autograde`'s default, grades every class of tests/test_autograde.py. When the grader itself
+cannot run, both ways fail loudly and leave every submission without a grade, for a rerun.
+The class is released once; each test grades a copy.
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ from course_lib.grading.batch import (
     scratch_course,
 )
 from tests.conftest import ROOT, require_sandbox
-from tests.grading_class import ASSIGNMENT, SHORT, build, gradebook_scores, students
+from tests.grading_class import (
+    ASSIGNMENT,
+    SHORT,
+    build,
+    expected_scores,
+    gradebook_scores,
+    students,
+)
 from tests.grading_course import make, run_make
 
 NAMES = students(3)
@@ -57,25 +65,14 @@ def copy_class(released: Path, course: Path, names: list[str] = NAMES) -> Path:
     return course
 
 
-@pytest.fixture(scope="module")
-def serial(released, tmp_path_factory) -> dict:
-    """The class graded one submission at a time, as `make autograde` always did."""
-    course = copy_class(released, tmp_path_factory.mktemp("serial"))
-    make(course, "autograde")
-    return gradebook_scores(course)
-
-
-@require_sandbox
-@pytest.mark.timeout(900)
-def test_the_serial_run_grades_what_it_should(serial):
+def test_the_expected_scores_say_what_each_kind_of_submission_earns(released):
     """The reference itself: full marks on the autograded cells, zero, and the planted bug's
-    part lost."""
-    solved, blank, buggy = (serial[name] for name in NAMES)
+    part lost; a written answer waits for a grader unless left blank."""
+    solved, blank, buggy = (expected_scores(released, NAMES)[name] for name in NAMES)
     assert set(solved) == set(blank) == set(buggy) and solved
-    # The written answer waits for a grader (needs_manual_grade); every autograded cell is full.
     assert [cell for cell, (*_, manual) in solved.items() if manual], solved
     assert all(score == top for score, top, manual in solved.values() if not manual), solved
-    assert all(score == 0 for score, _, _ in blank.values()), blank
+    assert all(score == 0 and not manual for score, _, manual in blank.values()), blank
     assert 0 < sum(s for s, _, _ in buggy.values()) < sum(s for s, _, _ in solved.values())
 
 
@@ -85,10 +82,10 @@ def graded_notebook(course: Path, student: str) -> Path:
 
 @require_sandbox
 @pytest.mark.timeout(900)
-def test_jobs_2_scores_every_cell_as_the_serial_run(serial, released, tmp_path):
+def test_jobs_2_scores_every_cell_as_it_should(released, tmp_path):
     copy_class(released, tmp_path)
     make(tmp_path, "autograde", "JOBS=2")
-    assert gradebook_scores(tmp_path) == serial
+    assert gradebook_scores(tmp_path) == expected_scores(released, NAMES)
     for student in NAMES:  # the feedback's source is merged too, with the judge's verdicts
         cells = nbformat.read(graded_notebook(tmp_path, student), 4).cells
         assert any("course_lib" in cell.metadata for cell in cells), student
@@ -99,7 +96,7 @@ def test_jobs_2_scores_every_cell_as_the_serial_run(serial, released, tmp_path):
 
 @require_sandbox
 @pytest.mark.timeout(900)
-def test_the_slurm_recipe_run_locally_grades_each_student_then_merges(serial, released, tmp_path):
+def test_the_slurm_recipe_run_locally_grades_each_student_then_merges(released, tmp_path):
     names = NAMES[:2]
     copy_class(released, tmp_path, names)
     env = {**os.environ, "VENV": str(Path(sys.executable).parent.parent)}
@@ -121,7 +118,7 @@ def test_the_slurm_recipe_run_locally_grades_each_student_then_merges(serial, re
         ["bash", script, "merge"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert merged.returncode == 0, merged.stdout[-3000:] + merged.stderr[-3000:]
-    assert gradebook_scores(tmp_path) == {name: serial[name] for name in names}
+    assert gradebook_scores(tmp_path) == expected_scores(released, names)
     assert all(graded_notebook(tmp_path, name).exists() for name in names)
     assert "grades.csv" in {p.name for p in tmp_path.iterdir()}
 
@@ -211,9 +208,7 @@ def assert_not_graded(course: Path, names: list[str], code: int, out: str) -> No
 
 @require_sandbox
 @pytest.mark.timeout(900)
-def test_a_grader_that_cannot_run_grades_nobody_loudly_and_a_rerun_grades_them(
-    serial, released, tmp_path
-):
+def test_a_grader_that_cannot_run_grades_nobody_loudly_and_a_rerun_grades_them(released, tmp_path):
     names = NAMES[:2]
     env = broken_course(released, tmp_path, names)
     code, out, err = run_make(tmp_path, "autograde", env=env)
@@ -221,7 +216,7 @@ def test_a_grader_that_cannot_run_grades_nobody_loudly_and_a_rerun_grades_them(
     shutil.rmtree(tmp_path / "course_lib")  # the machinery mended
     code, out, err = run_make(tmp_path, "autograde")
     assert code == 0, (out + err)[-3000:]
-    assert gradebook_scores(tmp_path) == {name: serial[name] for name in names}
+    assert gradebook_scores(tmp_path) == expected_scores(released, names)
 
 
 @require_sandbox
