@@ -19,6 +19,7 @@ to find it. Graded work is in the assignments, with their own checks (`course_li
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -153,11 +154,18 @@ def check_function(
     """Call `candidate` and `reference` with the arguments of each case (named, or a list of
     argument tuples) and say on which case they first differ, and how (shape, values, how many
     times too large), never what the reference returned. A function still `...`, raising
-    NotImplementedError or returning None or `...` is unanswered."""
+    NotImplementedError or returning None or `...` is unanswered; one that is the reference,
+    or calls it by its name, is refused: agreeing with itself shows nothing."""
     if _unanswered(candidate):
         return None
     if not callable(candidate):
         print(f"✗ Expected a function, got {candidate!r}.")
+        return False
+    if _calls(candidate, reference):
+        print(
+            f"✗ Not yet: your function uses {reference.__name__}, the course's own answer it is "
+            "checked against. Write it yourself, from the formula."
+        )
         return False
     if not isinstance(cases, Mapping):
         cases = {f"({', '.join(map(repr, args))})": args for args in cases}
@@ -180,6 +188,24 @@ def check_function(
             return False
     print(f"✓ Right on all {len(cases)} cases: {', '.join(cases)}.")
     return True
+
+
+def _calls(candidate: object, reference: Callable[..., Any]) -> bool:
+    """Whether `candidate` is `reference` or names it in its code (nested functions too)."""
+    if candidate is reference:
+        return True
+    code, name = getattr(candidate, "__code__", None), getattr(reference, "__name__", "")
+    if code is None or not name.isidentifier() or code is getattr(reference, "__code__", None):
+        return False  # a lambda, or two wrappers made by one factory (`value_and_gradient`)
+    return name in _names(code)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names) | set(code.co_freevars)  # globals, and names of enclosing scopes
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
 
 
 def value_and_gradient(fn: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:

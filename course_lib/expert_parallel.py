@@ -12,8 +12,9 @@ sends each token to k of them: E times the parameters of one MLP, for the comput
 rules, the same on one process (`MoE`) and on many (`ExpertParallelMoE`):
 
 - **top-k**: the router's probabilities are softmax(x W^T); a token goes to its k most
-  probable experts, and expert e's output is weighted by p_e. Not renormalised over the k:
-  with k = 1 that weight would be 1 and the router would get no gradient from the task.
+  probable experts, and expert e's output is weighted by p_e, not renormalised over the k,
+  as in Switch Transformer (k = 1, where a renormalised weight would always be 1 and the
+  router would get no gradient from the task). GShard and Mixtral renormalise their two.
 - **capacity**: expert e takes at most C = ceil(capacity_factor * T k / E) of the T tokens
   (`costs.expert_capacity`), so every expert's batch has a bound known in advance. The
   choices beyond C are **dropped in token order**: the first C tokens of the batch (by

@@ -96,7 +96,7 @@ def test_a_function_that_differs_is_told_where_and_how_not_what(capsys):
     out = capsys.readouterr().out
     assert "on rank 0 of 2" in out and "shape (6, 2), which is not the right shape" in out
     assert "(3, 4)" not in out and "Rows of weight." in out
-    shifted = lambda t, r, p: first_rows(t, r, p) + 0.5  # noqa: E731
+    shifted = lambda t, r, p: t.chunk(p, dim=0)[r] + 0.5  # noqa: E731
     assert check_function(shifted, first_rows, CASES) is False
     assert (
         "on rank 0 of 1, your function returned the right shape, but values off by up to 0.5"
@@ -135,6 +135,29 @@ def test_a_function_is_tried_on_every_input_and_told_where_it_differs(capsys):
     assert check_function(lambda n, p: n, reference, [(8, 2), (8, 4)]) is False
     out = capsys.readouterr().out
     assert "on (8, 4)" in out and "1.5x too small" in out and "12" not in out
+
+
+def test_a_function_that_is_or_calls_the_reference_is_refused(capsys):
+    """L08's `my_bubble` once passed as `return bubble_formula(P, m, v)`: agreeing with the
+    course's own answer by calling it shows nothing. Helpers of its own, and the same factory's
+    wrappers (value_and_gradient), are fine."""
+    from course_lib.costs import bubble_formula
+
+    def calls_it(P, m, v):
+        return bubble_formula(P, m, v)
+
+    def calls_it_nested(P, m, v):
+        return (lambda: bubble_formula(P, m, v))()
+
+    def writes_it(P, m, v):
+        fill = (P - 1) / v
+        return fill / (m + fill)
+
+    cases = [(4, 8, 1), (8, 16, 4)]
+    for candidate in (bubble_formula, calls_it, calls_it_nested):
+        assert check_function(candidate, bubble_formula, cases) is False
+        assert "uses bubble_formula" in capsys.readouterr().out
+    assert check_function(writes_it, bubble_formula, cases) is True
 
 
 def test_a_function_that_raises_or_is_a_stub_is_told_so(capsys):

@@ -8,11 +8,12 @@ and FSDP2's prefetching of all-gathers drawn on a timeline.
     plot_timeline(per_rank_timelines)
 
 Mixed precision here is *explicit bf16 parameter copies with fp32 master weights*, as in
-lecture 6, not autocast: autocast keeps the parameters and gradients in fp32 and makes bf16
-copies on the fly, so it never holds the 2 + 2 bytes per parameter the ZeRO formula counts.
-DDP and ZeRO-1 run lecture 6's `MixedPrecisionAdamW` (a bf16 model, an fp32 master copy);
-ZeRO-2 and ZeRO-3 run FSDP2 with `MixedPrecisionPolicy(param_dtype=bfloat16)`, where the fp32
-shards *are* the master weights and each unit is cast to bf16 as it is gathered.
+lecture 6, not autocast: autocast keeps the parameters and gradients in fp32 (its bf16 weight
+copies, cached for the step, come on top), so it never holds the 2 + 2 bytes per parameter the
+ZeRO formula counts. DDP and ZeRO-1 run lecture 6's `MixedPrecisionAdamW` (a bf16 model, an fp32
+master copy); ZeRO-2 and ZeRO-3 run FSDP2 with `MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)`, where the fp32 shards *are* the master weights, each unit is cast to
+bf16 as it is gathered, and gradients are reduce-scattered in fp32.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ MIXED_KINDS = tuple(BYTES_PER_PARAMETER)  # weights, gradients, master weights, 
 MIXED_TOOLS = {
     "ddp": "DDP on the bf16 model + MixedPrecisionAdamW (fp32 master, AdamW)",
     "zero1": "DDP on the bf16 model + ZeroRedundancyOptimizer(AdamW) over the fp32 master",
-    "zero2": "fully_shard(reshard_after_forward=False, MixedPrecisionPolicy(bf16))",
-    "zero3": "fully_shard(reshard_after_forward=True, MixedPrecisionPolicy(bf16))",
+    "zero2": "fully_shard(reshard_after_forward=False, MixedPrecisionPolicy(bf16, reduce fp32))",
+    "zero3": "fully_shard(reshard_after_forward=True, MixedPrecisionPolicy(bf16, reduce fp32))",
 }
 
 
@@ -232,17 +233,23 @@ class Timeline:
 
 class _DelayedWork(dist.Work):
     """An async all-gather's handle whose `wait()` returns no earlier than the modelled
-    finish; FSDP2 only waits on handles that are `dist.Work`, hence the subclass."""
+    finish; FSDP2 only waits on handles that are `dist.Work`, hence the subclass. The
+    all-gather's end is the later of the modelled finish and the moment the real one
+    completed (a callback on its future: a prefetched all-gather may have completed long
+    before FSDP2 waits on it, and that wait is not its end)."""
 
     def __init__(self, work: dist.Work, finish: float, done) -> None:
         super().__init__()
         self._work, self._finish, self._done = work, finish, done
+        self._completed_at: float | None = None
+        work.get_future().add_done_callback(self._completed)
+
+    def _completed(self, _future) -> None:
+        self._completed_at = time.time()
 
     def wait(self, timeout=None) -> bool:
-        entered = time.time()
-        already = self._work.is_completed()
         self._work.wait()
-        real_end = entered if already else time.time()
+        real_end = self._completed_at if self._completed_at is not None else time.time()
         delay = self._finish - time.time()
         if delay > 0:
             time.sleep(delay)
