@@ -196,3 +196,35 @@ def async_save_then_train_then_load(directory: str) -> float:
 def test_dcp_async_save_loads_back_the_state_it_was_given(tmp_path):
     with WorkerPool(2) as pool:
         assert pool.launch(async_save_then_train_then_load, str(tmp_path), timeout=120) == [0, 0]
+
+
+def test_the_planner_chart_draws_every_kind_in_its_legend_colour_in_every_row():
+    """Lecture 13's 70B row once took the next colours of matplotlib's cycle: its compute was
+    drawn in a colour the legend did not show, and its bubble in the legend's "compute"."""
+    import matplotlib.colors
+    import matplotlib.pyplot as plt
+
+    from course_lib.measure.fault_tolerance import plot_planner_mfu
+
+    rows = {
+        "7B": {"plan": "a", "step_seconds": 4.0, "seconds": {"compute": 3.0, "dp": 1.0}},
+        "70B": {
+            "plan": "b",
+            "step_seconds": 6.0,
+            "seconds": {"compute": 3.0, "bubble": 1.0, "pp": 1.0, "dp": 1.0},
+        },
+    }
+    fig = plot_planner_mfu(rows)
+    ax = fig.axes[0]
+    legend = {
+        text.get_text(): matplotlib.colors.to_hex(handle.get_facecolor())
+        for text, handle in zip(
+            ax.get_legend().get_texts(), ax.get_legend().legend_handles, strict=True
+        )
+    }
+    drawn = [kind for row in rows.values() for kind in row["seconds"]]
+    assert sorted(legend) == sorted(set(drawn))
+    assert len(set(legend.values())) == len(legend), "two kinds share a colour"
+    for kind, bars in zip(drawn, ax.containers, strict=True):
+        assert matplotlib.colors.to_hex(bars.patches[0].get_facecolor()) == legend[kind], kind
+    plt.close(fig)

@@ -233,13 +233,19 @@ def planner_mfu() -> dict[str, dict]:
 
 
 def plot_planner_mfu(rows: dict[str, dict]):
-    """Each plan's step as stacked seconds: the model's math, then what it waits for."""
+    """Each plan's step as stacked seconds: the model's math, then what it waits for. A kind
+    keeps one colour in every row (the plans need not have the same kinds)."""
+    kinds = list(dict.fromkeys(kind for row in rows.values() for kind in row["seconds"]))
+    colours = {kind: f"C{i % 10}" for i, kind in enumerate(kinds)}
     fig, ax = plt.subplots(figsize=(8, 2.8))
+    labelled: set[str] = set()
     for i, row in enumerate(rows.values()):
         left = 0.0
         for kind, seconds in row["seconds"].items():
             share = seconds / row["step_seconds"]
-            ax.barh(i, share, left=left, label=kind if i == 0 else None)
+            label = kind if kind not in labelled else "_nolegend_"
+            ax.barh(i, share, left=left, color=colours[kind], label=label)
+            labelled.add(kind)
             left += share
     ax.set_yticks(range(len(rows)), [f"{n}: {r['plan']}" for n, r in rows.items()])
     ax.set(xlabel="share of the step", title="Where a planned step goes")
