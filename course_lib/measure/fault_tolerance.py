@@ -66,7 +66,11 @@ def checkpoint_stall(
     mlp = models.MLP((256, width, width, 256), seed=0).layers  # a Sequential: FSDP shards each
     model, optimizer = build("zero3", mlp, lr=1e-3)
     x, y = data.regression(batch, 256, 256, seed=rank())
-    saver, pending, group = AsyncCheckpointer(), None, None
+    saver, pending = AsyncCheckpointer(), None
+    # dcp.async_save's own group: the saving thread's collectives must not interleave with the
+    # training loop's on the same group (gloo would pair them wrongly). Made before the loop,
+    # so that making it is not timed as part of the first save.
+    group = dist.new_group(backend="gloo") if mode == "dcp.async_save" else None
     box = [tempfile.mkdtemp() if rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)  # one folder for all ranks, as DCP needs
     folder, times, stalls = box[0], [], []
@@ -91,9 +95,6 @@ def checkpoint_stall(
                 else:
                     if pending is not None:
                         pending.result()  # one save in flight at a time, as ours
-                    # Its own group: the saving thread's collectives must not interleave with
-                    # the training loop's on the same group (gloo would pair them wrongly).
-                    group = group or dist.new_group(backend="gloo")
                     pending = dcp.async_save(state, checkpoint_id=path, process_group=group)
             stalls.append(time.perf_counter() - held)
         times.append(time.perf_counter() - start)
