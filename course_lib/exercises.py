@@ -69,20 +69,34 @@ def _how_far(value: float, expected: float) -> str:
 
 
 def check_choice(
-    answer: object, expected: str, options: Sequence[str], *, why: str = ""
+    answer: object, expected: str | Sequence[str], options: Sequence[str], *, why: str = ""
 ) -> bool | None:
     """Print whether `answer` (one of `options`) is `expected`, and `why` either way: for a
-    prediction checked against what was just measured."""
+    prediction checked against what was just measured. `expected` may name several options,
+    each right (a measurement too close to call: `faster`)."""
     if _unanswered(answer):
         return None
     if answer not in options:
         print(f"✗ {answer!r} is not one of {', '.join(map(repr, options))}.")
         return False
-    if answer == expected:
-        print(f"✓ Right: {expected}. {why}".rstrip())
+    right = (expected,) if isinstance(expected, str) else tuple(expected)
+    if answer in right and len(right) > 1:
+        print(f"✓ Right: here {' and '.join(right)} were too close to call, so each is. {why}")
         return True
-    print(f"✗ Not this time: {answer} was not it, {expected} was. {why}".rstrip())
+    if answer in right:
+        print(f"✓ Right: {answer}. {why}".rstrip())
+        return True
+    print(f"✗ Not this time: {answer} was not it, {' or '.join(right)} was. {why}".rstrip())
     return False
+
+
+def faster(seconds: Mapping[str, float], margin: float = 0.2) -> str | tuple[str, ...]:
+    """The option that took the least time, or every option within `margin` (relative) of the
+    fastest when the gap is that small: a prediction is then checked against what noise on a
+    shared machine cannot flip."""
+    best = min(seconds.values())
+    close = tuple(k for k, s in seconds.items() if s <= best * (1 + margin))
+    return close[0] if len(close) == 1 else close
 
 
 def nearest_option(value: float, options: dict[str, float]) -> str:

@@ -11,6 +11,7 @@ from course_lib.exercises import (
     check_matrix,
     check_number,
     check_numbers,
+    faster,
     nearest_option,
     value_and_gradient,
 )
@@ -52,6 +53,18 @@ def test_a_prediction_is_checked_against_what_was_measured(capsys):
     assert "Right: ring. Fewest bytes." in capsys.readouterr().out
     assert check_choice("tree", "ring", ["ring", "tree"], why="Fewest bytes.") is False
     assert "ring was" in capsys.readouterr().out
+
+
+def test_a_prediction_too_close_to_call_accepts_either_and_a_clear_one_only_the_winner(capsys):
+    assert faster({"EP": 0.100, "TP": 0.115}) == ("EP", "TP")  # 15% apart: within the margin
+    assert faster({"EP": 0.100, "TP": 0.300}) == "EP"
+    assert faster({"EP": 0.100, "TP": 0.119}, margin=0.1) == "EP"
+    close = faster({"EP": 0.100, "TP": 0.115})
+    for answer in ("EP", "TP"):
+        assert check_choice(answer, close, ["EP", "TP"]) is True
+        assert "too close to call" in capsys.readouterr().out
+    assert check_choice("TP", faster({"EP": 0.1, "TP": 0.3}), ["EP", "TP"]) is False
+    assert "EP was" in capsys.readouterr().out
 
 
 def test_named_numbers_are_checked_one_by_one(capsys):
