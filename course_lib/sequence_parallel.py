@@ -118,7 +118,9 @@ def merge_block(state, scores, v):
     # A query that has seen only masked keys so far has max -inf; shift by 0 there instead,
     # so exp(-inf - shift) is 0, not exp(-inf + inf) = nan.
     shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-    weights = torch.exp(scores - shift)
+    # In place on the difference: the block then holds two score-sized tensors at its peak
+    # (the scores and their exponentials), as one process's softmax does, not three.
+    weights = (scores - shift).exp_()
     rescale = torch.exp(row_max - shift)
     return new_max, row_sum * rescale + weights.sum(-1, keepdim=True), acc * rescale + weights @ v
 

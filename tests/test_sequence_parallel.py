@@ -168,14 +168,16 @@ def test_ulysses_sends_four_all_to_alls_of_its_tokens():
 
 def test_a_ring_rank_holds_pieces_of_the_scores_a_ulysses_rank_whole_squares():
     """Lecture 11's memory claim, at N = 1024 on 4 ranks (4 heads): one process holds the
-    4 x N x N scores; a ring rank (N/P)^2 per head at a time, over 8x less once they dominate;
-    a Ulysses rank N x N for one head, P = 4 times less (within 10%: outputs and buffers)."""
+    4 x N x N scores and their softmax; a ring rank (N/P)^2 per head at a time, two
+    score-sized blocks at its peak as one process (merge_block exponentiates in place: with a
+    third buffer it measured 9.4x), over 11x less here (measured 12.3x; 16x as N grows); a
+    Ulysses rank N x N for one head, P = 4 times less (within 10%: outputs and buffers)."""
     one = peak_bytes("one process", 1024)
     with WorkerPool(4) as pool:
         per_rank = pool.launch(sweep_peak_bytes, [1024], timeout=120)
     ring = max(r["ring"][0] for r in per_rank)
     ulysses = max(r["ulysses"][0] for r in per_rank)
-    assert one / ring > 8, (one, ring)
+    assert one / ring > 11, (one, ring)
     assert one / ulysses == pytest.approx(4, rel=0.1), (one, ulysses)
 
 
