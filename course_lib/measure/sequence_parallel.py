@@ -14,7 +14,7 @@ import torch.distributed as dist
 from matplotlib.ticker import NullFormatter
 
 from course_lib import models
-from course_lib.comm import CommCounter
+from course_lib.comm import CommCounter, WireCounter
 from course_lib.exercises import check_function
 from course_lib.memory import PeakMemory, SavedTensors
 from course_lib.runtime import rank, world_size
@@ -156,8 +156,9 @@ def tp_against_sp(seq_len: int = 64, d_model: int = 64) -> dict[str, dict]:
     (`ParallelBlock`, every token on every rank) and under tensor + sequence parallelism
     (`SequenceParallelBlock`, this rank's tokens), float64: the bytes each sent (`CommCounter`;
     for the built-in all-reduce, all-gather and reduce-scatter it counts by their ring model),
-    the activation bytes saved for backward (`SavedTensors`), and the largest difference of
-    the output from the dense block's."""
+    the bytes the rank's process really wrote to its sockets meanwhile (`WireCounter`), the
+    activation bytes saved for backward (`SavedTensors`), and the largest difference of the
+    output from the dense block's."""
     cfg = models.GPTConfig(d_model=d_model, n_heads=4, d_ff=4 * d_model)
     torch.manual_seed(0)
     dense = models.Block(cfg, torch.float64)
@@ -172,12 +173,13 @@ def tp_against_sp(seq_len: int = 64, d_model: int = 64) -> dict[str, dict]:
     }
     out = {}
     for name, (block, inputs, rows) in runs.items():
-        with CommCounter() as counter:
+        with CommCounter() as counter, WireCounter() as wire:
             with SavedTensors(exclude=block.parameters()) as saved:
                 y = block(inputs)
             y.sum().backward()
         out[name] = {
             "bytes sent": counter.bytes_sent,
+            "on the wire": wire.bytes_written,
             "activations saved": saved.peak_bytes,
             "largest error": (y - expected[:, rows]).abs().max().item(),
         }
