@@ -240,14 +240,15 @@ def zero_comm_bytes(stage: str, model_bytes: float, world_size: int) -> float:
 def zero_offload_bytes(n_params: float, world_size: int = 1) -> dict[str, float]:
     """ZeRO-Offload (Ren et al., 2021) over ZeRO-2 with P GPUs, bytes per GPU and per step:
     the GPU keeps only the 16-bit parameters (2N; gradients are streamed out as backward makes
-    them); the CPU keeps this GPU's 1/P of the fp32 master weights, Adam's two moments and the
-    fp32 gradients (16N/P) and runs Adam there; across PCIe go the GPU's 16-bit gradient shard
-    down and the updated 16-bit parameter shard back up (2N/P each way)."""
+    them); the CPU keeps this GPU's 1/P of the 16-bit gradients and of the fp32 master
+    weights and Adam's two moments ((2 + 12)N/P, as the paper places them) and runs Adam
+    there; across PCIe go the GPU's 16-bit gradient shard down and the updated 16-bit
+    parameter shard back up (2N/P each way)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     return {
         "gpu": 2 * n_params,
-        "cpu": 16 * n_params / world_size,
+        "cpu": 14 * n_params / world_size,
         "pcie_each_way": 2 * n_params / world_size,
     }
 
