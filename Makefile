@@ -104,13 +104,12 @@ SUBMITTED = $(sort $(notdir $(wildcard submitted/*/*)))
 # (the solution, the blank release, planted bugs, a deadlock, hostile and forged submissions,
 # every cheat and alternative of tests/cheats/), then a class graded in parallel and by the
 # Slurm recipe. `make test-all` (what CI runs) is `make test` with them: the class is graded
-# in a process of its own while the other tests run (tests/conftest.py).
+# in a process of its own, after every other test has run (COURSE_CLASS_LAST: on 2 cores,
+# beside the other tests, both ran several times slower; tests/conftest.py).
 test-e2e: install
 	$(BIN)/python -m pytest tests -m e2e
-# The lectures run before, not alongside, the class's grading (both are heavy on the CPU);
-# the other tests run beside each.
 test-all: PYTEST_SELECT =
-test-all: export COURSE_SITE_FIRST = 1
+test-all: export COURSE_CLASS_LAST = 1
 test-all: test
 
 # Regenerate the student versions in assignments/ from solutions/ (and register them in the

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -141,15 +140,14 @@ class Background:
 #   `make autograde` (tests/grading_course.py); its tests are e2e.
 # - released_course: a course folder with the solutions released (`make release`), as CI's.
 # - built_site: every lecture run into build/site (tools/build_site.py), which `make test` asks
-#   for with COURSE_REQUIRE_SITE=1. With COURSE_SITE_FIRST=1 too (`make test-all`), the class's
-#   grading starts only once the site is built: both are heavy on the CPU, and the lectures'
-#   cells and the checks' time limits should not run against each other. The other tests run
-#   beside both.
+#   for with COURSE_REQUIRE_SITE=1.
+# With COURSE_CLASS_LAST=1 (`make test-all`) the class is graded only when its first test asks,
+# after every other test has run: on 2 cores, grading it beside the other tests made both
+# several times slower (CI took 80 minutes against about 45 for the parts one after the other)
+# and put the checks' time limits under a load no class sees.
 BUILDS = ("released_course", "built_site", "graded_course")  # the order their tests run in
 SITE = ROOT / "build" / "site"
 _builds: dict[str, Background] = {}
-_waiting: dict[str, threading.Thread] = {}  # builds to start once another has ended
-_stopping = threading.Event()  # the session is over: start no more builds
 
 
 def _uses(item: pytest.Item, fixture: str) -> bool:
@@ -168,24 +166,10 @@ def _start(name: str) -> Background:
     return _builds[name]
 
 
-def _start_after(first: str, name: str) -> None:
-    """Start build `name` once build `first` has ended, without holding up the tests."""
-
-    def start_when_ended() -> None:
-        _builds[first].process.wait()
-        if not _stopping.is_set():
-            _start(name)
-
-    _waiting[name] = threading.Thread(target=start_when_ended, name=f"start {name}", daemon=True)
-    _waiting[name].start()
-
-
 def _finished(name: str, timeout: float) -> tuple[Path, str]:
     """The folder of build `name` and its log, once it has ended with exit code 0: else the
     test using it fails with its log."""
-    if name in _waiting:  # its start waits for another build (COURSE_SITE_FIRST=1)
-        _waiting[name].join()
-    build = _start(name)  # started at collection, unless its test was selected some other way
+    build = _start(name)  # started at collection, or now (COURSE_CLASS_LAST=1)
     code, log = build.result(timeout)
     if code != 0:
         pytest.fail(f"building {name} failed ({code}):\n{log[-6000:]}")
@@ -220,13 +204,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     wanted = [item for item in session.items if item.get_closest_marker("skip") is None]
-    site_first = site_required() and os.environ.get("COURSE_SITE_FIRST") == "1"
+    class_last = os.environ.get("COURSE_CLASS_LAST") == "1"
     for name in BUILDS:
+        if name == "graded_course" and class_last:
+            continue  # started by its fixture, once every other test has run
         if any(_uses(item, name) for item in wanted) and (name != "built_site" or site_required()):
-            if name == "graded_course" and site_first and "built_site" in _builds:
-                _start_after("built_site", name)  # `make test-all`: the lectures first
-            else:
-                _start(name)
+            _start(name)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -242,12 +225,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    _stopping.set()
     for build in list(_builds.values()):
-        build.stop()
-    for waiting in _waiting.values():  # its first build is stopped: it ends at once
-        waiting.join(timeout=60)
-    for build in list(_builds.values()):  # one it started before it saw _stopping
         build.stop()
     for name in ("graded_course", "released_course"):
         if name in _builds:
