@@ -15,7 +15,7 @@ from tests import cheats
 from tests.conftest import require_sandbox
 from tests.grading_course import ASSIGNMENTS, scores
 
-pytestmark = [pytest.mark.timeout(2400), require_sandbox]
+pytestmark = [pytest.mark.timeout(3600), require_sandbox]  # as test_autograde.py's
 
 CHEATERS = [(a, s) for a in ASSIGNMENTS for s in cheats.students(a) if s.startswith("cheater")]
 ALTERNATIVES = [(a, s) for a in ASSIGNMENTS for s in cheats.students(a) if s.startswith("alt")]
