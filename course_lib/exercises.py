@@ -153,7 +153,9 @@ def _differs(yours: Any, expected: Any, rtol: float, atol: float) -> str | None:
         if math.isclose(yours, expected, rel_tol=rtol, abs_tol=atol):
             return None
         return f"{yours:.6g}, {_how_far(float(yours), float(expected))}"
-    return None if yours == expected else f"{yours!r}, not it"
+    if isinstance(yours, (list, tuple)) and isinstance(expected, (list, tuple)):
+        yours, expected = list(yours), list(expected)  # a list for a tuple is still right
+    return None if yours == expected else f"{yours!r}, which is not the answer"
 
 
 def check_function(

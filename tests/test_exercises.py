@@ -135,7 +135,12 @@ def test_a_stub_or_a_crash_never_raises(capsys):
     assert "Expected a function" in capsys.readouterr().out
     assert check_function(lambda x: x + 1, lambda x: x + 1.0, {"x = 1": (1,)}) is True
     assert check_function(lambda x: [x], lambda x: [x, x], {"x = 1": (1,)}) is False
-    assert "returned [1], not it" in capsys.readouterr().out
+    assert "returned [1], which is not the answer" in capsys.readouterr().out
+    # L01's neighbours: a list where the reference returns a tuple is the same answer
+    assert check_function(lambda r, p: [r - 1, r + 1], lambda r, p: (r - 1, r + 1), [(1, 3)])
+    assert (
+        check_function(lambda r, p: [r + 1, r - 1], lambda r, p: (r - 1, r + 1), [(1, 3)]) is False
+    )
 
 
 def test_a_function_is_tried_on_every_input_and_told_where_it_differs(capsys):
