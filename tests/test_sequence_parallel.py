@@ -107,7 +107,7 @@ def ring_traffic(seq_len):
 
 def test_ring_attention_sends_the_ring_volume_to_its_neighbours_only():
     """Per hop a rank sends one K/V block, its positions (float64 here) and three sizes; over
-    P-1 hops the K/V part is (P-1)/P of the whole sequence's K and V (costs.py)."""
+    P-1 hops the K/V part is (P-1)/P of the whole sequence's K and V (course_lib.costs)."""
     p, seq_len = 4, 16
     kv_bytes = 2 * BATCH * HEADS * seq_len * DIM * 8
     with WorkerPool(p) as pool:
@@ -158,7 +158,7 @@ def ulysses_traffic(seq_len):
 
 def test_ulysses_sends_four_all_to_alls_of_its_tokens():
     """Each of q, k, v and the output leaves a rank but for its own head group: (P-1)/P of
-    its N/P tokens, four times (costs.py), plus the all-gather of the shard lengths."""
+    its N/P tokens, four times (course_lib.costs), plus the all-gather of the shard lengths."""
     p, seq_len = 4, 16
     local_bytes = BATCH * HEADS * (seq_len // p) * DIM * 8
     with WorkerPool(p) as pool:
