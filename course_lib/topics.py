@@ -13,6 +13,10 @@ the lecture it follows. For the topic "zero":
     tests/test_grading_zero.py       the checks against right and wrong implementations
     tests/cheats/a07_zero.py         cheats the checks refuse, right answers they accept
 
+A module too long to read in one sitting becomes a package of files named by what a reader
+looks for, its `__init__.py` gathering their names: `course_lib/costs/` (communication.py,
+memory.py, ...), and so may a topic's module or its measurements (`course_lib/<topic>/`).
+
 A part (`grading/zero_memory.py`) is imported by its topic's check module and by tests, never
 by a notebook, and it never imports its topic's module: the checks stand on their parts.
 

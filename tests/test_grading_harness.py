@@ -13,6 +13,7 @@ from course_lib.grading import (
     check_sync_gradients,
 )
 from course_lib.grading._harness import LECTURE_MODULES, reject_lecture_code
+from course_lib.grading.provenance import Provenance
 
 
 @pytest.mark.parametrize(
@@ -41,3 +42,36 @@ def test_every_lecture_module_named_exists():
 
     for module in LECTURE_MODULES:
         importlib.import_module(module)
+
+
+def test_a_file_of_a_lecture_package_is_the_lecture_too():
+    """A topic's code too long for one file is a package: its functions' __module__ names the
+    file (course_lib.pipeline.schedules), and the guard still knows them for the lecture's."""
+
+    def ring_all_reduce(tensor):
+        return tensor
+
+    for module in sorted(LECTURE_MODULES):
+        for inside in (f"{module}.schedules", f"{module}.parts.ring"):
+            ring_all_reduce.__module__ = inside
+            with pytest.raises(CheckFailed, match="the lecture's own implementation"):
+                reject_lecture_code("check", ring_all_reduce)
+    for elsewhere in ("course_lib.pipelines_of_mine", "__main__", "course_lib"):
+        ring_all_reduce.__module__ = elsewhere
+        reject_lecture_code("check", ring_all_reduce)
+
+
+def test_provenance_of_a_package_sees_every_file_of_it():
+    """Forbidding a package forbids what each of its files defines: the names it gathers, under
+    its own name, and the private helpers, under their file's."""
+    from course_lib.costs import bubble_formula, memory
+
+    with Provenance(["course_lib.costs"]) as seen:
+        memory._check_stage("zero1")
+    assert seen.hits == ["course_lib.costs.memory._check_stage"]
+    with Provenance(["course_lib.costs"]) as seen:
+        bubble_formula(4, 8)
+    assert seen.hits == ["course_lib.costs.bubble_formula"]
+    with Provenance(["course_lib.costs.memory"]) as seen:
+        bubble_formula(4, 8)
+    assert seen.hits == []

@@ -212,8 +212,19 @@ def _lecture_modules() -> frozenset[str]:
     measure = Path(__file__).parent.parent / "measure"
     names = [t.name for t in TOPICS if t.module_path and t.assignment]
     modules = [f"course_lib.{name}" for name in names]
-    modules += [f"course_lib.measure.{n}" for n in names if (measure / f"{n}.py").is_file()]
+    modules += [
+        f"course_lib.measure.{n}"
+        for n in names
+        if (measure / f"{n}.py").is_file() or (measure / n / "__init__.py").is_file()
+    ]
     return frozenset(modules)
+
+
+def _from_lecture(module: str | None) -> bool:
+    """Is `module` a lecture module, or a file of one that is a package?"""
+    return module is not None and any(
+        module == lecture or module.startswith(lecture + ".") for lecture in LECTURE_MODULES
+    )
 
 
 LECTURE_MODULES = _lecture_modules()
@@ -224,7 +235,7 @@ def reject_lecture_code(check: str, *answers: Any) -> None:
     __tracebackhide__ = True
     for answer in answers:
         module = getattr(answer, "__module__", None)
-        if callable(answer) and module in LECTURE_MODULES:
+        if callable(answer) and _from_lecture(module):
             name = getattr(answer, "__qualname__", repr(answer))
             fail(
                 check,

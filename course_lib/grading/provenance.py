@@ -12,7 +12,7 @@ its source with `exec`, renamed or not, or from its code object):
     seen.switched_off  # True if the student's code removed the profiler
 
 A forbidden name may be a function, a class (every method it defines) or a whole module
-(every function and class defined in it).
+(every function and class defined in it, or in any file of it if it is a package).
 
 Every Provenance also refuses the grader's own code: a function of `course_lib.grading` called
 by the student's code (`seen.hits` names it), except the tools an assignment gives students
@@ -34,6 +34,7 @@ import functools
 import importlib
 import inspect
 import os
+import pkgutil
 import site
 import sys
 import sysconfig
@@ -181,6 +182,23 @@ def _defined_in(value: object, module: types.ModuleType) -> bool:
     )
 
 
+def _module_members(dotted: str, module: types.ModuleType) -> dict[str, object]:
+    """Every function and class a module defines, by dotted name; for a package (a topic's code
+    split into files), every one its files define, under the package's name where it gathers
+    them (`course_lib.pipeline.simulate`) and under the file's otherwise (private helpers)."""
+    modules = [module]
+    if hasattr(module, "__path__"):
+        inside = pkgutil.walk_packages(module.__path__, module.__name__ + ".")
+        modules += [importlib.import_module(info.name) for info in inside]
+    members: dict[str, object] = {}
+    for found in modules:
+        for name, value in vars(found).items():
+            if _defined_in(value, found):
+                public = vars(module).get(name) is value
+                members[f"{dotted}.{name}" if public else f"{found.__name__}.{name}"] = value
+    return members
+
+
 def _resolve(dotted: str) -> object:
     """A dotted name: a module, a function or class in one, or a method of such a class."""
     try:
@@ -221,11 +239,7 @@ class Provenance:
             target = _resolve(dotted)
             targets = {dotted: target}
             if isinstance(target, types.ModuleType):  # every function and class it defines
-                targets = {
-                    f"{dotted}.{name}": v
-                    for name, v in vars(target).items()
-                    if _defined_in(v, target)
-                }
+                targets = _module_members(dotted, target)
             for name, found in targets.items():
                 self._add(name, found)
 
