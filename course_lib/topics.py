@@ -236,6 +236,7 @@ GRADING_LIBRARY = frozenset(
         "answers",
         "training",
         "autograde",
+        "verdicts",
         "batch",
         "course_admin",
         "judge",

@@ -26,7 +26,7 @@ import nbformat
 from nbgrader.api import Gradebook
 from nbgrader.utils import determine_grade
 
-from course_lib.grading.autograde import (
+from course_lib.grading.verdicts import (
     apply_verdicts,
     extra_credit,
     judge_cells,

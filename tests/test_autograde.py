@@ -17,8 +17,8 @@ from nbgrader.api import Gradebook
 from nbgrader.utils import determine_grade
 
 from course_lib.grading import sandbox
-from course_lib.grading.autograde import (
-    GradeInSandbox,
+from course_lib.grading.autograde import GradeInSandbox
+from course_lib.grading.verdicts import (
     GraderFailed,
     extra_credit,
     judge_cells,

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from course_lib.grading import sandbox
-from course_lib.grading.autograde import NO_SANDBOX, GradeInSandbox, GraderFailed
+from course_lib.grading.autograde import NO_SANDBOX, GradeInSandbox
+from course_lib.grading.verdicts import GraderFailed
 from tests.conftest import ROOT, require_sandbox
 
 pytestmark = require_sandbox

@@ -18,7 +18,7 @@ graded from the same state as in a serial run, and its scores are the same.
 The scratch folders can be graded anywhere that sees the course folder: `make autograde
 JOBS=N` on one machine, or one Slurm array task per student (examples/grade_class.sh).
 
-A submission the grader itself failed on (`autograde.GraderFailed`: no sandbox, a judge that
+A submission the grader itself failed on (`verdicts.GraderFailed`: no sandbox, a judge that
 cannot start...) has no grade, never a 0: `GradeInSandbox` removes it from the gradebook and
 records it in the course's NOT_GRADED. `merge` leaves such a submission out (and takes any
 older grade of it out of the course's gradebook), as it does one whose grading never finished

@@ -18,7 +18,7 @@ print go to stdout too, and they cannot know the token. `{"judging": id}` before
 cell, the cell's verdict (`{"id": id, "score": ...}`) after it, and `{"broken": why}` if the
 judge itself failed outside a test cell. Before any student code runs it starts grading ranks
 and runs a call on them (`_start_ranks`): a launcher that cannot start is the grader's
-failure, not a part's. `course_lib.grading.autograde.run_judge` starts this process inside the
+failure, not a part's. `course_lib.grading.verdicts.run_judge` starts this process inside the
 sandbox, reads those lines and decides whose fault an early stop was: a judge that cannot
 import, breaks, or stops outside a test cell leaves the submission ungraded; one stopped by a
 limit while a test cell ran the student's code scores the cells left 0.
