@@ -1,19 +1,4 @@
-"""Pipeline parallelism: schedules, their bubble, a real multi-process pipeline, and the
-optimal cut of a model into stages (lecture 8).
-
-    order = schedule_order("1f1b", P=4, m=8)           # what each stage runs, in order
-    timeline = simulate(4, 8, "1f1b")                   # when: per-stage forward/backward/idle
-    timeline.bubble, bubble_formula(4, 8)               # idle share against (P-1)/(m+P-1)
-    log = pipeline_step(stage, x, y, lm_loss, m=8, schedule="1f1b")   # on rank = stage index
-    timeline = Timeline.from_logs(launch(...))          # the measured timeline, same type
-    optimal_partition(layer_times, activation_sizes, n_machines)      # the A(j, m) recurrence
-
-The simulator and the runtime read the same per-stage orders (`schedule_order`), so what is
-drawn and what runs cannot disagree. This is the lecture's reference: Assignment 8 asks you to
-write your own pipeline trainer, `simulate_schedule` and `optimal_partition`. The lecture's
-measurements and pictures (the Gantt chart, the widget, torch's pipelining, the brute-force
-partition, layer profiles) are in `course_lib.measure.pipeline`.
-"""
+"""The code of `course_lib.pipeline`, as it was in pipeline.py (split in the next commit)."""
 
 from __future__ import annotations
 
