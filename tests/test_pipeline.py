@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib import RankError, WorkerPool, data, launch, models, pipeline, rank, world_size
+from course_lib import RankError, WorkerPool, data, launch, models, rank, world_size
 from course_lib.costs import bubble_formula, zero_bubble_formula
 from course_lib.measure import pipeline as measure
 from course_lib.measure.pipeline import (
@@ -43,6 +43,7 @@ from course_lib.pipeline import (
     pipeline_step,
     schedule_order,
     simulate,
+    trainer,
 )
 
 P = 4
@@ -227,15 +228,15 @@ def on_a_stand_in_device(step, schedule):
     buffer left on the CPU fails with "Tensor on device cpu is not on the expected device
     meta", as it would on a GPU. Meta tensors hold no values, so .item() answers 0."""
     real_item = torch.Tensor.item
-    saved = pipeline.device, measure.device, torch.Tensor.item
-    pipeline.device = measure.device = lambda: torch.device("meta")
+    saved = trainer.device, measure.device, torch.Tensor.item
+    trainer.device = measure.device = lambda: torch.device("meta")
     torch.Tensor.item = lambda t: 0.0 if t.is_meta else real_item(t)
     try:
         x, y = gpt_batch()
         out = step(models.TinyGPT(seed=0), x, y, models.lm_loss, 2, schedule)
         return [g.device.type for g in getattr(out, "grads", out)]
     finally:
-        pipeline.device, measure.device, torch.Tensor.item = saved
+        trainer.device, measure.device, torch.Tensor.item = saved
 
 
 @pytest.mark.parametrize("step", [pipeline_step, torch_pipeline_step])
@@ -398,8 +399,8 @@ def test_zero_bubble_gradients_match_1f1b_and_single_process(p, m):
 
 def counted_step(x, y, m, schedule):
     """One step on `VirtualDevice`s (logical time): 1F1B with F = 1, B + W = 2, or zero bubble
-    with F = B = W = 1. The 1F1B runtime builds its device by name, so the name is rebound
-    for the call."""
+    with F = B = W = 1. The 1F1B trainer builds its device by name, so the name is rebound
+    in its file, course_lib/pipeline/trainer.py, for the call."""
     if schedule != "1f1b":
         return measure.zero_bubble_step(
             tiny_gpt_stage(),
@@ -411,12 +412,12 @@ def counted_step(x, y, m, schedule):
             (1, 1, 1),
             clock=measure.VirtualDevice,
         )
-    saved = pipeline.EmulatedDevice
-    pipeline.EmulatedDevice = measure.VirtualDevice
+    saved = trainer.EmulatedDevice
+    trainer.EmulatedDevice = measure.VirtualDevice
     try:
         return pipeline_step(tiny_gpt_stage(), x, y, models.lm_loss, m, "1f1b", 1, 2)
     finally:
-        pipeline.EmulatedDevice = saved
+        trainer.EmulatedDevice = saved
 
 
 @pytest.mark.parametrize("m", [4, 8])
