@@ -1,122 +1,26 @@
-"""How lecture 10 shows the planner (the best plan in one line, the candidates as a table, a
-figure of step times by cause, a form that re-plans, the close calls, a check of the student's
-plan, the grid as a table), and the one real DP x TP x PP step it runs beside it.
-
-    print(summary(MODELS["70B"], cluster))
-    print(candidate_table(candidates(MODELS["70B"], cluster)[:10]))
-    plot_step_times(candidates(MODELS["70B"], cluster)[:12])
-    PlannerWidget(model="70B", gpus=512)
-    run = launch(train_3d, ProcessGrid(2, 2, 2), world_size=8)   # on each rank: 2 steps
-    gather_dense(run, grid) vs reference_3d()                    # the same, in one process
-    print(comparison_table(predicted_vs_measured(run, grid)))    # planner beside measured
-
-The real step (`train_3d`, `step_3d`): lecture 9's TP layers, lecture 8's 1F1B schedule and
-send/recv, a DP all-reduce. The grid and the planner are in `course_lib.parallel_3d`.
-"""
+"""What lecture 10 runs on ranks (sections 2 and 6): the grid's groups as the collectives see
+them, and one real DP x TP x PP training step of a float64 TinyGPT (lecture 9's TP layers,
+lecture 8's 1F1B schedule and send/recv, a DP all-reduce), the same training in one process,
+and the step's memory and traffic beside the planner's."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
-import ipywidgets as widgets
-import numpy as np
 import torch
 import torch.distributed as dist
-from matplotlib.patches import Patch
 from torch import nn
 
 from course_lib import comm, models
 from course_lib.costs import FP64_ADAMW, TransformerShape, zero_bytes
-from course_lib.memory import GB
-from course_lib.parallel_3d import (
-    BF16,
-    DIMENSIONS,
-    FLAGS,
-    MODELS,
-    Cluster,
-    Estimate,
-    Model,
-    Plan,
-    ProcessGrid,
-    best,
-    candidates,
-    estimate,
-    new_groups,
-)
+from course_lib.parallel_3d import BF16, Cluster, Model, Plan, ProcessGrid, estimate, new_groups
 from course_lib.pipeline import FORWARD, _recv, _send, schedule_order
-from course_lib.plots import NotebookFigure
 from course_lib.runtime import device
 from course_lib.tensor_parallel import ParallelBlock
 from course_lib.zero import held_bytes
 
-# Plans whose step times differ by less than this are too close for the model to choose.
-CLOSE_CALL = 0.02
-
-
-def close_calls(model: Model, cluster: Cluster, **options: Any) -> list[Estimate]:
-    """The fitting plans other than the best whose step time is within CLOSE_CALL of it: the
-    estimate cannot tell them apart, so the choice among them is for measurements to make."""
-    fitting = [e for e in candidates(model, cluster, **options) if e.fits]
-    return [e for e in fitting[1:] if e.step_seconds <= (1 + CLOSE_CALL) * fitting[0].step_seconds]
-
-
-# check_plan's advice, by the part of memory that overflows or the cause that grows the step.
-SHRINK = {
-    "params": "More TP or PP ranks share the weights.",
-    "optimizer_state": "ZeRO-1 shards the optimizer state over the DP group.",
-    "activations": "Stage 0 holds about L layers of them whatever p: more TP, or checkpointing.",
-    "recompute": "Checkpoint less (selective, not full), if the activations still fit.",
-    "tp": "TP all-reduces in every layer: no wider than needed, never across nodes.",
-    "pp": "Each stage boundary sends activations: fewer stages send less.",
-    "bubble": "The bubble (p-1)/(m+p-1) grows with p and shrinks with m = batch / d.",
-    "dp": "Each GPU all-reduces its gradients over DP: fewer per GPU (more TP or PP), ZeRO-1.",
-}
-
-
-def check_plan(answer: Any, model: Model, cluster: Cluster) -> bool | None:
-    """Lecture 10's exercise: does the student's plan (a dict of `Plan`'s fields) fit, how does
-    its step by the planner's model compare with the best plan's, and why (never which it is)."""
-    if answer is ... or isinstance(answer, dict) and ... in answer.values():
-        print("Not answered yet: replace each ... with your choice and run the cell again.")
-        return None
-    try:
-        e = estimate(model, cluster, Plan(**answer))
-    except (TypeError, ValueError) as error:
-        print(f"✗ Not a plan the planner can price: {error}")
-        return False
-    used = f"{e.total_memory / GB:.0f} GB per GPU of {cluster.gpu_memory / GB:.0f} GB"
-    if not e.fits:
-        part = max(e.memory, key=e.memory.get)
-        print(f"✗ Too big: {e.plan} needs {used}, {e.memory[part] / GB:.0f} GB of it {part}. "
-              f"{SHRINK.get(part, '')}")  # fmt: skip
-        return False
-    top, most = best(model, cluster) or e, max(e.seconds, key=e.seconds.get)
-    print(f"{e.plan} fits: {used}. By the planner's model, a step of {e.step_seconds:.1f} s, "
-          f"most of it {most} ({e.seconds[most]:.1f} s).")  # fmt: skip
-    if (slower := e.step_seconds / top.step_seconds - 1) <= CLOSE_CALL:
-        print(f"✓ Right: within {CLOSE_CALL:.0%} of the planner's best, too close to call.")
-        return True
-    extra = {k: v - top.seconds.get(k, 0.0) for k, v in e.seconds.items()}
-    cause = max(extra, key=extra.get)
-    print(f"✗ Not yet: {slower:.0%} slower than the planner's best, most of the gap in {cause} "
-          f"({extra[cause]:.1f} s more). {SHRINK.get(cause, '')}".rstrip())  # fmt: skip
-    return False
-
-
-def grid_table(grid: ProcessGrid) -> str:
-    """One line per rank: its coordinates and the members of its three groups."""
-    width = 2 + max(len(str(g)) for k in DIMENSIONS for g in grid.groups(k))
-    header = f"{'rank':>4}  {'(dp, pp, tp)':<14}"
-    lines = [(header + "".join(f"{k} group".ljust(width) for k in DIMENSIONS)).rstrip()]
-    for r in range(grid.world_size):
-        c = grid.coords(r)
-        where = f"({c['dp']}, {c['pp']}, {c['tp']})"
-        groups = "".join(str(grid.group_of(r, k)).ljust(width) for k in DIMENSIONS)
-        lines.append(f"{r:>4}  {where:<14}{groups}".rstrip())
-    return "\n".join(lines)
+# --- the grid's groups, made for real -------------------------------------------------------
 
 
 def group_members(grid: ProcessGrid) -> dict[str, list[int]]:
@@ -129,159 +33,6 @@ def group_members(grid: ProcessGrid) -> dict[str, list[int]]:
         dist.all_gather(everyone, me, group=group)
         members[kind] = [int(t.item()) for t in everyone]
     return members
-
-
-def explain_none(model: Model, cluster: Cluster, **options: Any) -> str:
-    """Why nothing fits: the plan needing the least memory, and how much it needs."""
-    estimates = candidates(model, cluster, **options)
-    if not estimates:
-        return f"no way to split {model.name} over {cluster.gpus} GPUs (check the batch sizes)"
-    least = min(estimates, key=lambda e: e.total_memory)
-    return (
-        f"nothing fits: the smallest plan, {least.plan}, needs {least.total_memory / GB:.0f} GB "
-        f"per GPU of {cluster.gpu_memory / GB:.0f} GB; add GPUs or memory"
-    )
-
-
-def candidate_table(estimates: Sequence[Estimate]) -> str:
-    """One row per plan: memory per GPU (GB), whether it fits, bubble, seconds per step
-    by cause, and utilisation; with CP or EP in any plan, their degrees and seconds too."""
-    extra = [k for k in ("cp", "ep") if any(k in e.seconds for e in estimates)]
-    header = (
-        f"{'tp':>3}{'pp':>4}{'dp':>5} {'zero':<6}{'ckpt':<10}{'m':>5}{'state GB':>9}{'act GB':>8}"
-        f"{'total':>7} {'fits':<5}{'bubble':>7}{'compute':>8}{'recomp':>7}{'TP':>6}{'PP':>6}"
-        f"{'bubble':>7}{'DP':>7}{'step s':>8}{'util':>6}{'MFU':>5} flags"
-    )
-    if extra:  # the degrees after dp, the seconds after PP
-        names = "".join(f"{k:>4}" for k in extra)
-        header = header[:12] + names + header[12:]
-        at = header.index("bubble", header.index("PP"))
-        header = header[: at - 1] + "".join(f"{k.upper():>6}" for k in extra) + header[at - 1 :]
-    rows = [header]
-    for e in estimates:
-        p, s = e.plan, e.seconds
-        state = e.total_memory - e.memory["activations"]
-        degrees = "".join(f"{getattr(p, k):>4}" for k in extra)
-        more = "".join(f"{s.get(k, 0.0):>6.2f}" for k in extra)
-        rows.append(
-            f"{p.tp:>3}{p.pp:>4}{p.dp:>5}{degrees} {p.zero:<6}{p.checkpointing:<10}"
-            f"{e.micro_batches:>5}"
-            f"{state / GB:>9.1f}{e.memory['activations'] / GB:>8.1f}{e.total_memory / GB:>7.1f}"
-            f" {'yes' if e.fits else 'no':<5}{e.bubble:>7.1%}{s['compute']:>8.2f}"
-            f"{s['recompute']:>7.2f}{s['tp']:>6.2f}{s['pp']:>6.2f}{more}{s['bubble']:>7.2f}"
-            f"{s['dp']:>7.2f}{e.step_seconds:>8.2f}{e.utilisation:>6.0%}{e.mfu:>5.0%}"
-            + f" {e.flags}".rstrip()
-        )
-    for flag in sorted({f for e in estimates for f in e.flags}):
-        rows.append(f"{flag}: {FLAGS[flag]}")
-    return "\n".join(rows)
-
-
-def summary(model: Model, cluster: Cluster, **options: Any) -> str:
-    """One line: the best plan for `model` on `cluster`, or why there is none."""
-    where = f"{model.name} on {cluster.gpus:>4} GPUs"
-    e = best(model, cluster, **options)
-    if e is None:
-        return f"{where}: {explain_none(model, cluster, **options)}"
-    line = (
-        f"{where}: {e.plan}  {e.total_memory / GB:.0f} GB/GPU ({e.free_memory / GB:.0f} free), "
-        f"bubble {e.bubble:.1%}, {e.step_seconds:.1f} s/step, utilisation {e.utilisation:.0%}, "
-        f"MFU {e.mfu:.0%}"
-    )
-    close = close_calls(model, cluster, **options)
-    if close:
-        gap = close[-1].step_seconds / e.step_seconds - 1
-        line += (
-            f"\n    {len(close)} more within {gap:.1%} ({close[0].plan}, ...): too close to call"
-        )
-    return line + "".join(f"\n    {flag}: {FLAGS[flag]}" for flag in e.flags)
-
-
-def plot_step_times(estimates: Sequence[Estimate], title: str = "") -> NotebookFigure:
-    """Seconds per step of each plan, stacked by cause; plans that do not fit are hatched."""
-    fig = NotebookFigure(figsize=(8, 0.45 * len(estimates) + 1.2), layout="constrained")
-    ax = fig.add_subplot()
-    extra = tuple(k for k in ("cp", "ep") if any(k in e.seconds for e in estimates))
-    causes = ("compute", "recompute", "tp", "pp", *extra, "bubble", "dp")
-    labels = [str(e.plan) for e in estimates]
-    left = np.zeros(len(estimates))
-    for i, cause in enumerate(causes):
-        widths = np.array([e.seconds.get(cause, 0.0) for e in estimates])
-        bars = ax.barh(labels, widths, left=left, color=f"C{i}")
-        for bar, e in zip(bars, estimates, strict=True):
-            if not e.fits:
-                bar.set_hatch("//")
-                bar.set_alpha(0.5)
-        left += widths
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds per optimizer step (hatched: does not fit in memory)")
-    ax.set_title(title, fontsize=10)
-    handles = [Patch(color=f"C{i}", label=cause) for i, cause in enumerate(causes)]
-    fig.legend(handles=handles, fontsize=8, ncols=len(causes), loc="outside upper center")
-    ax.tick_params(axis="y", labelsize=8)
-    return fig
-
-
-# --- 5. the interactive planner (exercise 8) -------------------------------------------------
-
-
-# Inter-node bandwidth per GPU: 16 Gbit/s Ethernet up to 800 Gbit/s InfiniBand (and beyond).
-INTER_NODE_GB_PER_S = (1, 2, 5, 12.5, 25, 50, 100, 200, 400)
-
-
-class PlannerWidget(widgets.VBox):
-    """Menus and sliders for the model and the cluster; every change re-plans and shows the
-    best plan and the fastest candidates. `estimates` and `best` hold what is shown (tests)."""
-
-    def __init__(self, model: str = "70B", gpus: int = 512, top: int = 12) -> None:
-        self.top = top
-        kw = {"style": {"description_width": "initial"}}  # 80 px, the default, cuts labels
-        self.model = widgets.Dropdown(options=list(MODELS), value=model, description="model", **kw)
-        counts = [2**k for k in range(3, 13)]
-        self.gpus = widgets.SelectionSlider(options=counts, value=gpus, description="GPUs", **kw)
-        self.gpus_per_node = widgets.Dropdown(
-            options=[4, 8], value=8, description="GPUs/node", **kw
-        )
-        self.memory = widgets.IntSlider(80, min=16, max=192, step=8, description="GPU GB", **kw)
-        # Real clusters' link speeds, shown as written (a log slider shows 25 as "25.1").
-        speeds = [(f"{v:g}", v) for v in INTER_NODE_GB_PER_S]
-        self.inter = widgets.SelectionSlider(
-            options=speeds, value=25, description="inter-node GB/s", **kw
-        )
-        batches = sorted({2**k for k in range(6, 14)} | {m.global_batch for m in MODELS.values()})
-        self.batch = widgets.SelectionSlider(
-            options=batches, value=MODELS[model].global_batch, description="global batch", **kw
-        )
-        self.output = widgets.Output()
-        controls = [self.model, self.gpus, self.gpus_per_node, self.memory, self.inter, self.batch]
-        super().__init__([widgets.HBox(controls[:3]), widgets.HBox(controls[3:]), self.output])
-        self.estimates: list[Estimate] = []
-        self.best: Estimate | None = None
-        for control in controls:
-            control.observe(self._replan, names="value")
-        self.model.observe(self._default_batch, names="value")
-        self._replan()
-
-    def _default_batch(self, change: Any) -> None:
-        """A new model starts from its own global batch (which re-plans once more)."""
-        self.batch.value = MODELS[change["new"]].global_batch
-
-    def chosen(self) -> tuple[Model, Cluster]:
-        """The model and cluster the controls describe."""
-        model = replace(MODELS[self.model.value], global_batch=self.batch.value)
-        gpus, node, memory = self.gpus.value, self.gpus_per_node.value, self.memory.value * GB
-        return model, Cluster(gpus, node, memory, inter_bandwidth=self.inter.value * 1e9)
-
-    def _replan(self, _change: Any = None) -> None:
-        model, cluster = self.chosen()
-        self.estimates = candidates(model, cluster)
-        self.best = next((e for e in self.estimates if e.fits), None)
-        with self.output:
-            self.output.clear_output(wait=True)
-            print(summary(model, cluster))
-            fitting = [e for e in self.estimates if e.fits]
-            print(f"{len(fitting)} of {len(self.estimates)} plans fit; the fastest:")
-            print(candidate_table((fitting or self.estimates)[: self.top]))
 
 
 # --- one real DP x TP x PP step, measured beside the planner --------------------------------
@@ -455,6 +206,9 @@ def gather_dense(results: list[dict], grid: ProcessGrid) -> dict[str, torch.Tens
             else:
                 out[name] = parts[0]
     return out
+
+
+# --- the planner's numbers beside the measured ones -----------------------------------------
 
 
 def tiny_model(batch: int = 8, m: int = 2, dp: int = 2) -> Model:
