@@ -55,22 +55,34 @@ class PlannerWidget(widgets.VBox):
 
     def __init__(self, model: str = "70B", gpus: int = 512, top: int = 12) -> None:
         self.top = top
-        kw = {"style": {"description_width": "initial"}}  # 80 px, the default, cuts labels
-        self.model = widgets.Dropdown(options=list(MODELS), value=model, description="model", **kw)
-        counts = [2**k for k in range(3, 13)]
-        self.gpus = widgets.SelectionSlider(options=counts, value=gpus, description="GPUs", **kw)
-        self.gpus_per_node = widgets.Dropdown(
-            options=[4, 8], value=8, description="GPUs/node", **kw
+        # Labels get the width they need: the default (about 80 px) cuts "global batch".
+        style = {"description_width": "initial"}
+        self.model = widgets.Dropdown(
+            options=list(MODELS), value=model, description="model", style=style
         )
-        self.memory = widgets.IntSlider(80, min=16, max=192, step=8, description="GPU GB", **kw)
-        # Real clusters' link speeds, shown as written (a log slider shows 25 as "25.1").
-        speeds = [(f"{v:g}", v) for v in INTER_NODE_GB_PER_S]
+        self.gpus = widgets.SelectionSlider(
+            options=[2**k for k in range(3, 13)], value=gpus, description="GPUs", style=style
+        )
+        self.gpus_per_node = widgets.Dropdown(
+            options=[4, 8], value=8, description="GPUs/node", style=style
+        )
+        self.memory = widgets.IntSlider(
+            80, min=16, max=192, step=8, description="GPU GB", style=style
+        )
+        # The link speeds of real clusters, shown as written: a log slider snaps 25 to
+        # 10**1.4 and reads "25.1".
         self.inter = widgets.SelectionSlider(
-            options=speeds, value=25, description="inter-node GB/s", **kw
+            options=[(f"{v:g}", v) for v in INTER_NODE_GB_PER_S],
+            value=25,
+            description="inter-node GB/s",
+            style=style,
         )
         batches = sorted({2**k for k in range(6, 14)} | {m.global_batch for m in MODELS.values()})
         self.batch = widgets.SelectionSlider(
-            options=batches, value=MODELS[model].global_batch, description="global batch", **kw
+            options=batches,
+            value=MODELS[model].global_batch,
+            description="global batch",
+            style=style,
         )
         self.output = widgets.Output()
         controls = [self.model, self.gpus, self.gpus_per_node, self.memory, self.inter, self.batch]
@@ -89,8 +101,13 @@ class PlannerWidget(widgets.VBox):
     def chosen(self) -> tuple[Model, Cluster]:
         """The model and cluster the controls describe."""
         model = replace(MODELS[self.model.value], global_batch=self.batch.value)
-        gpus, node, memory = self.gpus.value, self.gpus_per_node.value, self.memory.value * GB
-        return model, Cluster(gpus, node, memory, inter_bandwidth=self.inter.value * 1e9)
+        cluster = Cluster(
+            self.gpus.value,
+            gpus_per_node=self.gpus_per_node.value,
+            gpu_memory=self.memory.value * GB,
+            inter_bandwidth=self.inter.value * 1e9,
+        )
+        return model, cluster
 
     def _replan(self, _change: Any = None) -> None:
         model, cluster = self.chosen()

@@ -37,17 +37,23 @@ def check_plan(answer: Any, model: Model, cluster: Cluster) -> bool | None:
     used = f"{e.total_memory / GB:.0f} GB per GPU of {cluster.gpu_memory / GB:.0f} GB"
     if not e.fits:
         part = max(e.memory, key=e.memory.get)
-        print(f"✗ Too big: {e.plan} needs {used}, {e.memory[part] / GB:.0f} GB of it {part}. "
-              f"{SHRINK.get(part, '')}")  # fmt: skip
+        print(
+            f"✗ Too big: {e.plan} needs {used}, {e.memory[part] / GB:.0f} GB of it {part}. "
+            f"{SHRINK.get(part, '')}"
+        )
         return False
     top, most = best(model, cluster) or e, max(e.seconds, key=e.seconds.get)
-    print(f"{e.plan} fits: {used}. By the planner's model, a step of {e.step_seconds:.1f} s, "
-          f"most of it {most} ({e.seconds[most]:.1f} s).")  # fmt: skip
+    print(
+        f"{e.plan} fits: {used}. By the planner's model, a step of {e.step_seconds:.1f} s, "
+        f"most of it {most} ({e.seconds[most]:.1f} s)."
+    )
     if (slower := e.step_seconds / top.step_seconds - 1) <= CLOSE_CALL:
         print(f"✓ Right: within {CLOSE_CALL:.0%} of the planner's best, too close to call.")
         return True
     extra = {k: v - top.seconds.get(k, 0.0) for k, v in e.seconds.items()}
     cause = max(extra, key=extra.get)
-    print(f"✗ Not yet: {slower:.0%} slower than the planner's best, most of the gap in {cause} "
-          f"({extra[cause]:.1f} s more). {SHRINK.get(cause, '')}".rstrip())  # fmt: skip
+    print(
+        f"✗ Not yet: {slower:.0%} slower than the planner's best, most of the gap in {cause} "
+        f"({extra[cause]:.1f} s more). {SHRINK.get(cause, '')}".rstrip()
+    )
     return False

@@ -26,7 +26,10 @@ def close_calls(model: Model, cluster: Cluster, **options: Any) -> list[Estimate
     """The fitting plans other than the best whose step time is within CLOSE_CALL of it: the
     estimate cannot tell them apart, so the choice among them is for measurements to make."""
     fitting = [e for e in candidates(model, cluster, **options) if e.fits]
-    return [e for e in fitting[1:] if e.step_seconds <= (1 + CLOSE_CALL) * fitting[0].step_seconds]
+    if not fitting:
+        return []
+    fastest = fitting[0].step_seconds
+    return [e for e in fitting[1:] if e.step_seconds <= (1 + CLOSE_CALL) * fastest]
 
 
 def grid_table(grid: ProcessGrid) -> str:
