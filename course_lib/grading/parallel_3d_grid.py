@@ -18,8 +18,9 @@ def _as_sets(groups) -> set[frozenset[int]]:
 
 
 # Lecture 10 builds the same grid (ProcessGrid), its groups (new_groups) and a whole DP x TP x
-# PP training step (measure/parallel_3d: build_stage, step_3d): an answer that runs them, or a
-# copy, is not the student's own.
+# PP training step (measure/parallel_3d/real_step.py: build_stage, step_3d): an answer that runs
+# them, or a copy, is not the student's own. The measurements are forbidden whole: every function
+# of every file of the package.
 PLANNER = (
     "course_lib.parallel_3d.ProcessGrid",
     "course_lib.parallel_3d.new_groups",

@@ -39,8 +39,6 @@ from course_lib.pipeline import (
     StageLog,
     Task,
     Timeline,
-    _recv,
-    _send,
     check_partition_input,
     link_times,
     pipeline_step,
@@ -48,6 +46,7 @@ from course_lib.pipeline import (
     stage_time,
     sync_times,
 )
+from course_lib.pipeline.trainer import _recv, _send
 from course_lib.plots import NotebookFigure
 from course_lib.progress import progress
 from course_lib.runtime import device, rank, world_size

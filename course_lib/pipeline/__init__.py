@@ -39,11 +39,6 @@ from course_lib.pipeline.schedules import BACKWARD, FORWARD, SCHEDULES, Op, sche
 from course_lib.pipeline.timeline import StageLog, Task, Timeline, bubble_fraction, simulate
 from course_lib.pipeline.trainer import EmulatedDevice, LossFn, pipeline_step
 
-# How a tensor travels between stages, which the pipelines of course_lib.measure (zero bubble,
-# lecture 10's 3-D step) send with too: private, not in __all__, re-exported as `x as x`.
-from course_lib.pipeline.trainer import _recv as _recv
-from course_lib.pipeline.trainer import _send as _send
-
 __all__ = [
     "BACKWARD",
     "FORWARD",

@@ -1,39 +1,16 @@
-"""Putting it together: 3D parallelism, from a grid of ranks to a planner (lecture 10).
-
-    grid = ProcessGrid(tp=2, pp=2, dp=2)                # ranks <-> (dp, pp, tp) coordinates
-    estimates = candidates(LLAMA_70B, Cluster(512))     # every TP x PP x DP plan, estimated
-    best(LLAMA_70B, Cluster(512), cp=(1, 2, 4))         # the fastest that fits, CP allowed
-
-Every estimate is a formula of `course_lib.costs`: bytes per parameter and ZeRO (lectures
-6-7), activations, TP and PP traffic and compute (lecture 9), the bubble (lecture 8), ring
-attention (11) and expert all-to-alls (12). This module adds the bookkeeping: which ranks form
-which group, which link each group's traffic crosses, how the pieces add up to a step time.
-The lecture's tables, widget, close calls and its real 3-D step are `measure.parallel_3d`.
-
-The model of a step (an estimate, not a simulation): a 1F1B pipeline of m micro-batches takes
-m x (compute + TP + CP + EP + PP time per micro-batch) / (1 - bubble); the data-parallel
-gradient traffic comes after it, not overlapped (an upper bound). Left out: the embedding and
-LM head (their parameters are spread evenly over the stages), the buffers ZeRO-3 gathers,
-latency, framework overheads, and the imbalance of causal ring attention. Plans are flagged
-for tight memory or ZeRO-2/3 under a pipeline (`FLAGS`).
-"""
+"""What one plan costs (lecture 10, section 3): memory per GPU, the bubble, the bytes each kind
+of group sends over the link it crosses, seconds per step by cause, MFU, and flags for what the
+numbers do not say. The model of a step, and what it leaves out: `course_lib.parallel_3d`."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any
-
-import numpy as np
-import torch.distributed as dist
 
 from course_lib import costs
 from course_lib.costs import (
-    GPT3_175B,
     MIXED_ADAMW,
-    TransformerShape,
     activation_memory,
     bubble_formula,
     compute_seconds,
@@ -41,195 +18,11 @@ from course_lib.costs import (
     zero_bytes,
     zero_comm_bytes,
 )
-from course_lib.memory import GB, divisors
+from course_lib.parallel_3d.grid import ProcessGrid, spans_nodes
+from course_lib.parallel_3d.plans import CHECKPOINTING, Cluster, Model, Plan, problem
 from course_lib.zero import STAGES
 
-DIMENSIONS = ("tp", "pp", "dp")  # innermost (neighbouring ranks) first, as in picotron
-CHECKPOINTING = ("none", "selective", "full")
 BF16 = 2  # bytes per value of activations and gradients in mixed precision
-
-# --- 1. one grid of ranks, every group derived from it ----------------------------------------
-
-
-@dataclass(frozen=True)
-class ProcessGrid:
-    """tp x pp x dp ranks laid out as a (dp, pp, tp) array: rank = (d * pp + p) * tp + t.
-
-    Tensor-parallel partners are neighbouring ranks, so with TP no larger than a node they
-    share a node (ranks are numbered node by node). The pipeline comes next, data parallelism
-    is outermost."""
-
-    tp: int
-    pp: int
-    dp: int
-
-    def __post_init__(self) -> None:
-        for name in DIMENSIONS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def _array(self) -> np.ndarray:
-        return np.arange(self.world_size).reshape(self.dp, self.pp, self.tp)
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """This rank's position on each axis: {"tp": t, "pp": p, "dp": d}."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is not in a grid of {self.world_size} ranks")
-        d, p, t = np.unravel_index(rank, (self.dp, self.pp, self.tp))
-        return {"tp": int(t), "pp": int(p), "dp": int(d)}
-
-    def groups(self, kind: str) -> list[list[int]]:
-        """Every group of `kind` ("tp", "pp" or "dp"): the ranks that differ only in that
-        coordinate, in the order of that coordinate (a pipeline group lists stages 0, 1, ...)."""
-        if kind not in DIMENSIONS:
-            raise ValueError(f"unknown group kind {kind!r}; use one of {DIMENSIONS}")
-        axis = {"dp": 0, "pp": 1, "tp": 2}[kind]
-        # Move the axis last: each row is then one group.
-        rows = np.moveaxis(self._array(), axis, -1).reshape(-1, getattr(self, kind))
-        return sorted(row.tolist() for row in rows)
-
-    def group_of(self, rank: int, kind: str) -> list[int]:
-        """The `kind` group that `rank` belongs to."""
-        self.coords(rank)  # validates the rank
-        return next(g for g in self.groups(kind) if rank in g)
-
-
-def spans_nodes(ranks: Sequence[int], gpus_per_node: int) -> bool:
-    """True if `ranks` sit on more than one node (ranks are numbered node by node)."""
-    return len({r // gpus_per_node for r in ranks}) > 1
-
-
-def new_groups(grid: ProcessGrid) -> dict[str, dist.ProcessGroup]:
-    """Create every group of the grid with `dist.new_group` and return this rank's three.
-    Call it on every rank: each rank must take part in creating every group, in one order."""
-    if dist.get_world_size() != grid.world_size:
-        raise ValueError(
-            f"the grid has {grid.world_size} ranks but the process group {dist.get_world_size()}; "
-            f"launch with world_size={grid.world_size}"
-        )
-    mine = {}
-    for kind in DIMENSIONS:
-        for ranks in grid.groups(kind):
-            group = dist.new_group(ranks)
-            if dist.get_rank() in ranks:
-                mine[kind] = group
-    return mine
-
-
-# --- 2. what is planned: a model and a cluster ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class Model:
-    """A transformer to train: its parameters, its shape (with `shape.batch` the micro-batch,
-    in sequences) and the global batch of one optimizer step, in sequences. A mixture of
-    experts has `num_experts` per layer, `top_k` per token, `expert_params` of its params."""
-
-    name: str
-    params: float
-    shape: TransformerShape
-    global_batch: int
-    num_experts: int = 1  # 1: dense
-    top_k: int = 1
-    expert_params: float = 0.0
-
-
-LLAMA_7B = Model("7B", 6.7e9, TransformerShape(32, 4096, 32, 4096, 1), global_batch=1024)
-LLAMA_70B = Model("70B", 70e9, TransformerShape(80, 8192, 64, 4096, 1), global_batch=1024)
-GPT3 = Model("175B", 175e9, GPT3_175B, global_batch=1536)
-# Mixtral 8x7B's sizes: 8 experts of 3 x 4096 x 14336 in each of 32 layers, 2 per token.
-MOE_8X7B = Model("8x7B", 46.7e9, TransformerShape(32, 4096, 32, 4096, 1), 1024, 8, 2, 45.1e9)
-MODELS = {m.name: m for m in (LLAMA_7B, LLAMA_70B, GPT3)}  # dense: the widget's menu
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """GPUs in nodes of `gpus_per_node`, linked inside a node at `intra_bandwidth` and between
-    nodes at `inter_bandwidth` (bytes/s per GPU), each computing `flops_per_s` (achieved, not
-    peak) of a `peak_flops_per_s` peak. Defaults: A100 80 GB nodes with NVLink (300 GB/s) and
-    200 Gbit/s InfiniBand per GPU, at about half the bf16 peak of 312 TFLOP/s (NVIDIA's data
-    sheet, dense)."""
-
-    gpus: int
-    gpus_per_node: int = 8
-    gpu_memory: float = 80 * GB
-    intra_bandwidth: float = 300e9
-    inter_bandwidth: float = 25e9
-    flops_per_s: float = 150e12
-    peak_flops_per_s: float = 312e12
-
-    def __post_init__(self) -> None:
-        if self.gpus < 1 or self.gpus_per_node < 1:
-            raise ValueError(f"need at least one GPU per node and one GPU, got {self}")
-        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
-            raise ValueError(
-                f"{self.gpus} GPUs do not fill whole nodes of {self.gpus_per_node}; "
-                f"use a multiple of {self.gpus_per_node}"
-            )
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One way to train: TP x CP x PP x DP ranks, a ZeRO stage over the DP group (one of
-    `zero.STAGES`), activation checkpointing (`CHECKPOINTING`), sequence parallelism. CP
-    splits each sequence (ring attention); EP splits a MoE's experts over `ep` of the DP
-    ranks (Megatron's layout: the other dp / ep ranks hold copies of the same experts)."""
-
-    tp: int
-    pp: int
-    dp: int
-    zero: str = "ddp"
-    checkpointing: str = "none"
-    sequence_parallel: bool = True
-    cp: int = 1
-    ep: int = 1
-
-    def __str__(self) -> str:
-        sp = "+SP" if self.sequence_parallel and self.tp > 1 else ""
-        cp = f" x CP{self.cp}" if self.cp > 1 else ""
-        ep = f" (EP{self.ep})" if self.ep > 1 else ""
-        ranks = f"TP{self.tp}{sp}{cp} x PP{self.pp} x DP{self.dp}{ep}"
-        return f"{ranks} {self.zero} ckpt={self.checkpointing}"
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
-
-
-def factorizations(cluster: Cluster, cp: int = 1) -> list[tuple[int, int, int]]:
-    """Every (tp, pp, dp) with tp * cp * pp * dp = GPUs and tp dividing a node: TP never
-    crosses nodes, its all-reduces are on the critical path of every layer."""
-    node, gpus = min(cluster.gpus, cluster.gpus_per_node), cluster.gpus
-    return [
-        (tp, pp, gpus // (tp * cp * pp))
-        for tp in divisors(node)
-        if gpus % (tp * cp) == 0
-        for pp in divisors(gpus // (tp * cp))
-    ]
-
-
-def problem(model: Model, tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> str | None:
-    """Why `model` cannot be split as tp x cp x pp x dp with ep, or None if it can."""
-    s = model.shape
-    if s.heads % tp or s.hidden % tp:
-        return f"{s.heads} heads / hidden {s.hidden} do not split over tp={tp}"
-    if pp > s.layers:
-        return f"pp={pp} stages for {s.layers} layers"
-    if model.global_batch % (dp * s.batch):
-        return f"global batch {model.global_batch} is not a multiple of dp x micro-batch"
-    if s.seq % cp:
-        return f"a sequence of {s.seq} does not split over cp={cp}"
-    if dp % ep or model.num_experts % ep:
-        return f"ep={ep} must divide dp={dp} and the {model.num_experts} experts"
-    return None
-
-
-# --- 3. the estimates ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -457,39 +250,3 @@ def estimate(model: Model, cluster: Cluster, plan: Plan) -> Estimate:
         free_memory=free,
         flags=plan_flags(plan, free, cluster),
     )
-
-
-# --- 4. the planner -------------------------------------------------------------------------
-
-
-def candidates(
-    model: Model,
-    cluster: Cluster,
-    zero_stages: Iterable[str] = STAGES,
-    checkpointing: Iterable[str] = CHECKPOINTING,
-    sequence_parallel: bool = True,
-    cp: Iterable[int] = (1,),
-    ep: Iterable[int] = (1,),
-) -> list[Estimate]:
-    """Every plan that can split `model` on `cluster` (fitting in memory or not), fastest
-    first: each (tp, pp, dp) factorization with TP inside a node, for each CP and EP degree
-    asked for (only 1 by default), each ZeRO stage and each checkpointing choice. With dp = 1
-    every ZeRO stage is the same plan: only the first of `zero_stages` is kept."""
-    zero_stages, checkpointing = tuple(zero_stages), tuple(checkpointing)
-    if not zero_stages or not checkpointing:
-        raise ValueError("give at least one ZeRO stage and one checkpointing choice")
-    estimates = [
-        estimate(model, cluster, Plan(tp, pp, dp, zero, ckpt, sequence_parallel, c, e))
-        for c in cp
-        for tp, pp, dp in factorizations(cluster, c)
-        for e in ep
-        if problem(model, tp, pp, dp, c, e) is None
-        for zero in (zero_stages if dp > 1 else zero_stages[:1])
-        for ckpt in checkpointing
-    ]
-    return sorted(estimates, key=lambda e: (e.step_seconds, e.total_memory))
-
-
-def best(model: Model, cluster: Cluster, **options: Any) -> Estimate | None:
-    """The fastest plan that fits in GPU memory, or None if none does."""
-    return next((e for e in candidates(model, cluster, **options) if e.fits), None)

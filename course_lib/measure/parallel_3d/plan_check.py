@@ -1,0 +1,59 @@
+"""Lecture 10's exercise 8: `check_plan` prices the student's own plan with the planner's
+`estimate`, and says whether it fits and how its step compares with the best plan's, and why
+(never which plan is best)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from course_lib.measure.parallel_3d.tables import CLOSE_CALL
+from course_lib.memory import GB
+from course_lib.parallel_3d import Cluster, Model, Plan, best, estimate
+
+# check_plan's advice, by the part of memory that overflows or the cause that grows the step.
+SHRINK = {
+    "params": "More TP or PP ranks share the weights.",
+    "optimizer_state": "ZeRO-1 shards the optimizer state over the DP group.",
+    "activations": "Stage 0 holds about L layers of them whatever p: more TP, or checkpointing.",
+    "recompute": "Checkpoint less (selective, not full), if the activations still fit.",
+    "tp": "TP all-reduces in every layer: no wider than needed, never across nodes.",
+    "pp": "Each stage boundary sends activations: fewer stages send less.",
+    "bubble": "The bubble (p-1)/(m+p-1) grows with p and shrinks with m = batch / d.",
+    "dp": "Each GPU all-reduces its gradients over DP: fewer per GPU (more TP or PP), ZeRO-1.",
+}
+
+
+def check_plan(answer: Any, model: Model, cluster: Cluster) -> bool | None:
+    """Lecture 10's exercise: does the student's plan (a dict of `Plan`'s fields) fit, how does
+    its step by the planner's model compare with the best plan's, and why (never which it is)."""
+    if answer is ... or isinstance(answer, dict) and ... in answer.values():
+        print("Not answered yet: replace each ... with your choice and run the cell again.")
+        return None
+    try:
+        e = estimate(model, cluster, Plan(**answer))
+    except (TypeError, ValueError) as error:
+        print(f"✗ Not a plan the planner can price: {error}")
+        return False
+    used = f"{e.total_memory / GB:.0f} GB per GPU of {cluster.gpu_memory / GB:.0f} GB"
+    if not e.fits:
+        part = max(e.memory, key=e.memory.get)
+        print(
+            f"✗ Too big: {e.plan} needs {used}, {e.memory[part] / GB:.0f} GB of it {part}. "
+            f"{SHRINK.get(part, '')}"
+        )
+        return False
+    top, most = best(model, cluster) or e, max(e.seconds, key=e.seconds.get)
+    print(
+        f"{e.plan} fits: {used}. By the planner's model, a step of {e.step_seconds:.1f} s, "
+        f"most of it {most} ({e.seconds[most]:.1f} s)."
+    )
+    if (slower := e.step_seconds / top.step_seconds - 1) <= CLOSE_CALL:
+        print(f"✓ Right: within {CLOSE_CALL:.0%} of the planner's best, too close to call.")
+        return True
+    extra = {k: v - top.seconds.get(k, 0.0) for k, v in e.seconds.items()}
+    cause = max(extra, key=extra.get)
+    print(
+        f"✗ Not yet: {slower:.0%} slower than the planner's best, most of the gap in {cause} "
+        f"({extra[cause]:.1f} s more). {SHRINK.get(cause, '')}".rstrip()
+    )
+    return False
