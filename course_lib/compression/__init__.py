@@ -23,39 +23,56 @@ emulated slow network (`SlowNetwork`).
   sign of their sum applied (with `SGD`, a step of lr times +-1 per entry).
 - "powersgd": torch's `powerSGD_hook` with `PowerSGDState(use_error_feedback=True,
   warm_start=True)`, the production reference (Assignment 5 builds PowerSGD from scratch).
+
+By what a reader looks for:
+
+    quantization.py     fewer bits per value: 16-bit casts, int8 `quantize` / `dequantize`,
+                        the 8-bit all-reduce (its error bound, its bytes), the bf16 and int8 hooks
+    error_feedback.py   top-k and 1-bit compressors, error feedback, signSGD's majority vote,
+                        DGC, `EFMomentumSGD`
+    powersgd.py         PowerSGD's compression ratio; what torch's `powerSGD_hook` sends
+    per_step.py         `METHODS` side by side: bytes, messages and network seconds per step
+
+Import from `course_lib.compression` itself: every name is one here.
 """
 
-from course_lib.compression.quantization import (
-    CHUNK,
-    LEVELS,
-    METHODS,
-    ONE_BUCKET_MB,
+from course_lib.compression.error_feedback import (
     Compressor,
     DGCState,
     EFMomentumSGD,
     FeedbackState,
-    Quantized,
-    QuantizeState,
     Sign,
     TopK,
-    bf16_hook,
-    bytes_per_step,
-    cast_error,
-    comm_seconds,
     compress_with_feedback,
     compressed_mean,
-    dequantize,
     dgc_hook,
-    error_bound,
     feedback_hook,
-    fp32_all_reduce_bytes,
     gather_payloads,
-    latency_steps,
     majority_vote_hook,
-    part_size,
+)
+from course_lib.compression.per_step import (
+    METHODS,
+    ONE_BUCKET_MB,
+    bytes_per_step,
+    comm_seconds,
+    latency_steps,
+)
+from course_lib.compression.powersgd import (
     powersgd_bytes,
     powersgd_elements,
     powersgd_ratio,
+)
+from course_lib.compression.quantization import (
+    CHUNK,
+    LEVELS,
+    Quantized,
+    QuantizeState,
+    bf16_hook,
+    cast_error,
+    dequantize,
+    error_bound,
+    fp32_all_reduce_bytes,
+    part_size,
     quantize,
     quantized_all_reduce,
     quantized_bytes,
