@@ -11,26 +11,43 @@ Every rank holds the whole model. The host scheme routes all gradients and param
 rank 0; all-reduce data parallel averages gradients among equals. `DDPTimeline` watches torch's
 own DistributedDataParallel (buckets, overlap) through autograd hooks and a DDP comm hook; it
 never replaces DDP's bucketing.
+
+By what a reader looks for:
+
+    sync.py       gradients (or parameters) as one flat tensor, averaged by one all-reduce:
+                  `allreduce_gradients`, `average_parameters`
+    host.py       the naive host (parameter-server) scheme: `host_step`
+    loops.py      `train_data_parallel` (timings, a straggler); fewer all-reduces:
+                  `accumulation_step`, `local_sgd`
+    timeline.py   `DDPTimeline`, watching backward and DDP's buckets; `plot_timeline`
+
+Import from `course_lib.data_parallel` itself: every name is one here.
 """
 
-from course_lib.data_parallel.timeline import (
+from course_lib.data_parallel.host import (
     HOST,
-    DDPTimeline,
-    Event,
+    host_step,
+)
+from course_lib.data_parallel.loops import (
     LossFn,
     TrainLog,
     accumulation_step,
+    local_sgd,
+    straggle,
+    train_data_parallel,
+)
+from course_lib.data_parallel.sync import (
     allreduce_gradients,
     average_parameters,
     flat_gradients,
     flat_parameters,
     gradients,
-    host_step,
-    local_sgd,
+)
+from course_lib.data_parallel.timeline import (
+    DDPTimeline,
+    Event,
     plot_timeline,
-    straggle,
     timed_allreduce_hook,
-    train_data_parallel,
 )
 
 __all__ = [
