@@ -129,7 +129,8 @@ def sync_with_pasted_lecture_code(model, num_samples):
     from its source on the rank)."""
     source = inspect.getsource(lecture.allreduce_gradients)
     source = source.replace("def allreduce_gradients", "def average_gradients")
-    namespace = dict(vars(lecture))
+    # the globals of the file that defines it (course_lib.data_parallel is a package)
+    namespace = dict(vars(inspect.getmodule(lecture.allreduce_gradients)))
     exec(source, namespace)  # noqa: S102
     total = torch.tensor(num_samples)
     dist.all_reduce(total)
