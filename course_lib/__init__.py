@@ -26,7 +26,8 @@ rank):
 - `rank_process`: the launcher's handle on one rank's process, and its start methods;
 - `protocol`: the messages between the launcher, the fork server and the ranks.
 
-The lectures' plumbing, one module each:
+The lectures' plumbing, one module each (a package of files, where one file would be too long
+to read: `data_parallel`, `compression`, `pipeline`, `parallel_3d`):
 - `processes` (1): message costs over pipes and gloo;
 - `collectives` (2): all-reduce algorithms and the ring's schedule;
 - `data_parallel` (3): host scheme, all-reduce DP, DDP timelines, accumulation, local SGD;
@@ -41,7 +42,8 @@ The lectures' plumbing, one module each:
 - `expert_parallel` (12): a top-k router with capacity, experts on ranks via all-to-all;
 - `fault_tolerance` (13): restarts from sharded checkpoints, async saves, a watchdog.
 
-What a lecture measures and draws, where that is long, is in `measure/<topic>.py`.
+What a lecture measures and draws, where that is long, is in `measure/<topic>.py` (or
+`measure/<topic>/`).
 """
 
 import sys
