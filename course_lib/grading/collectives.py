@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from course_lib import PerRank
+from course_lib.comm import POINT_TO_POINT
 from course_lib.grading._harness import (
     RESULT,
     Verdict,
@@ -46,7 +47,7 @@ from course_lib.grading.collectives_judge import (
     judge_messages,
     judge_neighbours,
 )
-from course_lib.grading.collectives_ranks import POINT_TO_POINT, Case, run_cases
+from course_lib.grading.collectives_ranks import Case, run_cases
 from course_lib.grading.traffic import Sent
 
 # (rtol, atol) for sums: |got - expected| <= atol + rtol * |expected|. A sum of P float32

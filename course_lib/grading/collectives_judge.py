@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from course_lib.comm import POINT_TO_POINT
 from course_lib.costs import all_reduce_bytes, all_reduce_seconds
 from course_lib.grading._harness import fail
-from course_lib.grading.collectives_ranks import POINT_TO_POINT, Case
+from course_lib.grading.collectives_ranks import Case
 
 EXACT = (0, 0)  # broadcast and all-gather only move data: every bit must arrive
 

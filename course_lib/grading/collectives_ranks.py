@@ -21,8 +21,6 @@ from course_lib import counted_group
 from course_lib.comm import RequestLog
 from course_lib.grading.provenance import Provenance
 
-POINT_TO_POINT = ("send", "recv")  # what a process group reports for send/isend, recv/irecv
-
 # Lecture 2's module holds working collectives built from send and recv (naive, tree,
 # butterfly and ring all-reduces): an answer that runs them, or a copy, is not the student's.
 LECTURE = ("course_lib.collectives",)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from course_lib import comm
-from course_lib.comm import CommCounter
+from course_lib.comm import POINT_TO_POINT, CommCounter
 from course_lib.grading._harness import Verdict, fail, run_on_ranks
 from course_lib.grading.gossip_schedule import check_one_peer_schedule
 from course_lib.grading.provenance import Provenance
@@ -109,7 +109,6 @@ def _start(case: Case, r: int) -> torch.Tensor:
 # Lecture 4's module has a working push-sum step, and this module's reference computes a
 # round for every rank: an answer that runs them, or a copy, is not the student's own.
 FORBIDDEN = ("course_lib.gossip", "course_lib.grading.gossip.push_sum_reference")
-POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 
 
 class _Messages:

@@ -29,14 +29,13 @@ from collections.abc import Callable, Iterable
 import torch
 
 from course_lib import comm
-from course_lib.comm import CommCounter
+from course_lib.comm import POINT_TO_POINT, CommCounter
 from course_lib.grading._harness import Verdict, fail, run_on_ranks
 from course_lib.grading.provenance import Provenance
 from course_lib.runtime import rank
 
 ROUNDS_PER_DOUBLING = 4  # rounds = 4 log2(P): 8 on 4 ranks, 12 on 8
 THRESHOLD = 0.01  # the largest consensus error allowed after those rounds
-POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 MESSAGES_PER_ROUND = 2  # x and w in one message, or in two, to the one peer
 DEFAULT_WORLD_SIZES = (8,)
 SIZE = 5  # elements of x

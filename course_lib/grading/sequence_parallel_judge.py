@@ -17,6 +17,7 @@ from collections import Counter
 import torch
 
 from course_lib import compare
+from course_lib.comm import POINT_TO_POINT
 from course_lib.grading._harness import fail
 from course_lib.grading.sequence_parallel_cases import (
     GRADIENTS,
@@ -27,7 +28,6 @@ from course_lib.grading.sequence_parallel_cases import (
     ring_budget,
     ulysses_budget,
 )
-from course_lib.grading.sequence_parallel_ranks import POINT_TO_POINT
 from course_lib.grading.traffic import Sent
 
 # float64: the blocks add the same terms as one process in another order, which moves the

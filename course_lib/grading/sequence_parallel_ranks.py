@@ -28,7 +28,6 @@ from course_lib.runtime import world_size
 # Lecture 11's module holds ring attention and Ulysses (forward), the online softmax's merge
 # and the zigzag layout: an answer that runs any of it, or a copy, is not the student's own.
 LECTURE_SP = ("course_lib.sequence_parallel",)
-POINT_TO_POINT = ("send", "recv")  # what a process group reports for send/isend, recv/irecv
 # Functions that take the meter off torch's dispatch stack: running them hides work.
 METER_OFF = tuple(
     f"torch.utils._python_dispatch.{name}"
@@ -136,4 +135,4 @@ def run_layout(layout: Callable, tokens: list[int]) -> dict:
     return {"layouts": found, "copied": watch.problem()}
 
 
-__all__ = ["LECTURE_SP", "POINT_TO_POINT", "Watch", "run_cases", "run_layout"]
+__all__ = ["LECTURE_SP", "Watch", "run_cases", "run_layout"]
