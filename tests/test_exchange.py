@@ -30,8 +30,9 @@ from tests.grading_class import SHORT, keep_only
 from tests.grading_course import COURSE_FILES, VENV, make
 
 # About 2 minutes on an idle 2-core machine (two sandboxed submissions, ~20 s each); several
-# times that under load, hence the generous timeout.
-pytestmark = [pytest.mark.timeout(1800), require_sandbox]
+# times that under load, hence the generous timeout. A class's whole cycle, like the classes of
+# test_autograde.py: end to end (`make test-all`, CI), not in `make test`.
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.e2e, require_sandbox]
 
 A = "a01_processes"
 SOLVES = {"alice": ("ping_pong", "test_ping_pong"), "bob": ("chain", "test_chain")}
