@@ -76,23 +76,9 @@ lint: install
 # (COURSE_REQUIRE_SITE=1: tests/conftest.py). Whole classes graded end to end (tests marked
 # e2e) are left to `make test-all`, which CI runs. The log ends with the 30 slowest tests and
 # each lecture's run time: where the time goes.
-# The checks' tests (tests/test_grading_*.py) run in a second pytest beside the first: one
-# pytest alone left a core of two idle a third of the time (kernels starting, ranks meeting,
-# emulated networks sleeping, checks waiting out a deadlock's time limit). Their log goes to
-# build/test-grading.log and is printed when both have ended.
 PYTEST_SELECT ?= -m "not e2e"
-GRADING_TESTS := $(sort $(wildcard tests/test_grading_*.py))
-GRADING_LOG := build/test-grading.log
 test: install lint
-	@mkdir -p build
-	@$(if $(GRADING_TESTS),$(BIN)/python -m pytest $(GRADING_TESTS) $(PYTEST_SELECT) \
-	    -p no:cacheprovider --durations=10 > $(GRADING_LOG) 2>&1 & checks=$$!;,checks=;) \
-	COURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest tests --ignore-glob='tests/test_grading_*.py' \
-	    $(PYTEST_SELECT) --durations=30; rest=$$?; \
-	test -z "$$checks" && exit $$rest; \
-	wait $$checks; graded=$$?; \
-	echo "=== the checks' tests, run alongside ($(GRADING_LOG)) ==="; cat $(GRADING_LOG); \
-	test $$rest -eq 0 -a $$graded -eq 0
+	COURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest tests $(PYTEST_SELECT) --durations=30
 
 # The lectures run top to bottom, with their outputs, as HTML pages: build/site/index.html.
 site: install
