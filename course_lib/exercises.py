@@ -80,11 +80,13 @@ def check_choice(
         print(f"✗ {answer!r} is not one of {', '.join(map(repr, options))}.")
         return False
     right = (expected,) if isinstance(expected, str) else tuple(expected)
-    if answer in right and len(right) > 1:
-        print(f"✓ Right: here {' and '.join(right)} were too close to call, so each is. {why}")
-        return True
     if answer in right:
-        print(f"✓ Right: {answer}. {why}".rstrip())
+        said = (
+            f"here {' and '.join(right)} were too close to call, so each is"
+            if right[1:]
+            else answer
+        )
+        print(f"✓ Right: {said}. {why}".rstrip())
         return True
     print(f"✗ Not this time: {answer} was not it, {' or '.join(right)} was. {why}".rstrip())
     return False

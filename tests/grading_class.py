@@ -32,8 +32,13 @@ def submission(kind: str, release: Path, solution: Path) -> nbformat.NotebookNod
 
 
 def students(count: int) -> list[str]:
-    """`count` student names, each saying which kind of submission it handed in."""
+    """`count` student names, each saying which kind of submission it handed in (`kind_of`)."""
     return [f"s{i:02d}-{KINDS[i % len(KINDS)]}" for i in range(count)]
+
+
+def kind_of(student: str) -> str:
+    """The kind of submission a student of `students` handed in: "s03-buggy" -> "buggy"."""
+    return student.split("-")[-1]
 
 
 # a01 cut to its first two parts and its written question, for the tests that grade a class
@@ -71,8 +76,7 @@ def build(course: Path, names: list[str], cells: tuple[str, ...] | None = None) 
     for release in notebooks(course / "assignments" / ASSIGNMENT):
         solution = course / "solutions" / ASSIGNMENT / release.name
         for student in names:
-            kind = student.split("-")[-1]
-            nb = submission(kind, release, solution)
+            nb = submission(kind_of(student), release, solution)
             submit(course, student, ASSIGNMENT, nb, release.name)
 
 
@@ -85,7 +89,7 @@ def expected_scores(course: Path, names: list[str]) -> dict[str, dict[str, tuple
     graded = [c for c in source.cells if c.metadata.get("nbgrader", {}).get("grade")]
     out: dict[str, dict[str, tuple]] = {}
     for student in names:
-        kind = student.split("-")[-1]
+        kind = kind_of(student)
         cells = out.setdefault(student, {})
         for cell in graded:
             grade_id, points = cell.metadata.nbgrader["grade_id"], cell.metadata.nbgrader["points"]
