@@ -26,6 +26,7 @@ from course_lib.measure.expert_parallel import (
     batch,
     bytes_sent,
     largest_errors,
+    step_spread,
     step_times,
     torch_all_to_all,
 )
@@ -249,9 +250,15 @@ def test_bad_arguments_say_what_to_do():
 def test_step_times_compares_layers_of_the_same_size(pools):
     """EP and TP hold as many parameters but the router and E - 1 more output biases, and
     TP sends two all-reduces of the T x d activation (forward g, backward f)."""
-    kw = dict(n_tokens=32, d_model=8, d_ff=4, n_experts=4, steps=1, bandwidth=1e12, latency=0.0)
+    kw = dict(n_tokens=32, d_model=8, d_ff=4, n_experts=4, steps=2, bandwidth=1e12, latency=0.0)
     ep = pools(2).launch(step_times, "EP", **kw, timeout=60)
     tp = pools(2).launch(step_times, "TP", **kw, timeout=60)
     assert ep[0]["params"] - tp[0]["params"] == 4 * 8 + 3 * 8
     assert tp[0]["bytes"] == 2 * all_reduce_bytes(32 * 8 * 4, 2)
-    assert all(r["seconds"] > 0 for r in ep + tp)
+    assert all(len(r["times"]) == 2 and min(r["times"]) > 0 for r in ep + tp)
+
+
+def test_a_step_is_timed_by_its_slowest_rank_and_summed_up_by_median_and_spread():
+    # rank 0 took 1, 5, 2 s on its three steps, rank 1 2, 1, 3: the steps ended after 2, 5, 3
+    runs = [{"EP": [{"times": [1.0, 5.0, 2.0]}]}, {"EP": [{"times": [2.0, 1.0, 3.0]}]}]
+    assert step_spread(runs, "EP", 0) == (3.0, 2.0, 5.0)

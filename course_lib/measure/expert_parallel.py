@@ -8,6 +8,7 @@ the notebook. The formulas the numbers are held against are in `course_lib.costs
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import matplotlib.pyplot as plt
@@ -232,8 +233,8 @@ def step_times(
     bandwidth: float = 12.5e6,
     latency: float = 1e-3,
 ) -> dict:
-    """On each rank: seconds of the fastest of `steps` forward and backward steps (other
-    processes on the machine only ever add time) on a `SlowNetwork`, of
+    """On each rank: the seconds of each of `steps` forward and backward steps (after a
+    barrier, so that step s starts together on every rank) on a `SlowNetwork`, of
     "EP" (`ExpertParallelMoE`, E experts of width d_ff, this rank's n_tokens/P tokens) or
     "TP" (`ParallelMLP` of width E * d_ff, as many parameters, every token on every rank),
     float32; with the parameters and the bytes this rank sent per step."""
@@ -270,7 +271,7 @@ def step_times(
                 start = time.perf_counter()
                 step()
                 times.append(time.perf_counter() - start)
-    return {"seconds": min(times), "params": params, "bytes": counter.bytes_sent}
+    return {"times": times, "params": params, "bytes": counter.bytes_sent}
 
 
 def sweep_step_times(bandwidths: list[float], **kw) -> dict[str, list[dict]]:
@@ -280,18 +281,30 @@ def sweep_step_times(bandwidths: list[float], **kw) -> dict[str, list[dict]]:
     }
 
 
+def step_spread(runs: list[dict[str, list[dict]]], kind: str, i: int) -> tuple[float, ...]:
+    """(median, fastest, slowest) seconds of `kind`'s steps at bandwidth number `i`, each step
+    timed by its slowest rank (a step ends when every rank has finished it), from the
+    `sweep_step_times` results of every rank. Other processes on the machine only add time:
+    the spread says how much they did."""
+    per_step = [max(steps) for steps in zip(*(r[kind][i]["times"] for r in runs), strict=True)]
+    return statistics.median(per_step), min(per_step), max(per_step)
+
+
 def plot_step_times(bandwidths: list[float], runs: list[dict[str, list[dict]]]):
-    """Step time of the slowest rank against bandwidth, one line per layer (`sweep_step_times`
-    results of every rank)."""
+    """Step time against bandwidth, one line per layer: the median step, timed by its slowest
+    rank, with a bar from the fastest step to the slowest (`step_spread`)."""
     fig, ax = plt.subplots(figsize=(6.5, 3.5))
     mbits = [8 * b / 1e6 for b in bandwidths]
     for kind in runs[0]:
-        slowest = [1e3 * max(r[kind][i]["seconds"] for r in runs) for i in range(len(bandwidths))]
-        ax.plot(mbits, slowest, "o-", label=kind)
+        spread = [step_spread(runs, kind, i) for i in range(len(bandwidths))]
+        median = [1e3 * s[0] for s in spread]
+        below = [1e3 * (s[0] - s[1]) for s in spread]
+        above = [1e3 * (s[2] - s[0]) for s in spread]
+        ax.errorbar(mbits, median, yerr=[below, above], fmt="o-", capsize=3, label=kind)
     ax.set_xscale("log")
     ax.set_xticks(mbits, [f"{m:g}" for m in mbits])
     ax.set_xlabel("bandwidth (Mbit/s), latency 1 ms")
-    ax.set_ylabel("ms per step (slowest rank)")
+    ax.set_ylabel("ms per step (median, slowest rank)")
     ax.set_title("One MoE layer (EP) against one wide MLP (TP), as many parameters")
     ax.grid(True, alpha=0.3)
     ax.legend()
