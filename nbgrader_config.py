@@ -36,6 +36,10 @@ c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedE
 # Autograding runs each submission in a sandbox and scores its test cells in a separate clean
 # process that never runs student code (course_lib/grading/autograde.py explains both). It
 # takes the place of nbgrader's own Execute step; the other steps are nbgrader's.
+# The course's classes are named by their import path, not imported here: importing
+# course_lib.grading loads every check, and torch with them (2 s of CPU), which only the
+# commands that use one need (autograde, export, zip_collect); release, feedback, db and the
+# exchange's commands start without them.
 from nbconvert.preprocessors import ClearMetadataPreprocessor  # noqa: E402
 from nbgrader.preprocessors import (  # noqa: E402
     AssignLatePenalties,
@@ -45,10 +49,8 @@ from nbgrader.preprocessors import (  # noqa: E402
     SaveAutoGrades,
 )
 
-from course_lib.grading.autograde import GradeInSandbox  # noqa: E402
-
 c.Autograde.autograde_preprocessors = [
-    GradeInSandbox,
+    "course_lib.grading.autograde.GradeInSandbox",
     IgnorePattern,
     ClearMetadataPreprocessor,
     LimitOutput,
@@ -60,13 +62,7 @@ c.Autograde.autograde_preprocessors = [
 # The course around grading (course_lib/grading/course_admin.py): late penalties by the rules of
 # schedule.csv (`make release` stores its due dates in the gradebook), grades.csv as
 # `nbgrader export` writes it, and Canvas archives for `nbgrader zip_collect`.
-from course_lib.grading.course_admin import (  # noqa: E402
-    CanvasCollector,
-    GradesExport,
-    SchedulePenalty,
-)
-
-c.AssignLatePenalties.plugin_class = SchedulePenalty
+c.AssignLatePenalties.plugin_class = "course_lib.grading.course_admin.SchedulePenalty"
 c.SchedulePenalty.schedule = str(Path(__file__).resolve().parent / "schedule.csv")
-c.ExportApp.plugin_class = GradesExport
-c.ZipCollectApp.collector_plugin = CanvasCollector
+c.ExportApp.plugin_class = "course_lib.grading.course_admin.GradesExport"
+c.ZipCollectApp.collector_plugin = "course_lib.grading.course_admin.CanvasCollector"
