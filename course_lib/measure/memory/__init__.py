@@ -9,12 +9,14 @@ frameworks run it (autocast, fp32 master weights, fp16 loss scaling with skipped
     autocast_memory(model, optimizer, lambda m: lm_loss(m(x), y))  # 16-bit copies, fp32 rest
     losses = train_losses(model, optimizer, steps=30, autocast=torch.bfloat16)
     log = scaled_training(model, LossScaler(2.0**30, growth_interval=3), steps=12)
+    check_sgd_budget(sgd_bytes_per_parameter, gpus_for_13B)   # an exercise, checked
 
 By what a reader looks for:
 
     activations.py      saved activations against the sequence length, `PaperBlock` and the
                         course's block against the formula, the sweep over s, b, h, a
     mixed_precision.py  autocast's bytes, 16-bit training losses, fp16 loss scaling
+    exercises.py        the lecture's exercises, their expected values computed off the page
 
 Import from `course_lib.measure.memory` itself: every name is one name here.
 """
@@ -36,6 +38,7 @@ from course_lib.measure.memory.activations import (
     sequence_split,
     sequence_table,
 )
+from course_lib.measure.memory.exercises import check_sgd_budget, check_smallest_peak
 from course_lib.measure.memory.mixed_precision import (
     SMALL_GPT,
     LossScaler,
@@ -61,6 +64,8 @@ __all__ = [
     "activation_sweep",
     "activation_table",
     "autocast_memory",
+    "check_sgd_budget",
+    "check_smallest_peak",
     "course_block",
     "layer_activations",
     "lm_batches",
