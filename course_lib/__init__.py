@@ -43,7 +43,8 @@ to read: `data_parallel`, `compression`, `pipeline`, `parallel_3d`):
 - `fault_tolerance` (13): restarts from sharded checkpoints, async saves, a watchdog.
 
 What a lecture measures and draws, where that is long, is in `measure/<topic>.py` (or
-`measure/<topic>/`).
+`measure/<topic>/`), and so are the checks of its exercises, which compute the expected value
+off the page.
 """
 
 import sys

@@ -14,6 +14,11 @@ An exercise cell leaves the answer as `...` until the student writes one: the ch
 so and nothing raises, so a lecture still runs top to bottom (CI runs every lecture). A wrong
 answer is told how far off it is and given the hint, never the expected value: the point is
 to find it. Graded work is in the assignments, with their own checks (`course_lib.grading`).
+
+An expected value a cell could show as an expression (a formula, a library call that computes
+exactly what is asked) is computed off the page, by a check named after the exercise in the
+lecture's `course_lib.measure.<topic>`: the cell holds the answer and one call, and copying
+from the page earns nothing. Lecture 0, which has no module of its own, has its check here.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from course_lib.costs import all_reduce_bytes
 
 
 def _unanswered(answer: object) -> bool:
@@ -134,6 +141,12 @@ def check_numbers(
         print(f"{name}: ", end="")
         answer = answers.get(name, ...)
         verdicts.append(check_number(answer, value, rtol=rtol, atol=atol, unit=unit, hint=hint))
+    return together(*verdicts)
+
+
+def together(*verdicts: bool | None) -> bool | None:
+    """One verdict for an exercise of several checks: True when every one is right, None while
+    every one is still unanswered (`...`), False otherwise."""
     if all(v is None for v in verdicts):
         return None
     return all(verdicts)
@@ -281,3 +294,17 @@ def check_matrix(
         f"{'; ' + '; '.join(sums) if sums else ''}. {hint}".rstrip()
     )
     return False
+
+
+# --- lecture 0's exercise (lecture 0 has no module of its own) --------------------------------
+
+
+def check_bytes_on_8_ranks(bytes_per_rank_on_8: object) -> bool | None:
+    """Lecture 0: the bytes one rank sends to all-reduce 1,000,000 float32 values on 8 ranks."""
+    return check_number(
+        bytes_per_rank_on_8,
+        all_reduce_bytes(4 * 1_000_000, 8),
+        rtol=0.01,
+        unit="bytes",
+        hint="A float32 is 4 bytes, so N = 4,000,000; then 2(P-1)/P * N with P = 8.",
+    )

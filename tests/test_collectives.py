@@ -35,6 +35,7 @@ from course_lib.measure.collectives import (
     PHASE_COLOURS,
     AllReduceModelWidget,
     RingWidget,
+    check_crossover,
     crossovers,
     draw_ring_frame,
     plot_all_reduce_sweep,
@@ -448,6 +449,18 @@ def test_the_models_fastest_algorithm_changes_where_the_formulas_cross():
         ((at, before, after),) = crossovers(p, alpha, beta)
         assert (before, after) == ("butterfly", "halving_doubling")
         assert at == pytest.approx(expected, rel=0.012)
+
+
+def test_the_crossover_exercise_is_checked_off_the_page(capsys):
+    # worked by hand: 3(a + Nb) = 6a + 1.75 Nb, so N = 3a / (1.25 b) = 2.4 x 10e-6 / 8e-10
+    assert check_crossover(30_000) is True
+    assert "✓ Right: 3e+04 bytes" in capsys.readouterr().out
+    assert check_crossover(60_000) is False
+    out = capsys.readouterr().out
+    assert "2x too large" in out and "Set the two times equal and solve for N" in out
+    assert "3e+04" not in out and "30000" not in out and "3.02e+04" not in out
+    assert check_crossover(...) is None
+    assert "Not answered yet" in capsys.readouterr().out
 
 
 def test_the_model_widget_moves_the_crossover_with_the_latency():

@@ -38,6 +38,7 @@ from course_lib.compression import (
 from course_lib.measure.compression import (
     CompressionLog,
     build_ddp,
+    check_powersgd_ratio,
     measure_quantized_all_reduce,
     network_table,
     plot_quantization_error,
@@ -433,3 +434,15 @@ def test_sweep_bandwidth_times_steps_on_the_emulated_network(pool4):
     assert extra >= 0.8 * bytes_per_step("fp32", shapes, P) / 2e5
     with pytest.raises(ValueError, match="more than skip=2 batches"):
         sweep_bandwidth(("fp32",), [1e6], batches(2), 0.01, sizes=SIZES)
+
+
+def test_the_powersgd_ratio_exercise_is_checked_off_the_page(capsys):
+    # worked by hand: 1024 x 1024 numbers against (1024 + 1024) x 4, 128 times fewer
+    assert check_powersgd_ratio(128) is True
+    assert "✓ Right: 128" in capsys.readouterr().out
+    assert check_powersgd_ratio(256) is False  # at rank 2, section 3's table
+    out = capsys.readouterr().out
+    assert "2x too large" in out and "compare (n + m) r numbers with n m" in out
+    assert "128" not in out
+    assert check_powersgd_ratio(...) is None
+    assert "Not answered yet" in capsys.readouterr().out

@@ -427,6 +427,31 @@ def test_the_async_exercise_check_tells_right_wrong_and_unanswered(fn, verdict, 
     assert capsys.readouterr().out
 
 
+def test_the_ring_bytes_limit_exercise_is_checked_off_the_page(capsys):
+    assert large_batches.check_ring_bytes_limit(2) is True  # 2(P-1)/P -> 2
+    assert "✓ Right: 2" in capsys.readouterr().out
+    assert large_batches.check_ring_bytes_limit(1) is False
+    out = capsys.readouterr().out
+    assert "2x too small" in out and "What does (P-1)/P tend to?" in out and "2.0" not in out
+    assert large_batches.check_ring_bytes_limit(...) is None
+    assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_redundancy_exercise_is_checked_off_the_page(capsys):
+    # worked by hand: one copy is 16 x 7e9 = 1.12e11 bytes; 63 more of them, or 1/64 of one
+    check = large_batches.check_redundancy
+    assert check(63 * 1.12e11, 1.12e11 / 64) is True
+    assert capsys.readouterr().out.count("✓ Right") == 2
+    assert check(1.12e11, 1.12e11) is False  # one copy, and ZeRO-3 not sharding at all
+    out = capsys.readouterr().out
+    assert "63x too small. One copy is 16 bytes x 7e9." in out
+    assert "64x too large. Every kind of state is divided by P." in out
+    assert "7.056e+12" not in out and "1.75e+09" not in out
+    assert check(63 * 1.12e11, ...) is False  # one right, one still unanswered
+    assert check(..., ...) is None
+    assert capsys.readouterr().out.count("Not answered yet") == 3
+
+
 def test_the_overlap_table_prints_medians_without_the_first_two_steps(capsys):
     """Lecture 3's table: medians in ms of steps 2 on, the loop's parts summed both ways."""
     from course_lib.data_parallel import Event, TrainLog

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.exercises import (
+    check_bytes_on_8_ranks,
     check_choice,
     check_function,
     check_matrix,
@@ -13,6 +14,7 @@ from course_lib.exercises import (
     check_numbers,
     faster,
     nearest_option,
+    together,
     value_and_gradient,
 )
 
@@ -87,6 +89,24 @@ def test_named_numbers_unanswered_or_misnamed(capsys):
     assert "Unknown names ['b']: use 'a'" in capsys.readouterr().out
     assert check_numbers(3.0, {"a": 1.0}) is False
     assert "Expected a dict" in capsys.readouterr().out
+
+
+def test_several_checks_of_one_exercise_give_one_verdict():
+    assert together(True, True) is True
+    assert together(True, False) is False and together(True, None) is False
+    assert together(None, None) is None
+
+
+def test_lecture_0s_bytes_on_8_ranks_is_checked_off_the_page(capsys):
+    # worked by hand: N = 4 x 1,000,000 bytes, 2(P-1)/P N = 2 x 7/8 x 4e6 = 7e6 bytes
+    assert check_bytes_on_8_ranks(7_000_000) is True
+    assert "✓ Right: 7e+06 bytes" in capsys.readouterr().out
+    assert check_bytes_on_8_ranks(6_000_000) is False  # the 4 ranks' number
+    out = capsys.readouterr().out
+    assert "1.2x too small" in out and "2(P-1)/P * N with P = 8" in out
+    assert "7e+06" not in out and "7000000" not in out and "7,000,000" not in out
+    assert check_bytes_on_8_ranks(...) is None
+    assert "Not answered yet" in capsys.readouterr().out
 
 
 def first_rows(t, rank, size):

@@ -35,6 +35,8 @@ from course_lib.gossip import (
     simulate_consensus,
 )
 from course_lib.measure.gossip import (
+    check_ring_of_5,
+    check_rounds_for_1000x,
     class_sharded_batches,
     contraction_by_size,
     parameter_server,
@@ -405,3 +407,35 @@ def test_class_sharded_batches_give_rank_r_only_class_r():
         class_sharded_batches(x, y, 8, 1, world_size=2)
     with pytest.raises(ValueError, match="splits evenly"):
         class_sharded_batches(x, y, 6, 1, world_size=4)
+
+
+# --- lecture 4's exercises, checked off the page ---------------------------------------------
+
+
+def test_the_ring_of_5_exercise_is_checked_entry_by_entry(capsys):
+    # by hand: rank j keeps 1/3 and pushes 1/3 to j - 1 and j + 1 (mod 5)
+    ring = [[1 / 3 if (i - j) % 5 in (0, 1, 4) else 0.0 for j in range(5)] for i in range(5)]
+    assert check_ring_of_5(ring) is True
+    assert "✓ Right: all 25 entries" in capsys.readouterr().out
+    halves = [
+        [{0: 0.5, 1: 0.25, 4: 0.25}.get((i - j) % 5, 0.0) for j in range(5)] for i in range(5)
+    ]
+    assert check_ring_of_5(halves) is False
+    out = capsys.readouterr().out
+    assert "15 entries wrong" in out and "Row i holds the shares rank i receives." in out
+    assert "0.333" not in out and "1/3" not in out
+    assert check_ring_of_5(...) is None
+    assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_rounds_for_1000x_exercise_is_checked_off_the_page(capsys):
+    # by hand: the ring's lambda is 1/3 + 2/3 cos(2 pi / P); lambda**t = 1/1000 at t = 132.6
+    lam = 1 / 3 + 2 / 3 * math.cos(2 * math.pi / 16)
+    assert check_rounds_for_1000x(math.log(1000) / -math.log(lam)) is True
+    assert "✓ Right: 132.6 rounds" in capsys.readouterr().out
+    assert check_rounds_for_1000x(1000) is False
+    out = capsys.readouterr().out
+    assert "7.5x too large" in out and "Solve lambda**t = 1/1000 for t" in out
+    assert "132" not in out and "133" not in out
+    assert check_rounds_for_1000x(...) is None
+    assert "Not answered yet" in capsys.readouterr().out

@@ -1,8 +1,8 @@
 """course_lib.memory: byte counts of weights, gradients and optimizer state, the mixed-precision
 AdamW recipe and its 16 bytes/parameter, saved-tensor accounting of activations, and activation
 checkpointing's peak against n/k + k. course_lib.measure.memory: a Megatron-style layer's saved
-bytes against sbh(34 + 5as/h), autocast's memory and losses, and fp16 loss scaling against
-torch.amp.GradScaler.
+bytes against sbh(34 + 5as/h), autocast's memory and losses, fp16 loss scaling against
+torch.amp.GradScaler, and the exercises' checks against answers worked by hand.
 
 Every expected byte count is computed here from numel() * element_size() of the tensors
 involved (or from the model's sizes), never read back from course_lib.memory.
@@ -23,6 +23,8 @@ from course_lib.measure.memory import (
     activation_sweep,
     activation_table,
     autocast_memory,
+    check_sgd_budget,
+    check_smallest_peak,
     course_block,
     layer_activations,
     plot_activation_sweep,
@@ -469,3 +471,34 @@ def test_the_figures_draw_each_measurement_over_its_reference():
     gaps = bottom.lines[1].get_ydata()
     assert gaps[0] == pytest.approx(1e-3) and gaps[1] == 0
     assert sorted(line.get_ydata()[0] for line in bottom.lines[2:]) == [-2e-3, 2e-3]
+
+
+# --- the lecture's exercises, checked off the page (course_lib.measure.memory) ----------------
+
+
+def test_the_sgd_budget_exercise_is_checked_off_the_page(capsys):
+    # by hand: bf16 weights and gradients 2 + 2, fp32 master 4, momentum 4: 12 bytes; a 13B
+    # model's 156e9 bytes fill 1.95 GPUs of 80 GB, so 2
+    assert check_sgd_budget(12, 2) is True
+    assert capsys.readouterr().out.count("✓ Right") == 2
+    assert check_sgd_budget(16, 3) is False  # AdamW's bytes, and the GPUs they need
+    out = capsys.readouterr().out
+    assert "1.3x too large. Go through the five rows of the table" in out
+    assert "1.5x too large. Bytes per parameter x 13e9" in out
+    assert "12" not in out and "1.95" not in out
+    assert check_sgd_budget(12, ...) is False  # one right, one still unanswered
+    assert check_sgd_budget(..., ...) is None
+    assert capsys.readouterr().out.count("Not answered yet") == 3
+
+
+def test_the_smallest_peak_exercise_is_checked_off_the_page(capsys):
+    # by hand: n/k + k for n = 64 is least at k = sqrt(64) = 8: 8 + 8 = 16 units
+    assert check_smallest_peak(16, 8) is True
+    assert capsys.readouterr().out.count("✓ Right") == 2
+    assert check_smallest_peak(64 / 4 + 4, 4) is False  # k = 4: 20 units
+    out = capsys.readouterr().out
+    assert "1.2x too large. The peak is k segment inputs" in out
+    assert "2x too small. Where is n/k + k least?" in out
+    assert "16" not in out and " 8 " not in out
+    assert check_smallest_peak(..., ...) is None
+    assert capsys.readouterr().out.count("Not answered yet") == 2

@@ -1,4 +1,5 @@
-"""course_lib.processes: message timings over Pipe/Queue and gloo, the alpha-beta fit, the plots."""
+"""course_lib.processes: message timings over Pipe/Queue and gloo, the alpha-beta fit, the plots;
+course_lib.measure.processes: the lecture's exercise checked off the page."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from course_lib import CommCounter, RankError, WorkerPool
+from course_lib.measure.processes import check_seconds_for_256MB
 from course_lib.processes import (
     LinkFit,
     fit_latency_bandwidth,
@@ -93,6 +95,19 @@ def test_link_fit_predicts_and_prints():
     fit = LinkFit(alpha=1e-4, bandwidth=1e9)
     np.testing.assert_allclose(fit.predict([0, 1e9]), [1e-4, 1 + 1e-4], rtol=1e-12)
     assert str(fit) == "alpha = 100.0 us, 1/beta = 1.00 GB/s"
+
+
+def test_the_256MB_exercise_is_checked_against_the_fit_it_names(capsys):
+    fit = LinkFit(alpha=50e-6, bandwidth=2e9)
+    # worked by hand: 50 us + 256 x 1024**2 B / 2e9 B/s = 0.000050 + 0.134217728 s
+    assert check_seconds_for_256MB(0.134267728, fit) is True
+    assert "✓ Right: 0.1343 s" in capsys.readouterr().out
+    assert check_seconds_for_256MB(0.268, fit) is False
+    out = capsys.readouterr().out
+    assert "2x too large" in out and "beta = 1 / bandwidth in seconds per byte" in out
+    assert "0.1343" not in out and "0.134" not in out
+    assert check_seconds_for_256MB(..., fit) is None
+    assert "Not answered yet" in capsys.readouterr().out
 
 
 # --- the plots ----------------------------------------------------------------------------

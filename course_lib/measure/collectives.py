@@ -17,6 +17,7 @@
   `plot_all_reduce_sweep` draws the times over the alpha-beta model's lines and marks where
   the model's fastest algorithm changes.
 - `AllReduceModelWidget()`: sliders for latency, bandwidth and ranks over the model's lines.
+- `check_crossover(crossover_bytes)`: the exercise's check, its expected value off the page.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from course_lib.collectives import (
     two_level_all_reduce,
 )
 from course_lib.costs import two_level_all_reduce_seconds
+from course_lib.exercises import check_number
 from course_lib.launch import launch
 from course_lib.network import SlowNetwork
 from course_lib.plots import NotebookFigure
@@ -357,6 +359,17 @@ def crossovers(
         for i in range(1, len(grid))
         if best[i] != best[i - 1]
     ]
+
+
+def check_crossover(crossover_bytes: object) -> bool | None:
+    """Lecture 2: the N at which butterfly and halving-doubling tie, P = 8, 10 us, 10 Gbit/s."""
+    return check_number(
+        crossover_bytes,
+        crossovers(8, 10e-6, 8 / 10e9)[0][0],
+        rtol=0.02,
+        unit="bytes",
+        hint="Set the two times equal and solve for N; beta is seconds per byte: 8 / 10e9.",
+    )
 
 
 def _draw_model(ax: Axes, nbytes: list[float], world_size: int, alpha: float, beta: float) -> None:

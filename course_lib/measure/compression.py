@@ -1,7 +1,8 @@
 """How lecture 5 trains and shows training with compressed gradients: every method of
 `course_lib.compression` as a DDP comm hook (`build_ddp`) in one training loop
 (`train_compressed`), loss curves against steps or seconds; the quantization error as a
-histogram; a slow-network run as a table, and step time swept over bandwidths.
+histogram; a slow-network run as a table, and step time swept over bandwidths; and the check
+of section 3's PowerSGD exercise (`check_powersgd_ratio`), its expected value off the page.
 
     run = train_compressed("powersgd", batches, sizes=(8, 4))   # on every rank, in `launch`
 
@@ -55,12 +56,14 @@ from course_lib.compression import (
     feedback_hook,
     latency_steps,
     majority_vote_hook,
+    powersgd_ratio,
     quantize,
     quantized_all_reduce,
     quantized_hook,
     quantized_sum_bound,
 )
 from course_lib.data import shard
+from course_lib.exercises import check_number
 from course_lib.network import SlowNetwork
 from course_lib.plots import NotebookFigure
 from course_lib.progress import progress
@@ -401,3 +404,16 @@ def plot_step_time_vs_bandwidth(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
+
+
+# --- section 3's exercise, checked off the page ------------------------------------------------
+
+
+def check_powersgd_ratio(fewer_numbers_1024: object) -> bool | None:
+    """Lecture 5: how many times fewer numbers PowerSGD sends for 1024 x 1024 at rank r = 4."""
+    return check_number(
+        fewer_numbers_1024,
+        powersgd_ratio(1024, 1024, 4),
+        rtol=0.01,
+        hint="P is n x r and Q is m x r: compare (n + m) r numbers with n m.",
+    )

@@ -2,7 +2,9 @@
 from (section 3: the order gradients become ready, an all-reduce that overlaps compute; the
 table of DDP's overlap, `overlap_table`),
 large batches (section 5: steps to a target loss against the batch size, the gradient noise
-scale) and fewer all-reduces (section 6: local SGD's loss against the bytes it sends).
+scale) and fewer all-reduces (section 6: local SGD's loss against the bytes it sends); and
+section 2's exercises, checked with their expected values off the page
+(`check_ring_bytes_limit`, `check_redundancy`).
 
 Data parallelism over P ranks with B/P samples each is, step for step, single-process
 training with batch B (lecture 3, section 2 shows the parameters equal to rounding). So the
@@ -26,6 +28,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from course_lib import data, launch, models, rank
+from course_lib.costs import MIXED_ADAMW, zero_bytes
+from course_lib.exercises import check_number, together
 
 SIZES = (8, 32, 4)  # the classifier: 8 inputs, 32 hidden units, 4 classes
 
@@ -268,3 +272,27 @@ def time_overlap(overlap: bool, floats: int = 4_000_000, steps: int = 5) -> floa
             work.wait()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+# --- section 2's exercises, checked off the page ----------------------------------------------
+
+
+def check_ring_bytes_limit(limit_in_units_of_M: object) -> bool | None:
+    """Lecture 3: what a ring all-reduce's bytes per rank over M tend to as P grows."""
+    return check_number(limit_in_units_of_M, 2.0, rtol=0.01, hint="What does (P-1)/P tend to?")
+
+
+def check_redundancy(redundant_bytes: object, zero3_bytes_per_gpu: object) -> bool | None:
+    """Lecture 3: 7B parameters' AdamW state on 64 GPUs: the bytes beyond one copy, ZeRO-3's."""
+    per_copy = sum(zero_bytes("ddp", 7e9, 64, MIXED_ADAMW).values())
+    return together(
+        check_number(
+            redundant_bytes, 63 * per_copy, unit="bytes", hint="One copy is 16 bytes x 7e9."
+        ),
+        check_number(
+            zero3_bytes_per_gpu,
+            sum(zero_bytes("zero3", 7e9, 64, MIXED_ADAMW).values()),
+            unit="bytes",
+            hint="Every kind of state is divided by P.",
+        ),
+    )

@@ -7,13 +7,16 @@ stale gradients simulated in one process.
     plot_mixing_matrices({"ring": Ring(8).mixing_matrix()})
     plot_contraction(SIZES, contraction_by_size({"ring": Ring}, SIZES))
 
-The gossip itself (topologies, rounds, push-sum, AsyncPushSum) is course_lib/gossip.py.
+The checks of sections 2 and 3's exercises (`check_ring_of_5`, `check_rounds_for_1000x`)
+compute their expected values here, off the page. The gossip itself (topologies, rounds,
+push-sum, AsyncPushSum) is course_lib/gossip.py.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ from torch import nn
 from course_lib.comm import CommCounter, written_bytes
 from course_lib.data import shard
 from course_lib.data_parallel import allreduce_gradients, flat_gradients, flat_parameters
+from course_lib.exercises import check_matrix, check_number
 from course_lib.gossip import (
     AsyncPushSum,
     ExponentialGraph,
@@ -369,3 +373,24 @@ def plot_contraction(sizes: Sequence[int], rates: dict[str, Sequence[float]]) ->
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return fig
+
+
+# --- the exercises of sections 2 and 3, checked off the page ----------------------------------
+
+
+def check_ring_of_5(ring_of_5: object) -> bool | None:
+    """Lecture 4: the push-style mixing matrix of a ring of 5 ranks, entry by entry."""
+    return check_matrix(
+        ring_of_5, Ring(5).mixing_matrix(), hint="Row i holds the shares rank i receives."
+    )
+
+
+def check_rounds_for_1000x(rounds_for_1000x: object) -> bool | None:
+    """Lecture 4: the rounds a ring of 16 needs for lambda**t to shrink the error 1000 times."""
+    return check_number(
+        rounds_for_1000x,
+        math.log(1000) / -math.log(contraction_rate(Ring(16))),
+        rtol=0.03,
+        unit="rounds",
+        hint="Solve lambda**t = 1/1000 for t: take logarithms.",
+    )
