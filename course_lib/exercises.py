@@ -60,7 +60,7 @@ def check_number(
         return False
     unit = f" {unit}" if unit else ""
     if math.isclose(value, expected, rel_tol=rtol, abs_tol=atol):
-        within = f"{rtol:.0%}" if rtol else f"±{atol:g}"
+        within = f"{100 * rtol:g}%" if rtol else f"±{atol:g}"
         print(f"✓ Right: {value:.4g}{unit} (checked to within {within}).")
         return True
     print(f"✗ Not yet: {value:.4g}{unit} is {_how_far(value, expected)}. {hint}".rstrip())
@@ -71,6 +71,8 @@ def _how_far(value: float, expected: float) -> str:
     """How a wrong number is off, without saying the right one."""
     if expected != 0 and value != 0 and (value > 0) == (expected > 0):
         ratio = value / expected
+        if 0.9 < ratio < 1.1:  # close: "1x too large" would say nothing
+            return f"{abs(ratio - 1):.1%} too {'large' if ratio > 1 else 'small'}"
         return f"{ratio:.2g}x too large" if ratio > 1 else f"{1 / ratio:.2g}x too small"
     return "the wrong sign" if value != 0 else "zero, and it should not be"
 

@@ -447,6 +447,8 @@ def test_the_redundancy_exercise_is_checked_off_the_page(capsys):
     assert "63x too small. One copy is 16 bytes x 7e9." in out
     assert "64x too large. Every kind of state is divided by P." in out
     assert "7.056e+12" not in out and "1.75e+09" not in out
+    assert check(64 * 1.12e11, 1.12e11 / 64) is False  # counting the copy that is needed
+    assert "1.6% too large" in capsys.readouterr().out
     assert check(63 * 1.12e11, ...) is False  # one right, one still unanswered
     assert check(..., ...) is None
     assert capsys.readouterr().out.count("Not answered yet") == 3

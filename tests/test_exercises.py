@@ -35,6 +35,13 @@ def test_a_wrong_number_is_told_how_far_off_without_the_answer(capsys):
     assert "4x too small" in capsys.readouterr().out
     assert check_number(-1, 1) is False
     assert "wrong sign" in capsys.readouterr().out
+    # a near miss (64 copies for 63) in percent, where "1x too large" would say nothing
+    assert check_number(64, 63, rtol=0.005) is False
+    assert "1.6% too large" in capsys.readouterr().out
+    assert check_number(95, 100, rtol=0.01) is False
+    assert "5.0% too small" in capsys.readouterr().out
+    assert check_number(100.3, 100, rtol=0.005) is True
+    assert "checked to within 0.5%" in capsys.readouterr().out
 
 
 def test_an_unanswered_exercise_says_so_and_passes_through(capsys):

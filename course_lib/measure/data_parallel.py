@@ -286,8 +286,13 @@ def check_redundancy(redundant_bytes: object, zero3_bytes_per_gpu: object) -> bo
     """Lecture 3: 7B parameters' AdamW state on 64 GPUs: the bytes beyond one copy, ZeRO-3's."""
     per_copy = sum(zero_bytes("ddp", 7e9, 64, MIXED_ADAMW).values())
     return together(
+        # 0.5%: 64 copies instead of 63 is 1.6% off, and must not pass
         check_number(
-            redundant_bytes, 63 * per_copy, unit="bytes", hint="One copy is 16 bytes x 7e9."
+            redundant_bytes,
+            63 * per_copy,
+            rtol=0.005,
+            unit="bytes",
+            hint="One copy is 16 bytes x 7e9.",
         ),
         check_number(
             zero3_bytes_per_gpu,
