@@ -5,7 +5,8 @@ the lecture it follows. For the topic "zero":
 
     lectures/07_zero.ipynb           the lecture
     course_lib/zero.py               its plumbing (the lecture's code)
-    course_lib/measure/zero.py       what the lecture measures and draws, if long (optional)
+    course_lib/measure/zero/         what the lecture measures and draws, if long (optional;
+                                     a package here, measure/<topic>.py where one file will do)
     solutions/a07_zero/a07_zero.ipynb    the assignment, and assignments/a07_zero/ (released)
     course_lib/grading/zero.py       the assignment's checks (and all the notebook imports)
     course_lib/grading/zero_*.py     parts of them, where one file would be too long to read

@@ -25,6 +25,9 @@ from course_lib.measure.expert_parallel import (
     balance_router,
     batch,
     bytes_sent,
+    check_capacity,
+    check_ep_forward_bytes,
+    check_worst_balance_loss,
     largest_errors,
     step_spread,
     step_times,
@@ -262,3 +265,38 @@ def test_a_step_is_timed_by_its_slowest_rank_and_summed_up_by_median_and_spread(
     # rank 0 took 1, 5, 2 s on its three steps, rank 1 2, 1, 3: the steps ended after 2, 5, 3
     runs = [{"EP": [{"times": [1.0, 5.0, 2.0]}]}, {"EP": [{"times": [2.0, 1.0, 3.0]}]}]
     assert step_spread(runs, "EP", 0) == (3.0, 2.0, 5.0)
+
+
+# --- the lecture's exercises, against numbers worked out by hand ------------------------------
+
+
+def test_the_capacity_check_takes_the_even_share_with_a_quarter_more(capsys):
+    assert check_capacity(1.25 * 4096 * 2 / 64) is True  # 1.25 x 128 = 160 tokens
+    assert "✓ Right" in capsys.readouterr().out
+    assert check_capacity(4096 * 2 / 64) is False  # the even share, without the headroom
+    out = capsys.readouterr().out
+    assert "the factor adds headroom" in out and "160" not in out
+    assert check_capacity(...) is None
+    assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_worst_balance_loss_check_takes_e(capsys):
+    assert check_worst_balance_loss(8 * 1.0 * 1.0) is True  # E * f_0 * P_0, the rest 0
+    assert "✓ Right" in capsys.readouterr().out
+    assert check_worst_balance_loss(2) is False
+    out = capsys.readouterr().out
+    assert "f and P are 1 there" in out and "8" not in out
+    assert check_worst_balance_loss(...) is None
+    assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_ep_bytes_check_takes_two_all_to_alls_of_seven_eighths(capsys):
+    """N = 4096 tokens x 2 choices x 4096 values x 2 bytes = 67,108,864; dispatch and combine
+    each send 7/8 of it on 8 ranks."""
+    assert check_ep_forward_bytes(2 * 67_108_864 * 7 / 8) is True
+    assert "✓ Right" in capsys.readouterr().out
+    assert check_ep_forward_bytes(2 * 67_108_864) is False  # the 1/8 kept at home sent too
+    out = capsys.readouterr().out
+    assert "each send (P-1)/P of it" in out and "1.174e+08" not in out
+    assert check_ep_forward_bytes(...) is None
+    assert "Not answered yet" in capsys.readouterr().out

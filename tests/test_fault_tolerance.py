@@ -5,6 +5,7 @@ a timeout, and none outlives its test."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from course_lib.fault_tolerance import (
     train,
     two_node_args,
 )
-from course_lib.measure.fault_tolerance import watched_steps
+from course_lib.measure.fault_tolerance import check_minutes_between_checkpoints, watched_steps
 
 STEPS, EVERY, KILL_AT = 8, 3, 7  # checkpoints after steps 2 and 5; rank 1 dies at step 7
 
@@ -228,3 +229,14 @@ def test_the_planner_chart_draws_every_kind_in_its_legend_colour_in_every_row():
     for kind, bars in zip(drawn, ax.containers, strict=True):
         assert matplotlib.colors.to_hex(bars.patches[0].get_facecolor()) == legend[kind], kind
     plt.close(fig)
+
+
+def test_the_young_check_takes_sqrt_2cm_in_minutes(capsys):
+    """C = 30 s, M = 3 h = 10,800 s: sqrt(2 x 30 x 10,800) = sqrt(648,000) s, about 13.4 min."""
+    assert check_minutes_between_checkpoints(math.sqrt(648_000) / 60) is True
+    assert "✓ Right" in capsys.readouterr().out
+    assert check_minutes_between_checkpoints(math.sqrt(648_000)) is False  # seconds, not minutes
+    out = capsys.readouterr().out
+    assert "then convert to minutes" in out and "13.42" not in out
+    assert check_minutes_between_checkpoints(...) is None
+    assert "Not answered yet" in capsys.readouterr().out

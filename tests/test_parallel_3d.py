@@ -22,7 +22,10 @@ from course_lib.measure.parallel_3d import (
     STEP_CONFIG,
     PlannerWidget,
     candidate_table,
+    check_interleaved_bubble,
     check_plan,
+    check_plan_memory,
+    check_plan_mfu,
     close_calls,
     gather_dense,
     grid_table,
@@ -356,6 +359,48 @@ def test_the_plan_check_says_right_too_big_or_slower_and_never_names_the_best(ca
     assert check_plan(dict(tp=..., pp=4, dp=16), LLAMA_70B, cluster) is None
     assert check_plan(dict(tp=4, pp=4, dp=16), LLAMA_70B, cluster) is False
     assert "uses 256 GPUs, not 512" in capsys.readouterr().out
+
+
+def test_the_by_hand_memory_check_takes_16_bytes_split_and_stage_0s_activations(capsys):
+    """70B, TP 8 x PP 8 x DP 8, ZeRO-1: N/64 parameters of 2 + 2 + 12/8 bytes; m = 1024/8 = 128,
+    so stage 0 holds min(8, 128) micro-batches of 10 layers of sbh(34/8 + 5as/(8h)) bytes."""
+    sbh, five_as_over_h = 4096 * 8192, 5 * 64 * 4096 / 8192
+    right = {
+        "model state": 70e9 / 64 * (2 + 2 + 12 / 8) / 1e9,
+        "activations": 8 * 10 * sbh * (34 / 8 + five_as_over_h / 8) / 1e9,
+    }
+    assert check_plan_memory(right) is True
+    assert capsys.readouterr().out.count("✓ Right") == 2
+    wrong = {**right, "model state": 70e9 / 64 * 16 / 1e9}  # ZeRO-1's shard forgotten
+    assert check_plan_memory(wrong) is False
+    out = capsys.readouterr().out
+    assert "ZeRO-1 divides the 12 optimizer bytes by d" in out and "6.016" not in out
+    assert check_plan_memory({"model state": ..., "activations": ...}) is None
+    assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_interleaved_bubble_check_takes_3_over_131(capsys):
+    """PP 4, m = 64, v = 2: (P-1)/(vm + P-1) = 3/131 (by hand)."""
+    assert check_interleaved_bubble(3 / 131) is True
+    assert "✓ Right" in capsys.readouterr().out
+    assert check_interleaved_bubble(3 / 67) is False  # v = 1: the bubble without interleaving
+    out = capsys.readouterr().out
+    assert "The fill and drain are v times shorter" in out and "0.0229" not in out
+    assert check_interleaved_bubble(...) is None
+    assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_mfu_check_takes_utilisation_times_achieved_over_peak(capsys):
+    """The MFU the exercise's hint describes: the printed utilisation x 150 / 312 TFLOP/s."""
+    plan = estimate(LLAMA_70B, Cluster(512), Plan(8, 4, 16, "zero1", "none"))
+    right = plan.utilisation * 150e12 / 312e12
+    assert check_plan_mfu(right) is True
+    assert "✓ Right" in capsys.readouterr().out
+    assert check_plan_mfu(plan.utilisation) is False  # against the achieved, not the peak
+    out = capsys.readouterr().out
+    assert "divide by the peak" in out and f"{right:.4g}" not in out
+    assert check_plan_mfu(...) is None
+    assert "Not answered yet" in capsys.readouterr().out
 
 
 # --- one real DP x TP x PP step against one process, and against the planner ----------------

@@ -23,6 +23,7 @@ from course_lib.measure import pipeline as measure
 from course_lib.measure.pipeline import (
     PipelineWidget,
     brute_force_partition,
+    check_bubble_shares,
     measure_bubbles,
     peak_activations,
     pending_w_peak,
@@ -458,3 +459,17 @@ def test_zero_bubble_memory_is_what_the_ws_owed_hold(pool4):
             assert log.peak_in_flight == held, (name, s)
             assert len(set(log.activation_bytes)) == 1 and log.activation_bytes[0] > 0
             assert log.peak_activation_bytes == held * log.activation_bytes[0], (name, s)
+
+
+def test_the_bubble_exercise_takes_7_over_15_7_over_71_and_227(capsys):
+    """P = 8: (P-1)/(m+P-1) is 7/15 for m = 8 and 7/71 for m = 64; under 3% needs
+    7/(m+7) < 0.03, m > 226.3, so 227 (by hand, not from the formula's code)."""
+    right = {"P=8, m=8": 7 / 15, "P=8, m=64": 7 / 71}
+    assert check_bubble_shares(right, 227) is True
+    assert capsys.readouterr().out.count("✓ Right") == 3
+    assert check_bubble_shares({**right, "P=8, m=8": 7 / 8}, 226) is False  # m = 1's bubble
+    out = capsys.readouterr().out
+    assert "Idle stage-time over all stage-time" in out and "m is a whole number" in out
+    assert "0.4667" not in out and "227" not in out
+    assert check_bubble_shares({"P=8, m=8": ..., "P=8, m=64": ...}, ...) is None
+    assert "Not answered yet" in capsys.readouterr().out

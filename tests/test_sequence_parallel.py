@@ -4,6 +4,8 @@ each rank does with contiguous and zigzag shards."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,8 @@ from course_lib.costs import (
 from course_lib.measure.collectives import record_peers
 from course_lib.measure.sequence_parallel import (
     check_merge,
+    check_rescale,
+    check_ring_bytes_per_rank,
     peak_bytes,
     sweep_peak_bytes,
     torch_context_parallel,
@@ -285,3 +289,25 @@ def test_the_merge_check_takes_a_right_merge_and_refuses_one_that_does_not_resca
     assert check_merge(...) is None
     assert check_merge(lambda state, scores, v: (1, 2)) is False
     assert "return the three tensors" in capsys.readouterr().out
+
+
+def test_the_rescale_check_takes_e_to_the_minus_2(capsys):
+    assert check_rescale(math.exp(3 - 5)) is True  # exp(old max - new max)
+    assert "✓ Right" in capsys.readouterr().out
+    assert check_rescale(math.exp(5 - 3)) is False  # the wrong way round
+    out = capsys.readouterr().out
+    assert "it must become exp(score - 5)" in out and "0.1353" not in out
+    assert check_rescale(...) is None
+    assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_ring_bytes_check_takes_seven_eighths_of_k_and_v(capsys):
+    """K and V of 32k tokens of width 4096 in 2 bytes: 2 * 32768 * 4096 * 2 = 536,870,912
+    bytes, of which a rank sends 7/8 around a ring of 8 (by hand)."""
+    assert check_ring_bytes_per_rank(536_870_912 * 7 / 8) is True
+    assert "✓ Right" in capsys.readouterr().out
+    assert check_ring_bytes_per_rank(536_870_912 / 8) is False  # only its own block, once
+    out = capsys.readouterr().out
+    assert "the ring passes (P-1)/P of them" in out and "4.698e+08" not in out
+    assert check_ring_bytes_per_rank(...) is None
+    assert "Not answered yet" in capsys.readouterr().out

@@ -24,6 +24,7 @@ from course_lib.costs import (
 )
 from course_lib.measure.tensor_parallel import (
     LAYERS,
+    check_tp_over_pp,
     comm_formula,
     f_and_g_all_reduces,
     measure_mlp_saved,
@@ -436,3 +437,15 @@ def test_column_and_row_shards_are_the_slices_that_rebuild_xa():
     assert column_shard(qkv, 1, 2, parts=3).flatten().tolist() == [2, 3, 6, 7, 10, 11]
     with pytest.raises(ValueError, match="cannot be split evenly over 3 ranks"):
         row_shard(weight, 0, 3)
+
+
+def test_the_tp_over_pp_exercise_takes_18(capsys):
+    """GPT-3 at t = 4, p = 16: 96 / 16 = 6 layers per stage, each 4 all-reduces of 2 * 3/4 of
+    the activation A, so 36 A of TP against 2 A across the boundary: 18 (by hand)."""
+    assert check_tp_over_pp(6 * 4 * 2 * 3 / 4 / 2) is True
+    assert "✓ Right" in capsys.readouterr().out
+    assert check_tp_over_pp(96 * 4 * 2 * 3 / 4 / 2) is False  # every layer, not the stage's 6
+    out = capsys.readouterr().out
+    assert "Layers per stage x 4 all-reduces" in out and "18" not in out
+    assert check_tp_over_pp(...) is None
+    assert "Not answered yet" in capsys.readouterr().out

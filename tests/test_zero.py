@@ -364,3 +364,63 @@ def test_exposed_time_is_every_gather_without_prefetch_and_at_most_that_with_it(
     for off, on in prefetch_runs:
         assert off.exposed_seconds == pytest.approx(off.gather_seconds, rel=1e-9)
         assert 0 <= on.exposed_seconds <= on.gather_seconds
+
+
+# --- the lecture's exercises on the formulas ----------------------------------------------------
+# Each check against numbers worked out here by hand from 2 + 2 + 12 = 16 bytes per parameter
+# (GB = 1e9 bytes): a right answer is taken, a wrong one gets the hint and not the answer, and
+# `...` is not answered yet.
+
+
+def test_the_gb_per_gpu_check_takes_the_stages_bytes_and_ddps_63_copies(capsys):
+    from course_lib.measure.zero import check_gb_per_gpu
+
+    # 13B on 32 GPUs: ZeRO-1 divides the 12 optimizer bytes by P, ZeRO-2 the 2 gradient bytes
+    # too, ZeRO-3 all 16. 7B on 64 GPUs under DDP: 112 GB each, 63 copies beyond the one needed.
+    right = {"ddp": 208, "zero1": 52 + 156 / 32, "zero2": 26 + 182 / 32, "zero3": 208 / 32}
+    assert check_gb_per_gpu(right, 63 * 112) is True
+    assert capsys.readouterr().out.count("✓ Right") == 5
+    assert check_gb_per_gpu({**right, "zero2": right["zero1"]}, 112) is False
+    out = capsys.readouterr().out
+    assert "Which kinds does this stage divide by P?" in out and "count the others" in out
+    assert "31.69" not in out and "7056" not in out  # ZeRO-2's GB and the copies' GB
+    assert check_gb_per_gpu({stage: ... for stage in right}, ...) is None
+    assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_zero2_check_takes_2_plus_14_over_4_bytes_per_parameter(capsys):
+    from course_lib.measure.zero import check_zero2_bytes_per_param
+
+    assert check_zero2_bytes_per_param(2 + 14 / 4) is True
+    assert "✓ Right" in capsys.readouterr().out
+    assert check_zero2_bytes_per_param(16 / 4) is False  # ZeRO-3's share
+    out = capsys.readouterr().out
+    assert "bf16 weights stay whole" in out and "5.5" not in out
+    assert check_zero2_bytes_per_param(...) is None
+    assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_zero3_check_takes_one_more_ring_pass_of_the_bf16_weights(capsys):
+    from course_lib.measure.zero import check_zero3_extra_gb
+
+    assert check_zero3_extra_gb(14 * 63 / 64) is True  # M = 14 GB, (P-1)/P of it once more
+    assert "✓ Right" in capsys.readouterr().out
+    assert check_zero3_extra_gb(3 * 14 * 63 / 64) is False  # ZeRO-3's whole traffic
+    out = capsys.readouterr().out
+    assert "Count the ring passes" in out and "13.78" not in out
+    assert check_zero3_extra_gb(...) is None
+    assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_offload_check_takes_the_gpus_2n_and_the_cpus_14n_over_p(capsys):
+    from course_lib.measure.zero import check_offload
+
+    # 7B on 2 GPUs: 2N on the GPU; 14N/2 on the CPU; 2N/2 bytes each way at 16 GB/s, twice
+    right = {"GPU GB": 14, "CPU GB": 49, "PCIe seconds": 2 * 7 / 16}
+    assert check_offload(right) is True
+    assert capsys.readouterr().out.count("✓ Right") == 3
+    assert check_offload({**right, "CPU GB": 98}) is False  # the CPU's 14N, not per shard
+    out = capsys.readouterr().out
+    assert "the copies are per shard" in out and "49" not in out
+    assert check_offload({"GPU GB": ..., "CPU GB": ..., "PCIe seconds": ...}) is None
+    assert "Not answered yet" in capsys.readouterr().out

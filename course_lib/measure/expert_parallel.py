@@ -3,7 +3,9 @@ expert parallelism equals one process, the bytes its all-to-alls send, and its s
 emulated slow network against tensor parallelism with as many parameters.
 
 Every function with "on each rank" in its docstring runs inside `launch`; the others run in
-the notebook. The formulas the numbers are held against are in `course_lib.costs`.
+the notebook. The formulas the numbers are held against are in `course_lib.costs`. The checks
+of the lecture's exercises (`check_capacity`, `check_worst_balance_loss`,
+`check_ep_forward_bytes`) compute their expected values here, out of the notebook's sight.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch.distributed as dist
 
 from course_lib import models
 from course_lib.comm import CommCounter, WireCounter
-from course_lib.costs import all_to_all_bytes
+from course_lib.costs import all_to_all_bytes, ep_bytes, expert_capacity
+from course_lib.exercises import check_number
 from course_lib.expert_parallel import ExpertParallelMoE, MoE, load_balancing_loss, route
 from course_lib.network import SlowNetwork
 from course_lib.runtime import rank, world_size
@@ -309,3 +312,41 @@ def plot_step_times(bandwidths: list[float], runs: list[dict[str, list[dict]]]):
     ax.grid(True, alpha=0.3)
     ax.legend()
     return fig
+
+
+# --- the exercises: expected values out of the notebook's sight ------------------------------
+
+
+def check_capacity(capacity: object) -> bool | None:
+    """Tokens one expert can take: 4096 tokens, 64 experts, top-2, capacity factor 1.25."""
+    return check_number(
+        capacity,
+        expert_capacity(4096, 64, 2, 1.25),
+        rtol=0,
+        atol=0.5,
+        hint="The even share is T * k / E choices per expert; the factor adds headroom.",
+    )
+
+
+def check_worst_balance_loss(worst_balance_loss: object) -> bool | None:
+    """The balancing loss of 8 experts, top-1, every token sent to expert 0 with probability 1."""
+    n_experts = 8  # f and P are 1 at expert 0 and 0 elsewhere: E * 1 * 1
+    return check_number(
+        worst_balance_loss,
+        float(n_experts),
+        rtol=0,
+        atol=1e-6,
+        hint=(
+            "One expert gets every choice and all the probability: f and P are 1 there, 0 "
+            "elsewhere."
+        ),
+    )
+
+
+def check_ep_forward_bytes(ep_forward_bytes: object) -> bool | None:
+    """Bytes one rank sends in a forward pass: 4096 tokens, top-2, d = 4096, bf16, 8 ranks."""
+    return check_number(
+        ep_forward_bytes,
+        ep_bytes(4096 * 2 * 4096 * 2, 8),
+        hint="N = tokens * k * d * 2 bytes; dispatch and combine each send (P-1)/P of it.",
+    )

@@ -3,6 +3,8 @@ uninterrupted one, the stall of blocking against asynchronous checkpoints, a str
 hung rank found by the watchdog, and MFU on this CPU and in the planner's plans.
 
 Functions whose docstring says "on each rank" run inside `launch`; the others in the notebook.
+`check_minutes_between_checkpoints`, the check of the exercise on Young's rule, computes its
+expected value here, out of the notebook's sight.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from course_lib import data, models
-from course_lib.costs import mfu, training_flops
+from course_lib.costs import checkpoint_interval, mfu, training_flops
+from course_lib.exercises import check_number
 from course_lib.fault_tolerance import (
     AsyncCheckpointer,
     guarded_all_reduce,
@@ -115,6 +118,15 @@ def plot_stall(runs: dict[str, dict[str, list[float]]]):
     ax.bar_label(bars, fmt="%.0f ms")
     ax.set(ylabel="ms the loop is held", title="What a checkpoint costs the training loop")
     return fig
+
+
+def check_minutes_between_checkpoints(minutes_between_checkpoints: object) -> bool | None:
+    """Young's interval in minutes for a 30 s checkpoint stall and a failure every 3 hours."""
+    return check_number(
+        minutes_between_checkpoints,
+        checkpoint_interval(30, 3 * 3600) / 60,
+        hint="sqrt(2 * C * M), with C and M in seconds; then convert to minutes.",
+    )
 
 
 # --- 3. the watchdog ------------------------------------------------------------------------

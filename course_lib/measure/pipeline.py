@@ -7,6 +7,7 @@
     zero_bubble_step(stage, x, y, loss_fn, m, defer_w=True)  # backward split into B and W
     brute_force_partition(layer_times, activation_sizes, n_machines)  # every cut, to check
     profile_layers(layers, x)                           # each layer's seconds and output bytes
+    check_bubble_shares(bubble, fewest_m)               # the exercise: right, or a hint
 
 The schedules, the pipeline and the partition are in `course_lib.pipeline`.
 """
@@ -27,6 +28,7 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from course_lib.costs import bubble_formula
+from course_lib.exercises import check_number, check_numbers
 from course_lib.memory import SavedTensors
 from course_lib.pipeline import (
     FORWARD,
@@ -470,3 +472,25 @@ def measure_zero_bubble(
             for defer in (False, True)
         },
     }
+
+
+# --- the lecture's exercise on the bubble ------------------------------------------------------
+
+
+def check_bubble_shares(bubble: object, fewest_m_under_3_percent: object) -> bool | None:
+    """The idle share of 8 stages with 8 and 64 micro-batches, and the fewest m under 3%."""
+    verdicts = (
+        check_numbers(
+            bubble,
+            {f"P=8, m={m}": bubble_formula(8, m) for m in (8, 64)},
+            hint="Idle stage-time over all stage-time, as derived above.",
+        ),
+        check_number(
+            fewest_m_under_3_percent,
+            next(m for m in range(1, 10_000) if bubble_formula(8, m) < 0.03),
+            rtol=0,
+            atol=0.5,
+            hint="Solve (P-1)/(m+P-1) < 0.03 for m; m is a whole number.",
+        ),
+    )
+    return None if all(v is None for v in verdicts) else all(verdicts)

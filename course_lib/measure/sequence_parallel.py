@@ -3,10 +3,14 @@ bytes ring attention and Ulysses send, and the causal work each rank does.
 
 Every function with a rank in its docstring runs inside `launch`; the plots run in the
 notebook. Numbers are measured (`PeakMemory`, `CommCounter`, the scores ring attention
-computed); the formulas they are held against are in `course_lib.costs`.
+computed); the formulas they are held against are in `course_lib.costs`. The checks of the
+lecture's exercises (`check_rescale`, `check_merge`, `check_ring_bytes_per_rank`) compute
+their expected values here, out of the notebook's sight.
 """
 
 from __future__ import annotations
+
+import math
 
 import matplotlib.pyplot as plt
 import torch
@@ -15,7 +19,8 @@ from matplotlib.ticker import NullFormatter
 
 from course_lib import models
 from course_lib.comm import CommCounter, WireCounter
-from course_lib.exercises import check_function
+from course_lib.costs import ring_attention_bytes
+from course_lib.exercises import check_function, check_number
 from course_lib.memory import PeakMemory, SavedTensors
 from course_lib.runtime import rank, world_size
 from course_lib.sequence_parallel import (
@@ -224,6 +229,16 @@ def merge_cases() -> dict[str, tuple]:
     }
 
 
+def check_rescale(rescale: object) -> bool | None:
+    """The factor a running sum is multiplied by when a query's maximum rises from 3 to 5."""
+    return check_number(
+        rescale,
+        math.exp(3.0 - 5.0),
+        rtol=1e-3,
+        hint="Each term was exp(score - 3); it must become exp(score - 5).",
+    )
+
+
 def check_merge(candidate) -> bool | None:
     """Lecture 11's task: the student's merge(state, scores, v) against `merge_block`, on
     `merge_cases`; the three parts of the state are compared as one tensor."""
@@ -234,3 +249,14 @@ def check_merge(candidate) -> bool | None:
     )
     answer = candidate if candidate is ... else _joined(candidate)
     return check_function(answer, _joined(merge_block), merge_cases(), hint=hint)
+
+
+def check_ring_bytes_per_rank(ring_bytes_per_rank: object) -> bool | None:
+    """Bytes one rank sends per attention pass: ring attention, P = 8, N = 32k, h = 4096, 16-bit."""
+    return check_number(
+        ring_bytes_per_rank,
+        ring_attention_bytes(2 * 32 * 1024 * 4096 * 2, 8),
+        hint=(
+            "K and V of the whole sequence: 2Nh values of 2 bytes; the ring passes (P-1)/P of them."
+        ),
+    )

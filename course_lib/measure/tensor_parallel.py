@@ -5,6 +5,7 @@
     run_torch_mlp()                                    # torch's parallelize_module beside ours
     activation_table(GPT3_175B)                        # GB of activations per GPU, by TP degree
     link_table(GPT3_175B, t, p, links, flops_per_s)    # TP against PP traffic per micro-batch
+    check_tp_over_pp(tp_over_pp)                       # the exercise: right, or a hint
 
 The layers are in `course_lib.tensor_parallel`, the formulas in `course_lib.costs`.
 """
@@ -24,12 +25,14 @@ from torch import nn
 from course_lib import models
 from course_lib.comm import CommCounter, WireCounter
 from course_lib.costs import (
+    GPT3_175B,
     TransformerShape,
     activation_memory,
     all_reduce_bytes,
     compute_seconds,
     traffic_per_microbatch,
 )
+from course_lib.exercises import check_number
 from course_lib.memory import SavedTensors
 from course_lib.tensor_parallel import (
     ColumnParallelLinear,
@@ -360,6 +363,16 @@ def link_table(
         times = ", ".join(f"{name} {nbytes / bw * 1e3:.1f} ms" for name, bw in links.items())
         rows.append(f"{kind}: {nbytes / 1e9:.2f} GB sent per micro-batch -> {times}")
     return "\n".join(rows)
+
+
+def check_tp_over_pp(tp_over_pp: object) -> bool | None:
+    """The exercise: how many times PP's bytes TP sends per micro-batch, GPT-3 at t=4, p=16."""
+    other = traffic_per_microbatch(GPT3_175B, t=4, p=16)
+    return check_number(
+        tp_over_pp,
+        other["TP"] / other["PP"],
+        hint="Layers per stage x 4 all-reduces x 2(t-1)/t, against 2 for the boundary.",
+    )
 
 
 # --- f and g: which pass talks ---------------------------------------------------------------

@@ -1,6 +1,7 @@
 """How lecture 10 shows the planner (the best plan in one line, the candidates as a table, a
-figure of step times by cause, a form that re-plans, the close calls, a check of the student's
-plan, the grid as a table), and the one real DP x TP x PP step it runs beside it.
+figure of step times by cause, a form that re-plans, the close calls, the checks of the
+exercises and of the student's plan, the grid as a table), and the one real DP x TP x PP step
+it runs beside it.
 
     print(summary(MODELS["70B"], cluster))
     print(candidate_table(candidates(MODELS["70B"], cluster)[:10]))
@@ -14,7 +15,8 @@ By what a reader looks for:
 
     tables.py       the planner in text: the best plan and the close calls, the candidates,
                     why nothing fits, the grid as a table
-    plan_check.py   check_plan: the exercise's verdict on the student's own plan
+    plan_check.py   the exercises' checks: one plan's memory, interleaved bubble and MFU by
+                    hand, and check_plan, the verdict on the student's own plan
     figures.py      step times by cause as a figure, and PlannerWidget, the form that re-plans
     real_step.py    what runs on ranks: the groups as the collectives see them, the real step
                     and its single-process reference, its numbers beside the planner's
@@ -30,7 +32,13 @@ from course_lib.measure.parallel_3d.figures import (
     PlannerWidget,
     plot_step_times,
 )
-from course_lib.measure.parallel_3d.plan_check import SHRINK, check_plan
+from course_lib.measure.parallel_3d.plan_check import (
+    SHRINK,
+    check_interleaved_bubble,
+    check_plan,
+    check_plan_memory,
+    check_plan_mfu,
+)
 from course_lib.measure.parallel_3d.real_step import (
     LR,
     STEP_CONFIG,
@@ -66,7 +74,10 @@ __all__ = [
     "PlannerWidget",
     "build_stage",
     "candidate_table",
+    "check_interleaved_bubble",
     "check_plan",
+    "check_plan_memory",
+    "check_plan_mfu",
     "close_calls",
     "comparison_table",
     "dense_names",

@@ -1,14 +1,18 @@
-"""Lecture 10's exercise 8: `check_plan` prices the student's own plan with the planner's
-`estimate`, and says whether it fits and how its step compares with the best plan's, and why
-(never which plan is best)."""
+"""Lecture 10's exercises. Exercise 8: `check_plan` prices the student's own plan with the
+planner's `estimate`, and says whether it fits and how its step compares with the best plan's,
+and why (never which plan is best). Before it, the numbers of one plan worked out by hand
+(`check_plan_memory`, `check_interleaved_bubble`, `check_plan_mfu`): each computes its expected
+values here, out of the notebook's sight, and says right or wrong with `course_lib.exercises`."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from course_lib.costs import bubble_formula
+from course_lib.exercises import check_number, check_numbers
 from course_lib.measure.parallel_3d.tables import CLOSE_CALL
 from course_lib.memory import GB
-from course_lib.parallel_3d import Cluster, Model, Plan, best, estimate
+from course_lib.parallel_3d import LLAMA_70B, Cluster, Model, Plan, best, estimate
 
 # check_plan's advice, by the part of memory that overflows or the cause that grows the step.
 SHRINK = {
@@ -57,3 +61,37 @@ def check_plan(answer: Any, model: Model, cluster: Cluster) -> bool | None:
         f"({extra[cause]:.1f} s more). {SHRINK.get(cause, '')}".rstrip()
     )
     return False
+
+
+def check_plan_memory(by_hand_gb: object) -> bool | None:
+    """GB of model state and of activations per GPU: 70B on 512 GPUs, TP 8 x PP 8 x DP 8, ZeRO-1."""
+    by_hand = estimate(LLAMA_70B, Cluster(512), Plan(8, 8, 8, "zero1", "none"))
+    state = sum(by_hand.memory[k] for k in ("params", "grads", "optimizer_state"))
+    return check_numbers(
+        by_hand_gb,
+        {"model state": state / GB, "activations": by_hand.memory["activations"] / GB},
+        unit="GB",
+        hint=(
+            "A GPU's share is N/t of L/p of the L layers, ZeRO-1 divides the 12 optimizer bytes "
+            "by d; activations: min(p, m) micro-batches x L/p layers x sbh(34/t + 5as/(ht))."
+        ),
+    )
+
+
+def check_interleaved_bubble(interleaved_bubble: object) -> bool | None:
+    """The bubble of PP 4 with m = 64 micro-batches once each GPU holds v = 2 model chunks."""
+    return check_number(
+        interleaved_bubble,
+        bubble_formula(4, 64, chunks=2),
+        hint="The fill and drain are v times shorter: (P-1)/(vm + P-1).",
+    )
+
+
+def check_plan_mfu(mfu: object) -> bool | None:
+    """The MFU of 70B on 512 GPUs as TP 8 x PP 4 x DP 16 with ZeRO-1, by the planner's model."""
+    one = estimate(LLAMA_70B, Cluster(512), Plan(8, 4, 16, "zero1", "none"))
+    return check_number(
+        mfu,
+        one.mfu,  # the planner's own: utilisation x achieved / peak FLOP/s
+        hint="Model FLOPs per second = utilisation x achieved FLOP/s; divide by the peak.",
+    )

@@ -1,0 +1,76 @@
+"""Lecture 7's exercises on the formulas: each check computes its expected values here, out of
+the notebook's sight, and says right or wrong with `course_lib.exercises`.
+
+    check_gb_per_gpu({"ddp": ..., "zero1": ..., "zero2": ..., "zero3": ...}, redundant_gb)
+    check_zero2_bytes_per_param(zero2_bytes_per_param)
+    check_zero3_extra_gb(extra_gb)
+    check_offload({"GPU GB": ..., "CPU GB": ..., "PCIe seconds": ...})
+"""
+
+from __future__ import annotations
+
+from course_lib.costs import (
+    MIXED_ADAMW,
+    zero_bytes,
+    zero_comm_bytes,
+    zero_mixed_bytes,
+    zero_offload_bytes,
+)
+from course_lib.exercises import check_number, check_numbers
+from course_lib.memory import GB
+from course_lib.zero import STAGES
+
+PCIE = 16e9  # bytes/s each way, the exercise's PCIe link
+
+
+def check_gb_per_gpu(gb_per_gpu: object, redundant_gb: object) -> bool | None:
+    """GB per GPU under each stage for 13B on 32 GPUs, and the GB of DDP's copies for 7B on 64."""
+    per_gpu = {s: sum(zero_bytes(s, 13e9, 32, MIXED_ADAMW).values()) / GB for s in STAGES}
+    verdicts = (
+        check_numbers(
+            gb_per_gpu, per_gpu, unit="GB", hint="Which kinds does this stage divide by P?"
+        ),
+        check_number(
+            redundant_gb,
+            (64 - 1) * sum(zero_bytes("ddp", 7e9, 64, MIXED_ADAMW).values()) / GB,
+            unit="GB",
+            hint="One copy of the 16N bytes is needed; count the others.",
+        ),
+    )
+    return None if all(v is None for v in verdicts) else all(verdicts)
+
+
+def check_zero2_bytes_per_param(zero2_bytes_per_param: object) -> bool | None:
+    """Bytes per parameter one rank holds under textbook ZeRO-2 in mixed precision, P = 4."""
+    return check_number(
+        zero2_bytes_per_param,
+        sum(zero_mixed_bytes("zero2", 1, 4).values()),
+        hint="bf16 weights stay whole (2 bytes); gradients and the optimizer's 12 are split by P.",
+    )
+
+
+def check_zero3_extra_gb(extra_gb: object) -> bool | None:
+    """GB a GPU receives per step under ZeRO-3 beyond ZeRO-1: 7B's bf16 weights, 64 GPUs."""
+    comm = {stage: zero_comm_bytes(stage, 2 * 7e9, 64) for stage in ("zero1", "zero3")}
+    return check_number(
+        extra_gb,
+        (comm["zero3"] - comm["zero1"]) / GB,
+        unit="GB",
+        hint="Count the ring passes of each stage; each moves (P-1)/P of M.",
+    )
+
+
+def check_offload(offload_answer: object) -> bool | None:
+    """ZeRO-Offload of 7B on 2 GPUs: GPU GB, CPU GB and PCIe seconds per step at 16 GB/s."""
+    seven = zero_offload_bytes(7e9, 2)
+    return check_numbers(
+        offload_answer,
+        {
+            "GPU GB": seven["gpu"] / GB,
+            "CPU GB": seven["cpu"] / GB,
+            "PCIe seconds": 2 * seven["pcie_each_way"] / PCIE,
+        },
+        hint=(
+            "The GPU keeps 2 bytes per parameter, whole; the CPU's 14 and the copies are per shard."
+        ),
+    )
