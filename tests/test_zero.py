@@ -384,6 +384,8 @@ def test_the_gb_per_gpu_check_takes_the_stages_bytes_and_ddps_63_copies(capsys):
     out = capsys.readouterr().out
     assert "Which kinds does this stage divide by P?" in out and "count the others" in out
     assert "31.69" not in out and "7056" not in out  # ZeRO-2's GB and the copies' GB
+    assert check_gb_per_gpu(right, 64 * 112) is False  # every copy counted, the needed one too
+    assert "1.6% too large" in capsys.readouterr().out
     assert check_gb_per_gpu({stage: ... for stage in right}, ...) is None
     assert "Not answered yet" in capsys.readouterr().out
 

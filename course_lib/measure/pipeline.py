@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from course_lib.costs import bubble_formula
-from course_lib.exercises import check_number, check_numbers
+from course_lib.exercises import check_number, check_numbers, together
 from course_lib.memory import SavedTensors
 from course_lib.pipeline import (
     FORWARD,
@@ -479,7 +479,7 @@ def measure_zero_bubble(
 
 def check_bubble_shares(bubble: object, fewest_m_under_3_percent: object) -> bool | None:
     """The idle share of 8 stages with 8 and 64 micro-batches, and the fewest m under 3%."""
-    verdicts = (
+    return together(
         check_numbers(
             bubble,
             {f"P=8, m={m}": bubble_formula(8, m) for m in (8, 64)},
@@ -493,4 +493,3 @@ def check_bubble_shares(bubble: object, fewest_m_under_3_percent: object) -> boo
             hint="Solve (P-1)/(m+P-1) < 0.03 for m; m is a whole number.",
         ),
     )
-    return None if all(v is None for v in verdicts) else all(verdicts)

@@ -16,7 +16,7 @@ from course_lib.costs import (
     zero_mixed_bytes,
     zero_offload_bytes,
 )
-from course_lib.exercises import check_number, check_numbers
+from course_lib.exercises import check_number, check_numbers, together
 from course_lib.memory import GB
 from course_lib.zero import STAGES
 
@@ -26,18 +26,18 @@ PCIE = 16e9  # bytes/s each way, the exercise's PCIe link
 def check_gb_per_gpu(gb_per_gpu: object, redundant_gb: object) -> bool | None:
     """GB per GPU under each stage for 13B on 32 GPUs, and the GB of DDP's copies for 7B on 64."""
     per_gpu = {s: sum(zero_bytes(s, 13e9, 32, MIXED_ADAMW).values()) / GB for s in STAGES}
-    verdicts = (
+    return together(
         check_numbers(
             gb_per_gpu, per_gpu, unit="GB", hint="Which kinds does this stage divide by P?"
         ),
         check_number(
             redundant_gb,
             (64 - 1) * sum(zero_bytes("ddp", 7e9, 64, MIXED_ADAMW).values()) / GB,
+            rtol=0.005,  # 64 copies for 63 is 1.6% off: the mistake this question is about
             unit="GB",
             hint="One copy of the 16N bytes is needed; count the others.",
         ),
     )
-    return None if all(v is None for v in verdicts) else all(verdicts)
 
 
 def check_zero2_bytes_per_param(zero2_bytes_per_param: object) -> bool | None:
