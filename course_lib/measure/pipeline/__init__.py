@@ -1,0 +1,73 @@
+"""What lecture 8 measures about pipelines, and how it shows them.
+
+    logs = launch(measure_bubbles, make_stage, x, y, loss_fn, schedules, ms, fwd, bwd, ...)
+    plot_schedule(timeline); PipelineWidget()           # Gantt chart; sliders for P and m
+    plot_side_by_side(simulated, measured)              # the same schedules, simulated | measured
+    torch_pipeline_step(stage, x, y, loss_fn, m, "1f1b")  # torch.distributed.pipelining
+    zero_bubble_step(stage, x, y, loss_fn, m, defer_w=True)  # backward split into B and W
+    brute_force_partition(layer_times, activation_sizes, n_machines)  # every cut, to check
+    profile_layers(layers, x)                           # each layer's seconds and output bytes
+    check_bubble_shares(bubble, fewest_m)               # the exercise: right, or a hint
+
+By what a reader looks for:
+
+    runs.py          the schedules' bubbles measured on ranks; torch's own pipelining
+    figures.py       the Gantt chart, simulated beside measured, and the widget
+    partition.py     every cut by brute force (to check the DP), each layer's profile
+    zero_bubble.py   backward split into B and W: simulated, and run for real
+    exercises.py     the lecture's exercise on the bubble, checked off the page
+
+The schedules, the pipeline and the partition are in `course_lib.pipeline`.
+"""
+
+from course_lib.measure.pipeline.exercises import (
+    check_bubble_shares,
+)
+from course_lib.measure.pipeline.figures import (
+    PipelineWidget,
+    draw_schedule,
+    plot_schedule,
+    plot_side_by_side,
+)
+from course_lib.measure.pipeline.partition import (
+    brute_force_partition,
+    profile_layers,
+)
+from course_lib.measure.pipeline.runs import (
+    measure_bubbles,
+    torch_pipeline_step,
+)
+from course_lib.measure.pipeline.zero_bubble import (
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    VirtualDevice,
+    measure_zero_bubble,
+    peak_activations,
+    pending_w_peak,
+    simulate_zero_bubble,
+    zero_bubble_name,
+    zero_bubble_order,
+    zero_bubble_step,
+)
+
+__all__ = [
+    "INPUT_GRAD",
+    "PipelineWidget",
+    "VirtualDevice",
+    "WEIGHT_GRAD",
+    "brute_force_partition",
+    "check_bubble_shares",
+    "draw_schedule",
+    "measure_bubbles",
+    "measure_zero_bubble",
+    "peak_activations",
+    "pending_w_peak",
+    "plot_schedule",
+    "plot_side_by_side",
+    "profile_layers",
+    "simulate_zero_bubble",
+    "torch_pipeline_step",
+    "zero_bubble_name",
+    "zero_bubble_order",
+    "zero_bubble_step",
+]

@@ -1,0 +1,235 @@
+"""The zero-bubble schedule (Qi et al., 2023): backward split into B and W, simulated and run
+for real on ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.memory import SavedTensors
+from course_lib.pipeline import (
+    FORWARD,
+    EmulatedDevice,
+    LossFn,
+    Op,
+    StageLog,
+    Task,
+    Timeline,
+    pipeline_step,
+)
+from course_lib.pipeline.trainer import _recv, _send
+from course_lib.runtime import device, rank, world_size
+
+# --- the zero-bubble schedule: backward split in two -------------------------------------------
+
+INPUT_GRAD, WEIGHT_GRAD = "B", "W"  # zero bubble: B (input gradient) and W (weight gradient)
+
+
+def simulate_zero_bubble(
+    n_stages: int,
+    m: int,
+    forward_s: float = 1.0,
+    input_grad_s: float = 1.0,
+    weight_grad_s: float = 1.0,
+    defer_w: bool = False,
+) -> Timeline:
+    """A zero-bubble schedule (Qi et al., 2023) on an idealised machine. A backward is two
+    passes: B, the gradient with respect to the stage's input, which the previous stage waits
+    for, and W, the gradient with respect to its weights, which nobody waits for. Whenever a
+    stage is free it runs the first that is ready of: the next B (on the critical path); the
+    next F, if fewer than P - s micro-batches hold activations (1F1B's limit); else a W left
+    pending, filling time 1F1B leaves idle.
+
+    defer_w=False: a micro-batch holds its activations until its W (1F1B's peak memory).
+    defer_w=True: they are freed after B except what W needs (each linear layer's input and
+    output gradient), so W's can wait for the end: ZB-H1's bubble, (P-1)(F + B - W), for
+    memory that grows with the W's left pending (`pending_w_peak`)."""
+    P = n_stages
+    done: dict[tuple[str, int, int], float] = {}
+    next_f, next_b, w_done = [0] * P, [0] * P, [0] * P
+    pending: list[list[int]] = [[] for _ in range(P)]
+    free, tasks, clock = [0.0] * P, [], 0.0
+
+    def ready(key: tuple[str, int, int]) -> bool:
+        return key in done and done[key] <= clock
+
+    while len(tasks) < 3 * P * m:
+        for s in range(P):
+            if free[s] > clock:
+                continue
+            f, b = next_f[s], next_b[s]
+            holding = f - (next_b[s] if defer_w else w_done[s])
+            if b < m and ready((FORWARD, b, s)) and (s == P - 1 or ready((INPUT_GRAD, b, s + 1))):
+                kind, micro, seconds = INPUT_GRAD, b, input_grad_s
+                next_b[s] += 1
+                pending[s].append(b)
+            elif f < m and holding < P - s and (s == 0 or ready((FORWARD, f, s - 1))):
+                kind, micro, seconds = FORWARD, f, forward_s
+                next_f[s] += 1
+            elif pending[s]:
+                kind, micro, seconds = WEIGHT_GRAD, pending[s].pop(0), weight_grad_s
+                w_done[s] += 1
+            else:
+                continue
+            done[(kind, micro, s)] = free[s] = clock + seconds
+            tasks.append(Task(s, kind, micro, 0, clock, clock + seconds))
+        clock = min((t for t in (*free, *done.values()) if t > clock), default=clock)
+    return Timeline(P, tasks, zero_bubble_name(defer_w))
+
+
+def zero_bubble_name(defer_w: bool) -> str:
+    return "zero bubble, " + ("W's deferred" if defer_w else "1F1B's memory")
+
+
+def pending_w_peak(timeline: Timeline, stage: int) -> int:
+    """Most W's owed at once on `stage`: B done, W not yet (each keeps what W needs)."""
+    owed = peak = 0
+    for t in sorted((t for t in timeline.tasks if t.stage == stage), key=lambda t: t.start):
+        owed += {INPUT_GRAD: 1, WEIGHT_GRAD: -1}.get(t.kind, 0)
+        peak = max(peak, owed)
+    return peak
+
+
+def peak_activations(timeline: Timeline, stage: int, freed_by: str = INPUT_GRAD) -> int:
+    """Most micro-batches holding activations on `stage` at once: from a forward to the op
+    that frees them, the backward (`"B"`, also 1F1B's whole backward) or the W."""
+    live = peak = 0
+    for t in sorted((t for t in timeline.tasks if t.stage == stage), key=lambda t: t.start):
+        live += 1 if t.kind == FORWARD else -1 if t.kind == freed_by else 0
+        peak = max(peak, live)
+    return peak
+
+
+# --- the zero-bubble schedule, run for real --------------------------------------------------
+
+
+def zero_bubble_order(
+    n_stages: int, m: int, defer_w: bool = False, times: Sequence[float] = (1.0, 1.0, 1.0)
+) -> list[list[Op]]:
+    """Each stage's F, B and W ops in the order `simulate_zero_bubble` ran them with
+    `times` = (F, B, W): the runtime plays the simulator's schedule, not one of its own."""
+    timeline = simulate_zero_bubble(n_stages, m, *times, defer_w=defer_w)
+    tasks = sorted(timeline.tasks, key=lambda t: (t.stage, t.start))
+    return [[Op(t.kind, t.micro) for t in tasks if t.stage == s] for s in range(n_stages)]
+
+
+class VirtualDevice(EmulatedDevice):
+    """An emulated device on a logical clock: an op starts when its input is ready (the
+    sender's clock, in the message) and the device is free, and lasts exactly `op_s`; nobody
+    sleeps. The real messages still decide what waits for what, so the timeline is counted,
+    not timed: the same on a busy machine as on an idle one (for tests)."""
+
+    def start(self, ready: float | None) -> float:
+        self.lateness.append(0.0)
+        return max((t for t in (ready, self.free_at) if t is not None), default=0.0)
+
+    def finish(self, start: float, op_s: float) -> float:
+        self.free_at = start + op_s
+        return self.free_at
+
+
+def zero_bubble_step(
+    stage: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: LossFn,
+    m: int,
+    defer_w: bool = False,
+    times: Sequence[float] = (0.0, 0.0, 0.0),
+    clock: type[EmulatedDevice] = EmulatedDevice,
+) -> StageLog:
+    """One step of the zero-bubble pipeline on rank r = stage index, in `zero_bubble_order`.
+
+    F as in `pipeline_step`; B: the gradient of the stage's input only, sent upstream at
+    once; W: the weights' gradients, later. `times` = (F, B, W) seconds on the rank's
+    emulated device (0: real compute only; the order then comes from F = B = W).
+    """
+    P, r = world_size(), rank()
+    if x.shape[0] % m:
+        raise ValueError(f"a batch of {x.shape[0]} samples does not split into m={m} equal parts")
+    order = zero_bubble_order(P, m, defer_w, times if all(t > 0 for t in times) else (1, 1, 1))
+    stage.to(device())
+    xs, ys = ([c.to(device(), copy=True) for c in t.chunk(m)] for t in (x, y))
+    log, dev = StageLog(r, zero_bubble_name(defer_w)), clock()
+    params = list(stage.parameters())
+    weight_grads = [torch.zeros_like(p) for p in params]
+    inputs: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}  # micro-batch -> output, its graph kept until W
+    grads_out: dict[int, torch.Tensor | None] = {}  # micro-batch -> gradient W starts from
+    pending: list[Any] = []
+    total_loss = 0.0
+    # W from the graph B kept (retain_graph=True), not by saving each linear layer's input and
+    # recomputing: it works for any stage (embedding, layer norm, attention) and is exact. The
+    # price: a micro-batch holds all its activations until its W, and W walks the chain of
+    # activation gradients again. Both cost real memory and compute, not the emulated time.
+    with SavedTensors(exclude=params) as saved:
+        for op in order[r]:
+            i = op.micro
+            if op.kind == FORWARD:
+                inp, ready = (xs[i], None) if r == 0 else _recv(r - 1)
+                start, before = dev.start(ready), saved.live_bytes
+                out = stage(inp.requires_grad_() if r > 0 else inp)
+                if r == P - 1:
+                    out = loss_fn(out, ys[i]) / m  # mean over micro-batches
+                    total_loss += out.item()
+                end = dev.finish(start, times[0])
+                if r < P - 1:
+                    pending += _send(out, r + 1, ready=end)
+                log.activation_bytes.append(saved.live_bytes - before)
+                inputs[i], outputs[i] = inp, out
+                log.peak_in_flight = max(log.peak_in_flight, len(outputs))
+            elif op.kind == INPUT_GRAD:
+                grad, ready = (None, None) if r == P - 1 else _recv(r + 1)
+                start, inp = dev.start(ready), inputs.pop(i)
+                if r > 0:  # stage 0's input is data: no gradient to send
+                    (grad_in,) = torch.autograd.grad(outputs[i], [inp], grad, retain_graph=True)
+                end = dev.finish(start, times[1])
+                if r > 0:
+                    pending += _send(grad_in, r - 1, ready=end)
+                grads_out[i] = grad
+            else:  # WEIGHT_GRAD: nobody waits for it
+                start = dev.start(None)
+                got = torch.autograd.grad(
+                    outputs.pop(i), params, grads_out.pop(i), allow_unused=True
+                )
+                for total, g in zip(weight_grads, got, strict=True):
+                    if g is not None:
+                        total += g
+                end = dev.finish(start, times[2])
+            log.tasks.append(Task(r, op.kind, i, 0, start, end))
+        log.peak_activation_bytes = saved.peak_bytes
+    for work in pending:
+        if isinstance(work, dist.Work):
+            work.wait()
+    for p, g in zip(params, weight_grads, strict=True):
+        p.grad = g
+    log.loss = total_loss if r == P - 1 else None
+    log.lateness = dev.lateness
+    log.grads = [g.detach().clone() for g in weight_grads]
+    return log
+
+
+def measure_zero_bubble(
+    make_stage: Callable[[], nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: LossFn,
+    m: int,
+    times: Sequence[float],
+) -> dict[str, StageLog]:
+    """Run on every rank: 1F1B (backward = B + W in one op) and both zero-bubble variants,
+    F, B, W lasting `times`, after warm-up steps that open the links and make the first calls."""
+    pipeline_step(make_stage(), x, y, loss_fn, m=1, schedule="gpipe")
+    zero_bubble_step(make_stage(), x, y, loss_fn, m=1)
+    f, b, w = times
+    return {
+        "1f1b": pipeline_step(make_stage(), x, y, loss_fn, m, "1f1b", f, b + w),
+        **{
+            zero_bubble_name(defer): zero_bubble_step(make_stage(), x, y, loss_fn, m, defer, times)
+            for defer in (False, True)
+        },
+    }
