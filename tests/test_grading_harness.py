@@ -75,3 +75,20 @@ def test_provenance_of_a_package_sees_every_file_of_it():
     with Provenance(["course_lib.costs.memory"]) as seen:
         bubble_formula(4, 8)
     assert seen.hits == []
+
+
+def test_hidden_bytes_are_refused_with_what_the_rank_wrote_and_reported():
+    """Bytes beyond the reported calls' (a send's tensor + 96 B of gloo headers, 48 B per recv)
+    fail the part as tampering, saying what the rank wrote to each peer and what it reported:
+    what it takes to tell an honest rank's overhead from hidden traffic."""
+    from course_lib.grading._harness import judge_unreported
+    from course_lib.grading.traffic import Traffic
+
+    calls = [("call", "send", 1, 100, 0, (0, 1)), ("call", "recv", 1, 0, 100, (0, 1))]
+    judge_unreported("check", Traffic([calls], [{1: 100 + 96 + 48}]))  # all accounted for
+    with pytest.raises(CheckFailed, match="rank 0 wrote 500 bytes") as failure:
+        judge_unreported("check", Traffic([calls], [{1: 100 + 96 + 48 + 500}]))
+    assert failure.value.tampering
+    assert "rank 0 wrote {1: 744} by peer; it reported {'recv': 1, 'send': 1} calls" in str(
+        failure.value
+    )

@@ -344,9 +344,19 @@ def judge_unreported(check: str, traffic: Traffic) -> None:
                 "send/recv calls account for (the kernel counted them on its sockets): its "
                 "code talked around the process group the check counts (its inner gloo "
                 "group, say, or with the reporting switched off). That is tampering with the "
-                "grading: this part scores 0.",
+                f"grading: this part scores 0. ({_wire_and_calls(traffic, r)})",
                 tampering=True,
             )
+
+
+def _wire_and_calls(traffic: Traffic, r: int) -> str:
+    """What rank r wrote to each peer and the calls it reported: for whoever has to tell an
+    honest rank's overhead from hidden traffic."""
+    calls = [Sent(*e[1:]) for e in traffic.tallies[r] if e[0] == "call"]
+    ops = {op: sum(1 for c in calls if c.op == op) for op in sorted({c.op for c in calls})}
+    sent = sum(c.sent for c in calls if c.op == "send")
+    wire = dict(sorted((traffic.wire or [{}] * (r + 1))[r].items()))
+    return f"rank {r} wrote {wire} by peer; it reported {ops} calls, {sent} bytes sent"
 
 
 def calls_by_case(check: str, tallies: list[list[tuple]], cases: int) -> list[list[list[Sent]]]:
