@@ -32,6 +32,7 @@ from course_lib.measure.pipeline import (
     simulate_zero_bubble,
     torch_pipeline_step,
 )
+from course_lib.measure.pipeline import runs as measure_runs
 from course_lib.pipeline import (
     BACKWARD,
     FORWARD,
@@ -229,15 +230,17 @@ def on_a_stand_in_device(step, schedule):
     buffer left on the CPU fails with "Tensor on device cpu is not on the expected device
     meta", as it would on a GPU. Meta tensors hold no values, so .item() answers 0."""
     real_item = torch.Tensor.item
-    saved = trainer.device, measure.device, torch.Tensor.item
-    trainer.device = measure.device = lambda: torch.device("meta")
+    # device() as the files that run the steps read it: pipeline/trainer.py and
+    # measure/pipeline/runs.py (torch's pipelining)
+    saved = trainer.device, measure_runs.device, torch.Tensor.item
+    trainer.device = measure_runs.device = lambda: torch.device("meta")
     torch.Tensor.item = lambda t: 0.0 if t.is_meta else real_item(t)
     try:
         x, y = gpt_batch()
         out = step(models.TinyGPT(seed=0), x, y, models.lm_loss, 2, schedule)
         return [g.device.type for g in getattr(out, "grads", out)]
     finally:
-        trainer.device, measure.device, torch.Tensor.item = saved
+        trainer.device, measure_runs.device, torch.Tensor.item = saved
 
 
 @pytest.mark.parametrize("step", [pipeline_step, torch_pipeline_step])
