@@ -37,7 +37,7 @@ from torch import nn
 
 from course_lib import data, models
 from course_lib.runtime import rank, world_size
-from course_lib.zero import build, load_sharded, local, save_sharded, train_step
+from course_lib.zero import build, load_sharded, local, measured_step, save_sharded
 
 CONFIG = models.GPTConfig()  # the tiny GPT of every lecture: a step takes milliseconds
 BATCH = 8  # sequences per step, split over the ranks
@@ -85,7 +85,7 @@ def train(
     for step in range(start, steps):
         if step == kill_at and rank() == kill_rank and restart_count() == 0:
             os._exit(1)
-        loss, _ = train_step(model, optimizer, *batches[step])
+        loss, _ = measured_step(model, optimizer, *batches[step])
         mean = torch.tensor(loss)
         dist.all_reduce(mean)  # the job's loss: the mean of the ranks' shards
         losses.append(mean.item() / world_size())

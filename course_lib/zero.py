@@ -225,7 +225,7 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def train_step(
+def measured_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
 ) -> tuple[float, StageMemory]:
     """One AdamW step of TinyGPT on this rank's shard of `x, y`; measures what it holds."""
@@ -274,7 +274,7 @@ def train_stage(
     losses = []
     for x, y in batches:
         with CommCounter() as counter:  # the last step's counter is the one reported
-            loss, memory = train_step(wrapped, optimizer, x, y)
+            loss, memory = measured_step(wrapped, optimizer, x, y)
         losses.append(loss)
     return StageRun(
         stage=stage,

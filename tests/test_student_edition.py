@@ -337,8 +337,6 @@ OPEN_DELIVERABLES = {
     "compression": LECTURE_VERSION.format(5, "quantize, dequantize, quantized_all_reduce"),
     "pipeline": LECTURE_VERSION.format(8, "pipeline_step and optimal_partition (the checks' too)"),
     "tensor_parallel": A10_IMPORTS,
-    "parallel_3d": "course_lib.zero.train_step (lecture 7's ZeRO step, not a copy) has the name "
-    "of a10's train_step",
 }
 
 

@@ -24,10 +24,10 @@ from course_lib.zero import (
     consolidate,
     full_parameters,
     load_sharded,
+    measured_step,
     save_sharded,
     shard_units,
     train_stage,
-    train_step,
 )
 
 P = 4
@@ -165,7 +165,7 @@ def test_every_stage_matches_single_process_adamw(pool4):
 
 def train_zero3(model, optimizer, batches):
     for x, y in batches:
-        train_step(model, optimizer, x, y)
+        measured_step(model, optimizer, x, y)
 
 
 def checkpoint_round_trip(path, batches):
@@ -232,7 +232,7 @@ def test_a_training_step_keeps_everything_on_the_ranks_device(monkeypatch):
     model = models.TinyGPT(seed=0).to("meta")  # where train_stage puts it: on device()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = data.tokens(8, seed=3)
-    zero.train_step(model, optimizer, x, y)
+    zero.measured_step(model, optimizer, x, y)
     assert all(p.is_meta and p.grad is None for p in model.parameters())
 
 
