@@ -19,6 +19,8 @@ from course_lib.costs import (
 )
 from course_lib.measure.collectives import record_peers
 from course_lib.measure.sequence_parallel import (
+    check_busiest_over_idlest,
+    check_memory_saving,
     check_merge,
     check_rescale,
     check_ring_bytes_per_rank,
@@ -311,3 +313,23 @@ def test_the_ring_bytes_check_takes_seven_eighths_of_k_and_v(capsys):
     assert "the ring passes (P-1)/P of them" in out and "4.698e+08" not in out
     assert check_ring_bytes_per_rank(...) is None
     assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_memory_saving_check_takes_the_option_nearest_to_the_run(capsys):
+    """Made-up peaks: one process 1600 bytes, the ring's busiest rank 160 (10x, nearest 16x),
+    Ulysses's 400 (4x)."""
+    one_process, busiest = [100, 1600], {"ring": [50, 160], "ulysses": [25, 400]}
+    assert check_memory_saving("16x", "4x", one_process, busiest) == (True, True)
+    assert "towards P^2 = 16" in capsys.readouterr().out
+    assert check_memory_saving("4x", "16x", one_process, busiest) == (False, False)
+    assert "16x was" in capsys.readouterr().out
+    assert check_memory_saving("3x", ..., one_process, busiest) == (False, None)
+    assert "is not one of" in capsys.readouterr().out
+
+
+def test_the_busiest_over_idlest_check_divides_the_contiguous_work(capsys):
+    work = {"contiguous": [16, 32, 48, 64], "zigzag": [40, 40, 40, 40]}
+    assert check_busiest_over_idlest("4x", work) is True
+    assert "the first idles" in capsys.readouterr().out
+    assert check_busiest_over_idlest("1x", work) is False  # the zigzag's balance, not asked
+    assert check_busiest_over_idlest(..., work) is None

@@ -4,8 +4,9 @@ bytes ring attention and Ulysses send, and the causal work each rank does.
 Every function with a rank in its docstring runs inside `launch`; the plots run in the
 notebook. Numbers are measured (`PeakMemory`, `CommCounter`, the scores ring attention
 computed); the formulas they are held against are in `course_lib.costs`. The checks of the
-lecture's exercises (`check_rescale`, `check_merge`, `check_ring_bytes_per_rank`) compute
-their expected values here, out of the notebook's sight.
+lecture's exercises (`check_rescale`, `check_merge`, `check_memory_saving`,
+`check_busiest_over_idlest`, `check_ring_bytes_per_rank`) compute their expected values and
+say why here, out of the notebook's sight.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from matplotlib.ticker import NullFormatter
 from course_lib import models
 from course_lib.comm import CommCounter, WireCounter
 from course_lib.costs import ring_attention_bytes
-from course_lib.exercises import check_function, check_number
+from course_lib.exercises import check_choice, check_function, check_number
 from course_lib.memory import PeakMemory, SavedTensors
 from course_lib.runtime import rank, world_size
 from course_lib.sequence_parallel import (
@@ -259,4 +260,47 @@ def check_ring_bytes_per_rank(ring_bytes_per_rank: object) -> bool | None:
         hint=(
             "K and V of the whole sequence: 2Nh values of 2 bytes; the ring passes (P-1)/P of them."
         ),
+    )
+
+
+SAVINGS = ("2x", "4x", "16x")
+IMBALANCES = ("1x", "2x", "4x", "8x")
+
+
+def _nearest(ratio: float, options: tuple[str, ...]) -> str:
+    """The option ("4x") whose factor is nearest to `ratio`, relatively."""
+    return min(options, key=lambda option: abs(ratio / int(option[:-1]) - 1))
+
+
+def check_memory_saving(
+    ring_saving: object, ulysses_saving: object, one_process: list[int], busiest: dict
+) -> tuple[bool | None, bool | None]:
+    """Lecture 11's memory prediction: how many times less than one process the busiest rank
+    holds at its peak, at the longest sequence measured (`one_process` and `busiest[method]`
+    are peak bytes per length), each answer against the option nearest to the run."""
+    ring = check_choice(
+        ring_saving,
+        _nearest(one_process[-1] / busiest["ring"][-1], SAVINGS),
+        SAVINGS,
+        why="A ring rank holds (N/P) x (N/P) scores per head: towards P^2 = 16 as N grows.",
+    )
+    ulysses = check_choice(
+        ulysses_saving,
+        _nearest(one_process[-1] / busiest["ulysses"][-1], SAVINGS),
+        SAVINGS,
+        why="Ulysses holds N x N scores, for H/P heads: P times less, however long the sequence.",
+    )
+    return ring, ulysses
+
+
+def check_busiest_over_idlest(busiest_over_idlest: object, work: dict) -> bool | None:
+    """Lecture 11's causal prediction: on contiguous shards, how many times more scores the
+    busiest rank computed than the least busy (`work[layout]`: scores per rank)."""
+    contiguous = work["contiguous"]
+    return check_choice(
+        busiest_over_idlest,
+        f"{max(contiguous) // min(contiguous)}x",
+        IMBALANCES,
+        why="Rank r meets r+1 blocks it needs, so the last rank waits on nothing and the first "
+        "idles.",
     )
