@@ -1,9 +1,11 @@
 """Run a course function under torchrun, unchanged: on a cluster, or on one CPU machine.
 
     torchrun --standalone --nproc-per-node 2 -m course_lib.torchrun examples/hello.py:main 8
+    srun -n 2 python -m course_lib.torchrun examples/hello.py:main 8    # Slurm, no torchrun
 
-torchrun starts the processes and sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous;
-this entry point joins the process group (NCCL with one GPU per local rank when there are
+torchrun starts the processes and sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous; under
+a bare `srun` (one task per process) they come from Slurm's variables (`slurm_environment`).
+This entry point joins the process group (NCCL with one GPU per local rank when there are
 GPUs, else gloo), calls the function with the extra arguments, prints what it returned, and
 leaves the group. Inside the function, `course_lib.rank()`, `world_size()` and `device()`
 answer exactly as they do under `course_lib.launch`.
@@ -15,9 +17,11 @@ import argparse
 import ast
 import importlib
 import os
+import re
 import runpy
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -89,6 +93,51 @@ def attempt_store() -> dict:
     }
 
 
+def slurm_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """What torchrun would have set, from what `srun` sets for each task, when srun started
+    this process directly (one task per process) and torchrun did not: {} otherwise. Rank 0's
+    node, the first of the step's nodes, holds the rendezvous, on MASTER_PORT if set, else on a
+    port taken from the job and step ids, so every task of a step finds the same one and two
+    steps of one job do not meet."""
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return {}
+    per_node = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", env["SLURM_TASKS_PER_NODE"]))
+    job, step = int(env.get("SLURM_JOB_ID", 0)), int(env.get("SLURM_STEP_ID", 0))
+    nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "localhost"))
+    return {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": env.get("SLURM_STEP_NUM_TASKS", env["SLURM_NTASKS"]),
+        "LOCAL_RANK": env["SLURM_LOCALID"],
+        "LOCAL_WORLD_SIZE": str(per_node[int(env.get("SLURM_NODEID", 0))]),
+        "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodes),
+        # 20000-31999: below the kernel's ephemeral ports (32768 on), which a TCP client may
+        # already hold; Slurm's own daemons listen on 6817-6818 by default.
+        "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + (100 * job + step) % 12000),
+    }
+
+
+def tasks_per_node(spec: str) -> list[int]:
+    """Slurm's tasks per node, "2(x3),1" -> [2, 2, 2, 1]."""
+    counts = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise ValueError(f"unexpected Slurm tasks per node: {spec!r}")
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list ("gpu[03-04],cpu1" -> "gpu03"): `scontrol` expands
+    the bracketed ranges; a plain list needs no help."""
+    if "[" not in nodelist:
+        return nodelist.split(",")[0]
+    hosts = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+    )
+    return hosts.stdout.split()[0]
+
+
 def _literal(text: str) -> object:
     try:
         return ast.literal_eval(text)
@@ -103,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     options = parser.parse_args(argv)
     fn = load_function(options.target)
+    os.environ.update(slurm_environment(os.environ))
     init_from_env(options.backend)
     try:
         result = fn(*[_literal(a) for a in options.args])

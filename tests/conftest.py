@@ -12,7 +12,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import cloudpickle
@@ -262,3 +262,26 @@ def graded_course() -> tuple[Path, float]:
     took."""
     folder, log = _finished("graded_course", timeout=3000)
     return folder, float(re.search(r"autograde took ([\d.]+) s", log).group(1))
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[dict[str, str]]:
+    """A real one-node Slurm cluster, started by tools/slurm.sh (the environment its commands
+    need). On a machine without Slurm the tests that use it are skipped, visibly; CI sets
+    COURSE_REQUIRE_SLURM=1, and there the script installs and starts it. A cluster this
+    session started is stopped at its end."""
+    required = os.environ.get("COURSE_REQUIRE_SLURM") == "1"
+    if not required and not (shutil.which("slurmctld") and os.geteuid() == 0):
+        pytest.skip("no Slurm here: bash tools/slurm.sh start (as root) starts one")
+    script = str(ROOT / "tools" / "slurm.sh")
+    conf = subprocess.run(["bash", script, "env"], capture_output=True, text=True, check=True)
+    env = {**os.environ, "SLURM_CONF": conf.stdout.strip().removeprefix("export SLURM_CONF=")}
+    was_up = (
+        bool(shutil.which("sinfo"))
+        and subprocess.run(["sinfo"], env=env, capture_output=True).returncode == 0
+    )
+    start = subprocess.run(["bash", script, "start"], capture_output=True, text=True, timeout=600)
+    assert start.returncode == 0, f"tools/slurm.sh start failed:\n{start.stdout}{start.stderr}"
+    yield env
+    if not was_up:
+        subprocess.run(["bash", script, "stop"], check=False)

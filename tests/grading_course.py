@@ -252,8 +252,13 @@ def run_make(
     """`make targets` in the course folder, with `env` added to the environment; (exit code,
     stdout, stderr). Past `timeout`, as `make`."""
     environment = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    # `-o STAMP`: never install into the running venv from a course folder. Where the venv's
+    # stamp is older than pyproject.toml (a checkout that changed it since `make install`),
+    # make would reinstall the course from this folder, which holds no course_lib: the
+    # editable install would then find no package, here and in every process after.
+    stamp = VENV / ".course-installed"
     process = subprocess.Popen(
-        ["make", "-s", f"VENV={VENV}", *targets],
+        ["make", "-s", f"VENV={VENV}", "-o", str(stamp), *targets],
         cwd=course,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

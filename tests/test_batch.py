@@ -2,12 +2,13 @@
 
 Three submissions of a short a01 (its first two parts and its written question: solution,
 blank, planted bug) are graded by `make autograde JOBS=2` (scratch courses, then a merge) and,
-for two students, by the Slurm recipe run locally (examples/grade_class.sh: one task per
-student, then the merge). Every score, cell by cell, must be what the released source says
-each submission earns (`grading_class.expected_scores`); one submission at a time, `make
-autograde`'s default, grades every class of tests/test_autograde.py. When the grader itself
-cannot run, both ways fail loudly and leave every submission without a grade, for a rerun.
-The class is released once; each test grades a copy.
+for two students, by the Slurm recipe (examples/grade_class.sh: one task per student, then the
+merge), run locally and submitted to a real one-node cluster (tools/slurm.sh). Every score,
+cell by cell, must be what the released source says each submission earns
+(`grading_class.expected_scores`); one submission at a time, `make autograde`'s default,
+grades every class of tests/test_autograde.py. When the grader itself cannot run, both ways
+fail loudly and leave every submission without a grade, for a rerun. The class is released
+once; each test grades a copy.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -119,6 +121,52 @@ def test_the_slurm_recipe_run_locally_grades_each_student_then_merges(released, 
     )
     assert merged.returncode == 0, merged.stdout[-3000:] + merged.stderr[-3000:]
     assert gradebook_scores(tmp_path) == expected_scores(released, names)
+    assert all(graded_notebook(tmp_path, name).exists() for name in names)
+    assert "grades.csv" in {p.name for p in tmp_path.iterdir()}
+
+
+def wait_for_jobs(env: dict[str, str], timeout: float) -> None:
+    """Until the cluster's queue is empty (tools/slurm.sh's cluster runs only this test's
+    jobs); fails at once if a job waits on one that failed (the merge's afterok), naming the
+    reason and the jobs' output, instead of waiting forever."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        queue = subprocess.run(
+            ["squeue", "-h", "-o", "%i %j %T %r"], env=env, capture_output=True, text=True
+        )
+        assert queue.returncode == 0, queue.stderr
+        if not queue.stdout.strip():
+            return
+        assert "DependencyNeverSatisfied" not in queue.stdout, queue.stdout
+        time.sleep(1)
+    pytest.fail(f"Slurm jobs still queued after {timeout} s")
+
+
+@require_sandbox
+@pytest.mark.timeout(900)
+def test_the_slurm_recipe_on_a_real_slurmd_grades_each_student_then_merges(
+    released, tmp_path, slurm
+):
+    """`bash examples/grade_class.sh submit`, as an instructor runs it: an array of one task
+    per student, then the merge once every task succeeded, scheduled by a real slurmctld and
+    run by a real slurmd (tools/slurm.sh)."""
+    names = NAMES[:2]
+    copy_class(released, tmp_path, names)
+    env = {**slurm, "VENV": str(Path(sys.executable).parent.parent)}
+    submitted = subprocess.run(
+        ["bash", str(ROOT / "examples" / "grade_class.sh"), "submit"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert "submitted: 2 grading tasks" in submitted.stdout
+    wait_for_jobs(env, timeout=800)
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("slurm-*.out")))
+    assert len(list(tmp_path.glob("slurm-*.out"))) == 3, logs  # 2 tasks and the merge
+    assert gradebook_scores(tmp_path) == expected_scores(released, names), logs
     assert all(graded_notebook(tmp_path, name).exists() for name in names)
     assert "grades.csv" in {p.name for p in tmp_path.iterdir()}
 

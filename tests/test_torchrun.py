@@ -1,4 +1,5 @@
-"""The same function under torchrun, as on a cluster (here: 2 CPU processes, gloo)."""
+"""The same function under torchrun, as on a cluster (here: 2 CPU processes, gloo), and under
+a bare `srun` on a real one-node Slurm cluster (tools/slurm.sh)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import torch
 import torch.distributed as dist
 
 from course_lib.launch import resolve_backend
-from course_lib.torchrun import choose_backend, init_from_env, load_function
+from course_lib.torchrun import (
+    choose_backend,
+    first_host,
+    init_from_env,
+    load_function,
+    slurm_environment,
+    tasks_per_node,
+)
 from tests.conftest import ROOT
 
 
@@ -49,6 +57,69 @@ def test_example_runs_unchanged_under_torchrun():
         on = f"cuda:{rank}" if choose_backend("auto", 2, gpus) == "nccl" else "cpu"
         assert f"rank {rank} of 2 on {on}: all_reduce gave 1" in result.stdout
         assert f"[rank {rank}] returned 8.0" in result.stdout
+
+
+def test_example_runs_unchanged_under_srun_on_two_tasks(slurm):
+    """`srun -n 2 python -m course_lib.torchrun ...`: Slurm starts both processes, no
+    torchrun; each finds its rank and the rendezvous in Slurm's variables."""
+    command = [sys.executable, "-m", "course_lib.torchrun", "examples/hello_allreduce.py:main", "8"]
+    result = subprocess.run(
+        ["srun", "--ntasks", "2", "--time", "5", *command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**slurm, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 on cpu: all_reduce gave 1" in result.stdout
+        assert f"[rank {rank}] returned 8.0" in result.stdout
+
+
+SRUN_TASK_1_OF_4 = {  # what srun set for the second task of `srun -N 2 -n 4`, job 7, step 1
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_NTASKS": "4",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    "SLURM_STEP_NODELIST": "node1,node2",
+    "SLURM_JOB_ID": "7",
+    "SLURM_STEP_ID": "1",
+}
+
+
+def test_srun_variables_become_torchruns():
+    assert slurm_environment(SRUN_TASK_1_OF_4) == {
+        "RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "node1",
+        "MASTER_PORT": str(20000 + 701),
+    }
+    given = {**SRUN_TASK_1_OF_4, "MASTER_ADDR": "head", "MASTER_PORT": "29400"}
+    assert slurm_environment(given)["MASTER_ADDR"] == "head"
+    assert slurm_environment(given)["MASTER_PORT"] == "29400"
+    # torchrun inside an srun task (examples/slurm.sbatch) set RANK itself: nothing changes.
+    assert slurm_environment({**SRUN_TASK_1_OF_4, "RANK": "5"}) == {}
+    assert slurm_environment({"RANK": "0"}) == {} and slurm_environment({}) == {}
+
+
+def test_slurm_lists_are_read_as_slurm_writes_them():
+    assert tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert tasks_per_node("4") == [4]
+    with pytest.raises(ValueError, match="tasks per node"):
+        tasks_per_node("2x3")
+    assert first_host("vm") == "vm"
+    assert first_host("cpu1,cpu2") == "cpu1"
+
+
+def test_a_bracketed_node_list_is_expanded_by_scontrol(slurm, monkeypatch):
+    monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])  # as srun's tasks inherit it
+    assert first_host("gpu[03-04],cpu1") == "gpu03"
 
 
 def test_the_example_also_runs_as_a_script():

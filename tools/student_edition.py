@@ -40,7 +40,8 @@ EXCLUDED = (
     re.compile(r"^docs/"),
     re.compile(r"^CONTRIBUTING\.md$"),
     re.compile(r"^bench/"),
-    re.compile(r"^tools/(?!build_site\.py$)"),  # students build the site: `make test` does
+    # Students build the site (`make test` does) and may try srun on a cluster of their own.
+    re.compile(r"^tools/(?!build_site\.py$|slurm\.sh$)"),
     re.compile(r"^\.ci/"),
     re.compile(r"^nbgrader_config\.py$"),
 )
@@ -121,7 +122,8 @@ course_lib/grading/  the checks the assignments' test cells call
 tests/          tests of course_lib (test_<topic>.py), of the notebooks' kernel and of the set-up
 jupyter/        how `make lab` runs JupyterLab: its config, settings and the server side of
                 nbgrader's Validate button
-tools/          build_site.py: every lecture run into HTML pages (`make site`, `make test`)
+tools/          build_site.py: every lecture run into HTML pages (`make site`, `make test`);
+                slurm.sh: a one-node Slurm cluster on this machine, to try `srun`
 examples/       the torchrun and Slurm examples
 ```
 
