@@ -127,8 +127,9 @@ def _judge_messages(check: str, case: Case, t: int, r: int, calls: list[Sent]) -
             f"{where} called {', '.join(others)}; push-sum uses point-to-point messages only "
             "(dist.isend / dist.irecv, or send / recv), whatever way a collective is reached",
         )
-    sent_to = {call.peer for call in calls if call.op in ("send", "isend")}
-    heard_from = {call.peer for call in calls if call.op in ("recv", "irecv")}
+    # isend and irecv reach the process group as its send and recv
+    sent_to = {call.peer for call in calls if call.op == "send"}
+    heard_from = {call.peer for call in calls if call.op == "recv"}
     if sent_to - set(outs):
         fail(check, f"{where} sent to rank(s) {sorted(sent_to - set(outs))}: not out-neighbours")
     if heard_from - set(ins):

@@ -18,11 +18,11 @@ float64 (`mix`), from starting x drawn here from a secret seed new for each call
 receives only its own), so the error measured is what the ranks really hold, and a rank cannot
 compute it without the messages.
 
-Measured with `consensus_error` (float64, 5 elements, seed 0, tests/test_grading_gossip.py):
-the ring (rank + 1 every round) ends at 0.036 on 4 ranks and 0.16 on 8 (seed 0; 0.036 to
-0.054 and 0.16 to 0.25 over seeds 0 to 3); the one-peer exponential graph
-(rank + 2^(t mod log2 P)) is exact after log2 P rounds (about 1e-16); a random derangement
-per round, seeded by the round, ends at about 0.005 on 8 ranks.
+Measured with `simulate` (float64, 5 elements, no secret, tests/test_grading_gossip.py): the
+ring (rank + 1 every round) ends at 0.036 on 4 ranks and 0.16 on 8 (seed 0; 0.036 to 0.054 and
+0.16 to 0.25 over seeds 0 to 3: the check's secret draws spread the same way); the one-peer
+exponential graph (rank + 2^(t mod log2 P)) is exact after log2 P rounds (about 1e-16); a
+random derangement per round, seeded by the round, ends at about 0.005 on 8 ranks.
 """
 
 from __future__ import annotations
@@ -127,8 +127,9 @@ def _judge_messages(
     others = sorted({call.op for call in calls if call.op not in POINT_TO_POINT})
     if others:
         fail(check, f"{where} called {', '.join(others)}; only point-to-point messages count")
-    sends = [(call.peer, call.sent) for call in calls if call.op in ("send", "isend")]
-    heard = {call.peer for call in calls if call.op in ("recv", "irecv")}
+    # isend and irecv reach the process group as its send and recv
+    sends = [(call.peer, call.sent) for call in calls if call.op == "send"]
+    heard = {call.peer for call in calls if call.op == "recv"}
     if {q for q, _ in sends} != {peer}:
         fail(check, f"{where} sent to {sorted({q for q, _ in sends})}: one peer per round")
     allowed = (SIZE + 1) * 8
