@@ -18,7 +18,7 @@ from course_lib.grading.gossip_schedule import (
     simulate,
 )
 from tests.adapters import planted, solution
-from tests.cheats.a04_gossip import PUSH_SUM_ALL_GATHER
+from tests.cheats.a04_gossip import BLOCKING_RECV, PUSH_SUM_ALL_GATHER
 
 push_sum_step = solution("gossip").push_sum_step
 
@@ -50,7 +50,16 @@ def push_sum_two_messages(x, w, out_neighbors, in_neighbors):
     return sx + sum(xs), (sw + sum(ws)).reshape(())
 
 
-@pytest.mark.parametrize("fn", [push_sum_step, push_sum_two_messages], ids=["solution", "two"])
+# isends, then a blocking recv from each in-neighbour: what the wire carries differs, and every
+# byte of it is still accounted for by the calls reported.
+push_sum_blocking_recv = planted("gossip", "push_sum_step", BLOCKING_RECV).push_sum_step
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [push_sum_step, push_sum_two_messages, push_sum_blocking_recv],
+    ids=["solution", "two", "blocking-recv"],
+)
 def test_push_sum_accepts_right_implementations(fn, capsys):
     check_push_sum(fn, rounds=20)
     check_push_sum(fn, dtype=torch.float32, world_sizes=(4,), seeds=(1,))

@@ -8,18 +8,21 @@ with one peer per round.
         consensus error max_i |x_i / w_i - mean| / max_i |x_i(0) - mean| (max over ranks and
         elements) must then be below `THRESHOLD`.
 
-The rule of the part, watched on every rank with the check's own communication hook: in each
-round a rank sends to exactly one peer, not itself, point-to-point only, at most
-`MESSAGES_PER_ROUND` messages (x and w together, or apart) of at most one share of x and w
-in bytes, and receives only from the ranks whose peer it is. Each round is also compared with
-push-sum on the same schedule computed here in float64 (`mix`), so the error measured is what
-the ranks really hold.
+The rule of the part, judged from the calls each rank's process group reported to the
+launcher, round by round (never from counters on the rank): in each round a rank sends to
+exactly one peer, not itself, point-to-point only, at most `MESSAGES_PER_ROUND` messages (x
+and w together, or apart) of at most one share of x and w in bytes, and receives only from the
+ranks whose peer it is; the bytes the kernel saw on its sockets must all be accounted for by
+those calls. Each round is also compared with push-sum on the same schedule computed here in
+float64 (`mix`), from starting x drawn here from a secret seed new for each call (each rank
+receives only its own), so the error measured is what the ranks really hold, and a rank cannot
+compute it without the messages.
 
-Measured with `consensus_error` (float64, 5 elements, seed 0, tests/test_grading_gossip.py):
-the ring (rank + 1 every round) ends at 0.036 on 4 ranks and 0.16 on 8 (seed 0; 0.036 to
-0.054 and 0.16 to 0.25 over seeds 0 to 3); the one-peer exponential graph
-(rank + 2^(t mod log2 P)) is exact after log2 P rounds (about 1e-16); a random derangement
-per round, seeded by the round, ends at about 0.005 on 8 ranks.
+Measured with `simulate` (float64, 5 elements, no secret, tests/test_grading_gossip.py): the
+ring (rank + 1 every round) ends at 0.036 on 4 ranks and 0.16 on 8 (seed 0; 0.036 to 0.054 and
+0.16 to 0.25 over seeds 0 to 3: the check's secret draws spread the same way); the one-peer
+exponential graph (rank + 2^(t mod log2 P)) is exact after log2 P rounds (about 1e-16); a
+random derangement per round, seeded by the round, ends at about 0.005 on 8 ranks.
 """
 
 from __future__ import annotations
@@ -28,26 +31,24 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from course_lib import comm
-from course_lib.comm import POINT_TO_POINT, CommCounter
-from course_lib.grading._harness import Verdict, fail, run_on_ranks
-from course_lib.grading.provenance import Provenance
-from course_lib.runtime import rank
+from course_lib import PerRank
+from course_lib.comm import POINT_TO_POINT
+from course_lib.grading._harness import (
+    Verdict,
+    calls_by_case,
+    fail,
+    judge_unreported,
+    run_on_ranks,
+)
+from course_lib.grading.gossip_cases import new_secret
+from course_lib.grading.gossip_ranks import SCHEDULE_SIZE as SIZE
+from course_lib.grading.gossip_ranks import run_schedule, schedule_table, well_formed
+from course_lib.grading.traffic import Sent
 
 ROUNDS_PER_DOUBLING = 4  # rounds = 4 log2(P): 8 on 4 ranks, 12 on 8
 THRESHOLD = 0.01  # the largest consensus error allowed after those rounds
 MESSAGES_PER_ROUND = 2  # x and w in one message, or in two, to the one peer
 DEFAULT_WORLD_SIZES = (8,)
-SIZE = 5  # elements of x
-
-# The lecture's gossip module (its ExponentialGraph, RandomPeer, push_sum_step) and this
-# module's reference mixing are not the student's own.
-FORBIDDEN = (
-    "course_lib.gossip",
-    "course_lib.grading.gossip.out_neighbors",
-    "course_lib.grading.gossip.push_sum_reference",
-    "course_lib.grading.gossip_schedule.mix",
-)
 
 
 def rounds_for(world_size: int) -> int:
@@ -55,9 +56,10 @@ def rounds_for(world_size: int) -> int:
     return ROUNDS_PER_DOUBLING * (world_size.bit_length() - 1)
 
 
-def start(world_size: int, seed: int) -> list[torch.Tensor]:
-    """Every rank's starting x: random, float64, SIZE elements."""
-    g = torch.Generator().manual_seed(7_919 * seed + world_size)
+def start(world_size: int, seed: int, secret: int = 0) -> list[torch.Tensor]:
+    """Every rank's starting x: random, float64, SIZE elements. The check draws them with a
+    secret new for each call (`secrets.randbits`); `simulate` with none, to measure."""
+    g = torch.Generator().manual_seed(secret ^ (7_919 * seed + world_size))
     return list(torch.randn(world_size, SIZE, generator=g, dtype=torch.float64) * 3)
 
 
@@ -93,65 +95,6 @@ def simulate(peer: Callable, world_size: int, seed: int = 0, rounds: int | None 
     return consensus_error(xs, ws, start(world_size, seed))
 
 
-# --- what runs on each rank ----------------------------------------------------------------
-
-
-class _Calls:
-    """While active: this rank's torch.distributed calls, with peer and bytes sent."""
-
-    def __enter__(self) -> _Calls:
-        self.calls: list[tuple[str, int | None, int]] = []
-        comm.add_around_hook(self._hook)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        comm.remove_around_hook(self._hook)
-
-    def _hook(self, op, args, sent, received, call):
-        names = ("dst", "group_dst") if op in ("send", "isend") else ("src", "group_src")
-        peer = next((args[n] for n in names if args.get(n) is not None), None)
-        self.calls.append((op, peer if op in POINT_TO_POINT else None, sent))
-        return call()
-
-
-def _tables(peer: Callable, world_size: int) -> dict:
-    """On each rank: the whole schedule, as this rank's `peer` gives it."""
-    with Provenance(FORBIDDEN) as seen:
-        rounds = range(rounds_for(world_size))
-        table = [[peer(r, world_size, t) for r in range(world_size)] for t in rounds]
-    return {"table": table, "copied": seen.complaint()}
-
-
-def _run(table: list[list[int]], push_sum_step: Callable, world_size: int, seed: int) -> dict:
-    """On each rank: push-sum on the (judged) schedule, each round's result and messages."""
-    with Provenance(FORBIDDEN) as seen:
-        me = rank()
-        x, w = start(world_size, seed)[me], torch.ones((), dtype=torch.float64)
-        records = []
-        with CommCounter():
-            for peers in table:
-                ins = [j for j, q in enumerate(peers) if q == me]
-                with _Calls() as calls:
-                    got = push_sum_step(x.clone(), w.clone(), [peers[me]], ins)
-                records.append({"got": got, "calls": calls.calls})
-                if not _well_formed(got):
-                    break  # judged in the calling process
-                x, w = got[0].detach().clone(), got[1].detach().clone().reshape(())
-    return {"records": records, "copied": seen.complaint()}
-
-
-def _well_formed(got) -> bool:
-    return (
-        isinstance(got, (tuple, list))
-        and len(got) == 2
-        and isinstance(got[0], torch.Tensor)
-        and got[0].shape == (SIZE,)
-        and got[0].dtype == torch.float64
-        and isinstance(got[1], torch.Tensor)
-        and got[1].numel() == 1
-    )
-
-
 # --- judging in the calling process ---------------------------------------------------------
 
 
@@ -175,14 +118,18 @@ def _judge_table(check: str, tables: list[list[list]], p: int) -> None:
         )
 
 
-def _judge_messages(check: str, at: str, r: int, peer: int, ins: list[int], calls) -> None:
+def _judge_messages(
+    check: str, at: str, r: int, peer: int, ins: list[int], calls: list[Sent]
+) -> None:
+    """Rank r's calls in one round, as its process group reported them to the launcher."""
     __tracebackhide__ = True
     where = f"{at}: rank {r} (peer {peer}, receiving from {ins})"
-    others = sorted({op for op, _, _ in calls if op not in POINT_TO_POINT})
+    others = sorted({call.op for call in calls if call.op not in POINT_TO_POINT})
     if others:
         fail(check, f"{where} called {', '.join(others)}; only point-to-point messages count")
-    sends = [(q, nbytes) for op, q, nbytes in calls if op in ("send", "isend")]
-    heard = {q for op, q, _ in calls if op in ("recv", "irecv")}
+    # isend and irecv reach the process group as its send and recv
+    sends = [(call.peer, call.sent) for call in calls if call.op == "send"]
+    heard = {call.peer for call in calls if call.op == "recv"}
     if {q for q, _ in sends} != {peer}:
         fail(check, f"{where} sent to {sorted({q for q, _ in sends})}: one peer per round")
     allowed = (SIZE + 1) * 8
@@ -197,28 +144,35 @@ def _judge_messages(check: str, at: str, r: int, peer: int, ins: list[int], call
         fail(check, f"{where} received from {sorted(heard - set(ins), key=str)}")
 
 
-def _judge(check: str, p: int, seed: int, table: list[list[int]], results: list[dict]) -> float:
-    """Every round on every rank against `mix`, its messages, and the final error."""
+def _judge(
+    check: str,
+    p: int,
+    seed: int,
+    table: list[list[int]],
+    starts: list[torch.Tensor],
+    records: list[list[dict]],
+    calls: list[list[list[Sent]]],
+) -> float:
+    """Every round on every rank (`records[r][t]`, `calls[r][t]`) against `mix` from the
+    `starts` drawn here, its messages, and the final error."""
     __tracebackhide__ = True
-    starts = start(p, seed)
     xs, ws = starts, [torch.ones((), dtype=torch.float64) for _ in range(p)]
     for t, peers in enumerate(table):
         at = f"world size {p}, seed {seed}, round {t}"
         for r in range(p):
-            records = results[r]["records"]
-            got = records[t]["got"] if t < len(records) else None
-            if not _well_formed(got):
+            if not well_formed(records[r][t]["got"], SIZE, torch.float64):
                 fail(
                     check,
-                    f"{at}: rank {r}'s push_sum_step returned {type(got).__name__}; expected "
+                    f"{at}: rank {r}'s push_sum_step returned "
+                    f"{records[r][t]['described'] or 'something else'}; expected "
                     f"(x_new, w_new), float64 x of shape ({SIZE},) and w with one element",
                 )
             ins = [j for j, q in enumerate(peers) if q == r]
-            _judge_messages(check, at, r, peers[r], ins, records[t]["calls"])
+            _judge_messages(check, at, r, peers[r], ins, calls[r][t])
         xs, ws = mix(xs, ws, peers)
         for r in range(p):
-            got_x = results[r]["records"][t]["got"][0].double()
-            got_w = results[r]["records"][t]["got"][1].double().reshape(())
+            got_x = records[r][t]["got"][0].double()
+            got_w = records[r][t]["got"][1].double().reshape(())
             if not (
                 torch.allclose(got_x, xs[r], rtol=1e-12, atol=1e-12)
                 and torch.allclose(got_w, ws[r], rtol=1e-12, atol=1e-12)
@@ -229,7 +183,7 @@ def _judge(check: str, p: int, seed: int, table: list[list[int]], results: list[
                     f"push-sum on this schedule gives x = {xs[r].tolist()}, w = "
                     f"{ws[r].item():.6g}: your push_sum_step of Part 1 must pass its test",
                 )
-    last = [results[r]["records"][-1]["got"] for r in range(p)]  # what the ranks hold
+    last = [records[r][-1]["got"] for r in range(p)]  # what the ranks hold
     error = consensus_error([x for x, _ in last], [w.reshape(()) for _, w in last], starts)
     if error > THRESHOLD:
         fail(
@@ -240,6 +194,14 @@ def _judge(check: str, p: int, seed: int, table: list[list[int]], results: list[
             "need to reach every rank?",
         )
     return error
+
+
+def _copied(check: str, results: list[dict]) -> None:
+    """Fail if any rank saw the answer run the lecture's or the grader's code."""
+    __tracebackhide__ = True
+    for found in results:
+        if found["copied"]:
+            fail(check, found["copied"])
 
 
 def check_one_peer_schedule(
@@ -258,37 +220,42 @@ def check_one_peer_schedule(
         if not callable(fn):
             fail(check, f"expected your {what} function, got {type(fn).__name__}")
     verdict, worst, sizes = Verdict(check), 0.0, sorted(set(world_sizes))
+    secret = new_secret()
     for p in sizes:
         if p < 2 or p & (p - 1):
             raise ValueError(f"world sizes must be powers of two from 2, got {p}")
         tables = run_on_ranks(
             check,
-            _tables,
+            schedule_table,
             peer,
             p,
+            rounds_for(p),
             world_size=p,
             timeout=timeout,
             what=f"your peer (world size {p})",
         )
-        if tables[0]["copied"]:
-            fail(check, tables[0]["copied"])
+        _copied(check, tables)
         _judge_table(check, [found["table"] for found in tables], p)
+        table = tables[0]["table"]
         for seed in seeds:
-            results = run_on_ranks(
+            starts = start(p, seed, secret)
+            results, traffic = run_on_ranks(
                 check,
-                _run,
-                tables[0]["table"],
+                run_schedule,
+                table,
                 push_sum_step,
-                p,
-                seed,
+                PerRank(starts),  # each rank its own x only
                 world_size=p,
                 timeout=timeout,
                 what=f"your peer and push_sum_step (world size {p}, seed {seed})",
+                traffic=True,
             )
-            if results[0]["copied"]:
-                fail(check, results[0]["copied"])
+            _copied(check, results)
+            calls = calls_by_case(check, traffic.tallies, len(table))  # one mark per round
+            judge_unreported(check, traffic)
+            records = [found["records"] for found in results]
             with verdict.case():
-                worst = max(worst, _judge(check, p, seed, tables[0]["table"], results))
+                worst = max(worst, _judge(check, p, seed, table, starts, records, calls))
     verdict.conclude(
         f"world size(s) {', '.join(map(str, sizes))}: one peer per rank and round, push-sum "
         f"exact on every rank, and after {ROUNDS_PER_DOUBLING} log2(P) rounds a consensus "
