@@ -248,6 +248,33 @@ def dist_fabricated(rounds):
     return [float(i + 1 - rank()) for i in range(rounds)]
 
 
+def dist_counters_forged(rounds):
+    """No message; the rank's own counters told of a real ping-pong (the old check read them)."""
+    from course_lib import comm
+
+    for counter in comm._active:
+        counter.bytes_sent += 8 * rounds
+        counter.bytes_received += 8 * rounds
+        counter.calls["send"] += rounds
+        counter.calls["recv"] += rounds
+    return [float(i + 1 - rank()) for i in range(rounds)]
+
+
+def dist_inner_broadcast(rounds):
+    """The values broadcast on the gloo group inside the counted one, which reports nothing."""
+    values = torch.arange(rounds, dtype=torch.float64)
+    dist.group.WORLD._inner.broadcast([values], dist.BroadcastOptions()).wait()
+    return (values + 1).tolist() if rank() == 0 else values.tolist()
+
+
+def test_dist_ping_pong_counts_what_the_launcher_saw_not_the_ranks_counters():
+    with pytest.raises(CheckFailed, match="rank 0 sent 0 and received 0 bytes"):
+        check_dist_ping_pong(dist_counters_forged, rounds=3)
+    with pytest.raises(CheckFailed) as info:
+        check_dist_ping_pong(dist_inner_broadcast, rounds=3)
+    assert info.value.tampering and "none of its send/recv calls account for" in str(info.value)
+
+
 @pytest.mark.parametrize("fn", [dist_ping_pong, dist_ping_pong_async])
 def test_dist_ping_pong_accepts_right_implementations(fn, capsys):
     check_dist_ping_pong(fn, rounds=4)
@@ -330,6 +357,7 @@ spread = A01.spread
 # Right, another schedule: rank 0 sends to the middle first, each half then recurses (the
 # alternative tests/cheats plants in the notebook).
 spread_halves = planted("processes", "spread", cheats.SPREAD_BY_HALVES).spread
+spread_frames_thief = planted("processes", "spread", cheats.FRAMES_SPREAD).spread
 
 
 def spread_chain(tensor):
@@ -430,3 +458,10 @@ def test_spread_rejects_wrong_schedules(fn, message):
     with pytest.raises(CheckFailed) as info:
         check_spread(fn, timeout=120)  # fresh ranks, as above
     assert message in str(info.value)
+
+
+def test_spread_values_come_only_from_messages():
+    """A thief that sends the right calls (zeros, full size) and copies rank 0's message from
+    whatever frame holds one: the check once kept it on every rank; now only rank 0 has it."""
+    with pytest.raises(CheckFailed, match="do not hold rank 0's message exactly"):
+        check_spread(spread_frames_thief, world_sizes=(2, 5), timeout=120)

@@ -8,7 +8,11 @@
                                             (the open part, in processes_spread.py)
 
 Each check plays the student's code against a reference written here (not the solution
-notebook's), so one side's bug cannot be hidden by the other side's matching bug.
+notebook's), so one side's bug cannot be hidden by the other side's matching bug. The pipe
+parts' partners run in child processes of their own, apart from the student's; the
+torch.distributed parts count calls and bytes from what each rank's process group reported to
+the launcher, and hold the kernel's count of the bytes on the wire to them (`_run_counted`),
+never from counters on the ranks, which the student's code shares.
 """
 
 from __future__ import annotations
@@ -16,10 +20,20 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 
-from course_lib.comm import POINT_TO_POINT, CommCounter
-from course_lib.grading._harness import Child, describe, fail, passed, run_on_ranks
+from course_lib import counted_group
+from course_lib.comm import POINT_TO_POINT
+from course_lib.grading._harness import (
+    Child,
+    calls_by_case,
+    describe,
+    fail,
+    judge_unreported,
+    passed,
+    run_on_ranks,
+)
 from course_lib.grading.processes_spread import check_spread
 
 # --- ping-pong over a Pipe ----------------------------------------------------------------
@@ -271,11 +285,35 @@ def _judge_run_chain(check: str, result, own_pid: int, leftover: int, n: int) ->
 # --- ping-pong with torch.distributed -----------------------------------------------------
 
 
-def _counted(fn: Callable, *args) -> tuple:
-    """On each rank: run fn and count what it sends and receives."""
-    with CommCounter() as counter:
-        result = fn(*args)
-    return result, counter.bytes_sent, counter.bytes_received, dict(counter.calls)
+def _marked(fn: Callable, *args) -> object:
+    """On each rank: fn between two marks, so that the launcher's tallies hold its calls and
+    nothing else (`_harness.calls_by_case`)."""
+    counted_group.mark(0)
+    result = fn(*args)
+    counted_group.mark(1)
+    return result
+
+
+def _run_counted(check: str, fn: Callable, *args, timeout: float, what: str) -> list[tuple]:
+    """Per rank, (result, bytes sent, bytes received, calls by op), the bytes and calls as the
+    rank's process group reported them to the launcher while fn ran: counted outside the
+    ranks, where fn cannot change them. Bytes on the wire that no reported send or recv
+    accounts for fail the part as tampering."""
+    __tracebackhide__ = True
+    results, traffic = run_on_ranks(
+        check, _marked, fn, *args, world_size=2, timeout=timeout, what=what, traffic=True
+    )
+    calls = calls_by_case(check, traffic.tallies, 1)
+    judge_unreported(check, traffic)
+    return [
+        (
+            result,
+            sum(call.sent for call in calls[r][0]),
+            sum(call.received for call in calls[r][0]),
+            dict(Counter(call.op for call in calls[r][0])),
+        )
+        for r, result in enumerate(results)
+    ]
 
 
 def check_dist_ping_pong(dist_ping_pong: Callable, rounds: int = 5, timeout: float = 20.0) -> None:
@@ -285,14 +323,8 @@ def check_dist_ping_pong(dist_ping_pong: Callable, rounds: int = 5, timeout: flo
     Only point-to-point calls are allowed: exactly one 8-byte tensor each way per round."""
     __tracebackhide__ = True
     check = "check_dist_ping_pong"
-    results = run_on_ranks(
-        check,
-        _counted,
-        dist_ping_pong,
-        rounds,
-        world_size=2,
-        timeout=timeout,
-        what="your dist_ping_pong",
+    results = _run_counted(
+        check, dist_ping_pong, rounds, timeout=timeout, what="your dist_ping_pong"
     )
     expected = [[float(i + 1) for i in range(rounds)], [float(i) for i in range(rounds)]]
     for rank, (result, sent, received, calls) in enumerate(results):
@@ -364,15 +396,8 @@ def _measured_round_trip(
     """Run the student's timer on 2 ranks; check that the bytes travel both ways with
     point-to-point calls only, and return rank 0's seconds per round trip."""
     __tracebackhide__ = True
-    results = run_on_ranks(
-        check,
-        _counted,
-        round_trip_time,
-        nbytes,
-        repeats,
-        world_size=2,
-        timeout=timeout,
-        what="your round_trip_time",
+    results = _run_counted(
+        check, round_trip_time, nbytes, repeats, timeout=timeout, what="your round_trip_time"
     )
     for rank, (_, sent, received, calls) in enumerate(results):
         if set(calls) - set(POINT_TO_POINT):

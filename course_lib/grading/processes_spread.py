@@ -2,31 +2,44 @@
 
 `spread(tensor)` runs on P ranks: rank 0's tensor holds a message, every other rank's tensor
 has its shape and dtype, and on return every rank holds rank 0's values, with point-to-point
-calls only. The check measures how many rounds it took, from its own log of every send and
-receive each rank made (peer and order), in the telephone model: a rank sends one message
-per round, so a rank that got the message in round d sends its k-th message in round d + k
-(rank 0 holds it in round 0). The latest round in which a rank gets it must not exceed
-ceil(log2 P), the fewest any schedule can do: the number of ranks holding the message at
-most doubles per round.
+calls only. The check measures how many rounds it took, from every send and receive each rank
+made (peer and order), in the telephone model: a rank sends one message per round, so a rank
+that got the message in round d sends its k-th message in round d + k (rank 0 holds it in
+round 0). The latest round in which a rank gets it must not exceed ceil(log2 P), the fewest
+any schedule can do: the number of ranks holding the message at most doubles per round.
 
-    _spread_on_rank(spread, seed)   on each rank: its calls (op, peer) in order, its bytes,
-                                    whether its tensor ends right
-    rounds(calls)                   the round each rank got the message in, from those logs
-    judge(verdict, records, seed)   one world size's verdict, and the rounds it took
+Nothing the verdict trusts is on a rank beside the student's code: the messages are drawn here
+from a secret seed, new for each call, and each rank receives only its own starting tensor
+(rank 0 the message); the calls, their order, peers and bytes are those each rank's process
+group reported to the launcher (`_harness.calls_by_case`), and the bytes on the wire must all
+be accounted for by them (`_harness.judge_unreported`).
+
+    draw(p, seed, secret)           every rank's starting tensor, per message
+    _spread_on_rank(spread, given)  on each rank: spread on each of its tensors, between marks
+    rounds(calls)                   the round each rank got the message in, from the calls
+    judge(verdict, ...)             one world size's verdict, and the rounds it took
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable
 
 import torch
 
-from course_lib import comm
-from course_lib.comm import POINT_TO_POINT, CommCounter
-from course_lib.grading._harness import Verdict, close_pool, fail, run_on_ranks
+from course_lib import PerRank, counted_group
+from course_lib.comm import POINT_TO_POINT
+from course_lib.grading._harness import (
+    Verdict,
+    calls_by_case,
+    close_pool,
+    fail,
+    judge_unreported,
+    run_on_ranks,
+)
 from course_lib.grading.provenance import Provenance
-from course_lib.runtime import rank
+from course_lib.grading.traffic import Sent
 
 # Lecture 2's collectives are built from send and recv (its binary tree sends the total
 # back down from rank 0): an answer that runs them, or a copy, is not the student's.
@@ -36,53 +49,29 @@ MESSAGES = (((3, 5), torch.float64), ((7,), torch.int64))
 SENDS, RECEIVES = ("send", "isend"), ("recv", "irecv")
 
 
-class _Log:
-    """While active: every point-to-point call of this rank, (op, peer) in call order. Seen
-    through course_lib.comm's hook, which on grading ranks sees every route to the group."""
-
-    def __enter__(self) -> _Log:
-        self.calls: list[tuple[str, int | None]] = []
-        comm.add_around_hook(self._seen)
-        return self
-
-    def _seen(self, op, args, sent, received, call):
-        if op in POINT_TO_POINT:
-            names = ("dst", "group_dst") if op in SENDS else ("src", "group_src")
-            self.calls.append((op, next((args[n] for n in names if args.get(n) is not None), None)))
-        return call()
-
-    def __exit__(self, *exc: object) -> None:
-        comm.remove_around_hook(self._seen)
-
-
-def _message(shape: tuple[int, ...], dtype: torch.dtype, seed: int, who: int) -> torch.Tensor:
-    """Rank 0's message (who=0), or the garbage another rank starts with (who=its rank)."""
-    generator = torch.Generator().manual_seed(1_000_003 * seed + 101 * who + len(shape))
+def _message(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator):
     if dtype.is_floating_point:
         return torch.randn(shape, generator=generator, dtype=dtype)
     return torch.randint(-(2**60), 2**60, shape, generator=generator, dtype=dtype)
 
 
-def _spread_on_rank(spread: Callable, seed: int) -> list[dict]:
-    """On each rank: every message in turn, with its calls logged and its bytes counted."""
-    me, records = rank(), []
-    for shape, dtype in MESSAGES:
-        expected = _message(shape, dtype, seed, 0)
-        tensor = _message(shape, dtype, seed, me)
-        with CommCounter() as counter, _Log() as log, Provenance(LECTURE) as seen:
+def draw(p: int, seed: int, secret: int) -> list[list[torch.Tensor]]:
+    """[rank][message]: rank 0's messages, and the garbage every other rank starts with, drawn
+    from `seed` mixed with a secret no rank knows."""
+    generator = torch.Generator().manual_seed(secret ^ (1_000_003 * seed + p))
+    return [[_message(shape, dtype, generator) for shape, dtype in MESSAGES] for _ in range(p)]
+
+
+def _spread_on_rank(spread: Callable, given: list[torch.Tensor]) -> list[dict]:
+    """On each rank: spread on each of its tensors in turn, a mark before each, so that the
+    launcher's tallies tell the messages apart; returns what each tensor ended as."""
+    records = []
+    for m, tensor in enumerate(given):
+        counted_group.mark(m)
+        with Provenance(LECTURE) as seen:
             spread(tensor)
-        records.append(
-            {
-                "message": f"{str(dtype).replace('torch.', '')} {tuple(shape)}",
-                "nbytes": expected.numel() * expected.element_size(),
-                "right": torch.equal(tensor, expected),
-                "calls": log.calls,
-                "other": sorted(set(counter.calls) - set(POINT_TO_POINT)),
-                "sent": counter.bytes_sent,
-                "received": counter.bytes_received,
-                "copied": seen.complaint(),
-            }
-        )
+        records.append({"tensor": tensor.clone(), "copied": seen.complaint()})
+    counted_group.mark(len(given))
     return records
 
 
@@ -143,54 +132,67 @@ def path_to(r: int, calls: list, got_in: list[int]) -> str:
     return ", ".join(reversed(steps))
 
 
-def judge(verdict: Verdict, records: list[list[dict]], seed: int) -> int:
-    """Judge one world size's records (per rank, per message); return the rounds taken."""
+def judge(
+    verdict: Verdict,
+    records: list[list[dict]],
+    calls: list[list[list[Sent]]],
+    given: list[list[torch.Tensor]],
+    seed: int,
+) -> int:
+    """Judge one world size: what each rank's tensor ended as (`records[r][m]`), the calls it
+    reported (`calls[r][m]`) and the tensors it was given (`given[r][m]`; rank 0's is the
+    message). Returns the rounds taken."""
     __tracebackhide__ = True
     ranks, allowed, worst = len(records), math.ceil(math.log2(len(records))), 0
-    for m in range(len(MESSAGES)):
-        per_rank = [records[r][m] for r in range(ranks)]
-        where = f"P = {ranks}, message {per_rank[0]['message']}, seed {seed}"
+    for m, (shape, dtype) in enumerate(MESSAGES):
+        message = given[0][m]
+        nbytes = message.numel() * message.element_size()
+        where = f"P = {ranks}, message {str(dtype).replace('torch.', '')} {shape}, seed {seed}"
         with verdict.case():
-            copied = next((x["copied"] for x in per_rank if x["copied"]), None)
+            copied = next((x[m]["copied"] for x in records if x[m]["copied"]), None)
             if copied:
                 fail(verdict.check, f"{where}: {copied}")
-            for r, x in enumerate(per_rank):
-                if x["other"]:
+            for r in range(ranks):
+                other = sorted({c.op for c in calls[r][m]} - set(POINT_TO_POINT))
+                if other:
                     fail(
                         verdict.check,
-                        f"{where}: rank {r} used {x['other']}; use only send/recv (or isend/irecv)",
+                        f"{where}: rank {r} used {other}; use only send/recv (or isend/irecv)",
                     )
-            got_in, problems = rounds([x["calls"] for x in per_rank])
+            ops = [[(c.op, c.peer) for c in calls[r][m]] for r in range(ranks)]
+            got_in, problems = rounds(ops)
             if problems:
                 fail(verdict.check, f"{where}: " + "; ".join(problems[:3]))
-            if not per_rank[0]["right"]:
+            ended = [records[r][m]["tensor"] for r in range(ranks)]
+            if not torch.equal(ended[0], message):
                 fail(
                     verdict.check,
                     f"{where}: rank 0's tensor changed; spread must leave it as it is",
                 )
-            wrong = [r for r, x in enumerate(per_rank) if not x["right"]]
+            wrong = [r for r in range(ranks) if not torch.equal(ended[r], message)]
             if wrong:
                 fail(
                     verdict.check,
                     f"{where}: rank(s) {wrong} do not hold rank 0's message exactly after spread",
                 )
-            for r, x in enumerate(per_rank):
-                n_sent = sum(op in SENDS for op, _ in x["calls"])
-                n_got = sum(op in RECEIVES for op, _ in x["calls"])
-                if (x["sent"], x["received"]) != (n_sent * x["nbytes"], n_got * x["nbytes"]):
+            for r in range(ranks):
+                sent = sum(c.sent for c in calls[r][m])
+                received = sum(c.received for c in calls[r][m])
+                n_sent = sum(op in SENDS for op, _ in ops[r])
+                n_got = sum(op in RECEIVES for op, _ in ops[r])
+                if (sent, received) != (n_sent * nbytes, n_got * nbytes):
                     fail(
                         verdict.check,
-                        f"{where}: rank {r} sent {x['sent']} bytes in "
-                        f"{n_sent} message(s) and received {x['received']} in {n_got}; "
-                        f"each message must be the whole {x['nbytes']}-byte tensor",
+                        f"{where}: rank {r} sent {sent} bytes in {n_sent} message(s) and "
+                        f"received {received} in {n_got}; each message must be the whole "
+                        f"{nbytes}-byte tensor",
                     )
             last = max(range(ranks), key=lambda r: got_in[r])
             if got_in[last] > allowed:
-                calls = [x["calls"] for x in per_rank]
                 fail(
                     verdict.check,
                     f"{where}: rank {last} got the message in round "
-                    f"{got_in[last]} ({path_to(last, calls, got_in)}); at most "
+                    f"{got_in[last]} ({path_to(last, ops, got_in)}); at most "
                     f"ceil(log2 {ranks}) = {allowed} rounds allowed. A rank sends one "
                     "message per round: its k-th send goes out k rounds after it got "
                     "the message",
@@ -211,22 +213,27 @@ def check_spread(
     check = "check_spread"
     verdict = Verdict(check)
     taken = {}
+    secret = secrets.randbits(62)
     for p in world_sizes:
+        given = draw(p, seed, secret)
         try:
-            records = run_on_ranks(
+            records, traffic = run_on_ranks(
                 check,
                 _spread_on_rank,
                 spread,
-                seed,
+                PerRank(given),
                 world_size=p,
                 timeout=timeout,
                 what=f"your spread on {p} ranks",
+                traffic=True,
             )
         finally:
             # A warm pool per world size would keep up to 8 more ranks alive each: grading
             # allows the notebook 8 GiB, which P = 2..8 all alive together exceeded.
             close_pool()
-        taken[p] = judge(verdict, records, seed)
+        calls = calls_by_case(check, traffic.tallies, len(MESSAGES))
+        judge_unreported(check, traffic)
+        taken[p] = judge(verdict, records, calls, given, seed)
     verdict.conclude(
         f"on P = {', '.join(map(str, world_sizes))} ranks, {len(MESSAGES)} messages each "
         "(float64 and int64), send/recv only: every rank got rank 0's tensor exactly, "

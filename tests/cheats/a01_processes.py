@@ -11,6 +11,73 @@ def dist_ping_pong(rounds):
     return [float(i + 1) if rank() == 0 else float(i) for i in range(rounds)]
 '''
 
+# Counters on the rank, forged: what `CommCounter` (the counter the check once read on the
+# rank) would have counted for a real ping-pong, with no message at all.
+COUNTERS_FORGED = '''
+def dist_ping_pong(rounds):
+    """The right values, and the rank's own byte counters told that each one travelled."""
+    from course_lib import comm
+
+    for counter in comm._active:
+        counter.bytes_sent += 8 * rounds
+        counter.bytes_received += 8 * rounds
+        counter.calls["send"] += rounds
+        counter.calls["recv"] += rounds
+    return [float(i + 1) if rank() == 0 else float(i) for i in range(rounds)]
+'''
+
+# The values really travel, by a broadcast on the gloo group inside the counted one, which
+# reports nothing; the forged counters then say send/recv of the right size.
+INNER_GROUP_PING_PONG = '''
+def dist_ping_pong(rounds):
+    """Every value broadcast by rank 0 on the inner group; the counters forged."""
+    from course_lib import comm
+
+    values = torch.arange(rounds, dtype=torch.float64)
+    dist.group.WORLD._inner.broadcast([values], dist.BroadcastOptions()).wait()
+    for counter in comm._active:
+        counter.bytes_sent += 8 * rounds
+        counter.bytes_received += 8 * rounds
+        counter.calls["send"] += rounds
+        counter.calls["recv"] += rounds
+    return (values + 1).tolist() if rank() == 0 else values.tolist()
+'''
+
+# The check's own answer, looked for in the callers' frames (where the check once kept rank
+# 0's message on every rank), behind a binomial tree of full-size messages of zeros.
+FRAMES_SPREAD = '''
+import sys
+
+
+def _answer_from_frames(tensor):
+    frame = sys._getframe(2)
+    while frame is not None:
+        for value in frame.f_locals.values():
+            if (
+                isinstance(value, torch.Tensor)
+                and value is not tensor
+                and value.shape == tensor.shape
+                and value.dtype == tensor.dtype
+            ):
+                return value
+        frame = frame.f_back
+    return None
+
+
+def spread(tensor):
+    """The right calls, carrying zeros; the values copied from whatever frame holds them."""
+    me, p, step = rank(), world_size(), 1
+    answer, zeros = _answer_from_frames(tensor), torch.zeros_like(tensor)
+    while step < p:
+        if me < step and me + step < p:
+            dist.send(zeros, me + step)
+        elif step <= me < 2 * step:
+            dist.recv(zeros, me - step)
+        step *= 2
+    if answer is not None and me:
+        tensor.copy_(answer)
+'''
+
 CONSTANT_ROUND_TRIP = '''
 def round_trip_time(nbytes, repeats=5):
     """A plausible number, nothing measured."""
@@ -62,9 +129,27 @@ CHEATS = [
         frozenset({"test_spread"}),
     ),
     Cheat(
+        "spread's values from the callers' frames, zeros on the wire",
+        "spread",
+        FRAMES_SPREAD,
+        frozenset({"test_spread"}),
+    ),
+    Cheat(
         "ping-pong without messages",
         "dist_ping_pong",
         LOCAL_PING_PONG,
+        frozenset({"test_dist_ping_pong"}),
+    ),
+    Cheat(
+        "ping-pong without messages, the rank's counters forged",
+        "dist_ping_pong",
+        COUNTERS_FORGED,
+        frozenset({"test_dist_ping_pong"}),
+    ),
+    Cheat(
+        "ping-pong by a broadcast on the inner gloo group, the counters forged",
+        "dist_ping_pong",
+        INNER_GROUP_PING_PONG,
         frozenset({"test_dist_ping_pong"}),
     ),
     Cheat(
