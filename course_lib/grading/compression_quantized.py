@@ -73,7 +73,9 @@ class BytesByKind:
     Built on `course_lib.comm`'s hooks (so on grading ranks it sees every route to a
     collective, as a CommCounter does, and counts bytes the same way): each outermost call
     is classified by the dtypes of its tensors, and its bytes are booked to "8-bit" if all
-    of them are int8/uint8, else to their dtype's name."""
+    of them are int8/uint8, else to their dtype's name. Kept on the rank, beside the code it
+    watches: a check takes the bytes from the launcher's tallies and these labels only to
+    split them (`split_by_kind`)."""
 
     def __init__(self) -> None:
         self.sent: Counter = Counter()
