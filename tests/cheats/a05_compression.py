@@ -5,7 +5,7 @@ callers' frames and heap (FRAMES_EXACT_SUM, FRAMES_WHOLE_BATCH), the check's see
 tests/test_grading_compression.py (the lecture's functions called), which also runs
 check_powersgd on POWERSGD_GRAM_SCHMIDT and check_compressed_training on every compressor below
 (the ones not listed in CHEATS / ALTERNATIVES too), and in
-tests/test_grading_compression_trust.py, which runs the checks on every cheat of the rank's
+tests/test_grading_compression_ranks.py, which runs the checks on every cheat of the rank's
 process directly."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Assignment 5's checks trust nothing computed or counted on the ranks: each cheat below found
-what it needed in the rank's process while the checks computed it there (each passed the
-checks of commit cbe0078), and now scores nothing."""
+"""Assignment 5's checks trust nothing computed or counted on the ranks (`compression_ranks`
+runs only the student's code there): each cheat below found what it needed in the rank's
+process while the checks computed it there (each passed the checks of commit cbe0078), and
+now scores nothing."""
 
 from __future__ import annotations
 
