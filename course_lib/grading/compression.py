@@ -13,93 +13,93 @@
 
 Part 3 (open), `check_compressed_training`, lives in compression_budget.py.
 
-The exact sums and the PowerSGD reference are computed in float64, independently of the
-student's code: `dist.all_reduce` of float64 copies, and `powersgd_reference`, which follows
-the algorithm of Vogels et al. 2019 with torch's error-feedback rule (error = local matrix -
-applied update, as `powerSGD_hook` does); tests/test_grading_compression.py compares it with
-`powerSGD_hook` itself.
+Every case runs the student's code on inputs drawn here, in the checking process, from a
+secret new for each call of a check; each rank receives only its own (`compression_cases`,
+`compression_ranks`). The references are computed here too, in float64, independently of the
+student's code: the exact sums, and `powersgd_reference`, which follows the algorithm of
+Vogels et al. 2019 with torch's error-feedback rule (error = local matrix - applied update,
+as `powerSGD_hook` does); tests/test_grading_compression.py compares it with `powerSGD_hook`
+itself. What each rank sent, call by call and case by case, is what its process group told
+the launcher as the calls were made (`_harness.run_on_ranks(..., traffic=True)`): no count
+kept on a rank decides a verdict. Only the dtype of Part 1's calls, which a tally does not
+carry, is labelled on the rank, and those labels only split the launcher's bytes into 8-bit
+and other (`compression_quantized.split_by_kind`).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from course_lib.grading._harness import Verdict, fail, run_on_ranks
+from course_lib import PerRank
+from course_lib.grading._harness import (
+    Verdict,
+    calls_by_case,
+    fail,
+    judge_unreported,
+    run_on_ranks,
+)
+from course_lib.grading.compression_cases import (
+    PCase,
+    QCase,
+    new_secret,
+    p_gradients,
+    q_inputs,
+)
 from course_lib.grading.compression_powersgd import (
     P_TOLERANCE,
-    PCase,
     initial_q,
     judge_powersgd,
-    powersgd_records,
     powersgd_reference,
 )
 from course_lib.grading.compression_quantized import (
     BytesByKind,
-    QCase,
     all_reduce_bound,
     judge_quantized,
     payload_budget,
-    quantized_records,
     round_trip_bound,
     scale_budget,
 )
-from course_lib.grading.provenance import Provenance
+from course_lib.grading.compression_ranks import powersgd_on_rank, quantized_on_rank
+from course_lib.grading.traffic import Sent
 
 DEFAULT_SHAPES = ((1,), (7,), (1000,), (30, 33))
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
 
-# Lecture 5's module holds a working 8-bit quantizer, its all-reduce and PowerSGD's pieces:
-# an answer that runs them, or a copy, is not the student's own.
-LECTURE = ("course_lib.compression",)
 
-
-def _records(check: str, found: list[dict]) -> list:
-    """Each rank's records, once no rank ran the lecture's code."""
-    __tracebackhide__ = True
-    if found[0]["copied"]:
-        fail(check, found[0]["copied"])
-    return [rank_found["records"] for rank_found in found]
-
-
-def _run_watched(records_of: Callable, answer: Any, cases: list) -> dict:
-    """On each rank: records_of(answer, cases), watched for the lecture's code."""
-    with Provenance(LECTURE) as seen:
-        records = records_of(answer, cases)
-    return {"records": records, "copied": seen.complaint()}
-
-
-def _run_and_judge(
+def _run(
     check: str,
-    verdict: Verdict,
     p: int,
-    cases: list,
-    records_of: Callable,
+    on_rank: Callable,
     answer: Any,
-    who: str,
-    judge: Callable,
+    cases: list,
+    given: list,
+    what: str,
+    segments: int,
     timeout: float,
-) -> None:
-    """Run `cases` on p ranks (`who` says what is run, for a timeout), then judge(case,
-    records of every rank) for each case apart."""
+) -> tuple[list, list[list[list[Sent]]]]:
+    """Run `on_rank(answer, cases, mine)` on p ranks, rank r given only `given[r]`: each
+    rank's records, and per rank the calls of each of the `segments` it marked, from the
+    launcher's tallies."""
     __tracebackhide__ = True
-    results = run_on_ranks(
+    found, traffic = run_on_ranks(
         check,
-        _run_watched,
-        records_of,
+        on_rank,
         answer,
         cases,
+        PerRank(given),
         world_size=p,
         timeout=timeout,
-        what=f"{who} (world size {p}, {len(cases)} cases)",
+        what=what,
+        traffic=True,
     )
-    results = _records(check, results)
-    for i, case in enumerate(cases):
-        with verdict.case():
-            judge(case, [results[r][i] for r in range(p)])
+    if found[0]["copied"]:
+        fail(check, found[0]["copied"])
+    calls = calls_by_case(check, traffic.tallies, segments)
+    judge_unreported(check, traffic)
+    return [rank_found["records"] for rank_found in found], calls
 
 
 def check_quantized_all_reduce(
@@ -114,7 +114,8 @@ def check_quantized_all_reduce(
 ) -> None:
     """8-bit quantization and an all-reduce that sends only 8-bit codes (plus scales): the
     round trip within max|x| / 254, the sum within max(2, P) * A / 254 and identical on every
-    rank, bytes within `payload_budget` and `scale_budget`. Seed 1 gives rank 0 zeros."""
+    rank, bytes within `payload_budget` and `scale_budget`. Seed 1 gives rank 0 zeros; the
+    values are drawn from a secret."""
     __tracebackhide__ = True
     check = "check_quantized_all_reduce"
     fns = (quantize, dequantize, quantized_all_reduce)
@@ -126,9 +127,17 @@ def check_quantized_all_reduce(
     verdict, count = Verdict(check), 0
     for p in sorted(set(world_sizes)):
         cases = [QCase(p, shape, seed) for seed in seeds for shape in shapes]
-        who = f"your quantize, dequantize or {name}"
-        judge = functools.partial(judge_quantized, check, name)
-        _run_and_judge(check, verdict, p, cases, quantized_records, fns, who, judge, timeout)
+        inputs = q_inputs(cases, new_secret())  # [case][rank]
+        given = [[x[r] for x in inputs] for r in range(p)]
+        what = f"your quantize, dequantize or {name} (world size {p}, {len(cases)} cases)"
+        # Two segments per case: the round trip (its calls count for nothing), the sum.
+        args = (quantized_on_rank, fns, cases, given, what, 2 * len(cases), timeout)
+        records, calls = _run(check, p, *args)
+        for i, case in enumerate(cases):
+            with verdict.case():
+                found = [records[r][i] for r in range(p)]
+                sent = [calls[r][2 * i + 1] for r in range(p)]
+                judge_quantized(check, name, case, inputs[i], found, sent)
         count += len(cases)
     sizes = ", ".join(str(p) for p in sorted(set(world_sizes)))
     verdict.conclude(
@@ -168,9 +177,19 @@ def check_powersgd(
             for shape in shapes
             for r in ranks
         ]
-        judge = functools.partial(judge_powersgd, check)
-        args = (powersgd_records, powersgd_class, f"your {name}", judge, timeout)
-        _run_and_judge(check, verdict, p, cases, *args)
+        grads = p_gradients(cases, new_secret())  # [case][rank][step]
+        given = [[g[r] for g in grads] for r in range(p)]
+        what = f"your {name} (world size {p}, {len(cases)} cases)"
+        # Per case a segment for the construction (its calls count for no step), then one
+        # per step.
+        args = (powersgd_on_rank, powersgd_class, cases, given, what, len(cases) * (1 + steps))
+        records, calls = _run(check, p, *args, timeout)
+        for i, case in enumerate(cases):
+            first = i * (1 + steps) + 1
+            with verdict.case():
+                found = [records[r][i] for r in range(p)]
+                sent = [calls[r][first : first + steps] for r in range(p)]
+                judge_powersgd(check, case, grads[i], found, sent)
         count += len(cases)
     sizes = ", ".join(str(p) for p in sorted(set(world_sizes)))
     verdict.conclude(

@@ -7,100 +7,60 @@
         rank applies. Scores when
         - every rank ends with the same parameters (the same update everywhere),
         - each rank sent at most 1/BYTE_RATIO of what float32 all-reduce training sends
-          (2 (P-1)/P * 4N bytes a step, N parameters), counted by CommCounter,
+          (2 (P-1)/P * 4N bytes a step, N parameters), as the launcher counted its calls,
         - the final loss on the whole training set is at most (1 + LOSS_TOLERANCE) times
           that of float32 all-reduce training on the same batches.
 
-The reference is independent of the student's code: float32 SGD on one process, on the whole
-global batch of each step (the mean of the P equal shards' mean gradients is the full
-batch's), and the loss is evaluated in float64. Everything is seeded: the measurement is
-deterministic (bytes and losses, no wall-clock time).
+The data, the initial parameters and the batches are drawn in the checking process from a
+secret new for each call (`compression_cases.draw_problem`); each rank receives only its own
+shard of each step (`compression_ranks.train_on_rank`), so the mean gradient can only come
+from the messages. The reference is independent of the student's code: float32 SGD on one
+process, on the whole global batch of each step (the mean of the P equal shards' mean
+gradients is the full batch's), and the loss is evaluated in float64. The bytes are what the
+launcher was told of every call of every rank's process group during the run (no counter on
+the rank decides them); nothing depends on wall-clock time.
 
 The thresholds were set from measurements on this problem (seed 0, P = 4, 60 steps; final
 loss / float32's, bytes fewer than float32): top-1% values + int32 indices with error feedback
 1.042 at 25x, without it 1.45; PowerSGD rank 1 (biases in float32) 1.036 at 13.4x, rank 2 at
 8.0x; sign + mean|.| scale with error feedback 0.999 at 15.9x; 8-bit all-reduce about 4x;
-each rank keeping its own gradient 1.06 with ranks 0.11 apart. Seeds 1 and 2 (3 ranks) alike.
+each rank keeping its own gradient 1.06 with ranks 0.11 apart. Seeds 1 and 2 (3 ranks) alike,
+and so were ten problems drawn from secrets (top-1% with error feedback 1.030 to 1.041,
+without it 1.38 to 1.44; sign with error feedback 0.995 to 1.002).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from course_lib.comm import CommCounter
+from course_lib import PerRank
 from course_lib.costs import all_reduce_bytes
-from course_lib.grading._harness import fail, passed, run_on_ranks
-from course_lib.grading.provenance import Provenance
-from course_lib.runtime import rank, world_size
+from course_lib.grading._harness import fail, judge_unreported, passed, run_on_ranks
+from course_lib.grading.compression_cases import (
+    CLASSES,
+    FEATURES,
+    HIDDEN,
+    LR,
+    Problem,
+    TrainRun,
+    draw_problem,
+    loss_of,
+    new_secret,
+    shards,
+)
+from course_lib.grading.compression_ranks import train_on_rank
+from course_lib.grading.traffic import Sent, Traffic
 
 BYTE_RATIO = 12  # at least this many times fewer bytes than float32 all-reduce training
 LOSS_TOLERANCE = 0.10  # final loss at most 1.10 x float32 training's
 SAME_ATOL = 1e-5  # ranks' final parameters may differ by rounding only
 
-# The lecture's compressors, and PyTorch's DDP communication hooks (PowerSGD, fp16/bf16,
-# quantization): an answer that runs them, or a copy, is not the student's own.
-FORBIDDEN = (
-    "course_lib.compression",
-    "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
-    "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook",
-    "torch.distributed.algorithms.ddp_comm_hooks.quantization_hooks",
-)
-
-FEATURES, HIDDEN, CLASSES = 32, 256, 10
-SAMPLES, BATCH, LR = 2048, 256, 0.2
-
-
-@dataclass(frozen=True)
-class TrainRun:
-    """One measured training run: world size, seed (data, model, batches), steps."""
-
-    world_size: int = 4
-    seed: int = 0
-    steps: int = 60
-
-    def __str__(self) -> str:
-        return f"{self.world_size} ranks, seed {self.seed}, {self.steps} steps"
-
-
-# --- the check's problem: data, model, batches --------------------------------------------
-
-
-def dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """SAMPLES points in FEATURES dimensions, labelled by a random two-layer teacher."""
-    g = torch.Generator().manual_seed(1_000 + seed)
-    x = torch.randn(SAMPLES, FEATURES, generator=g)
-    w1, w2 = torch.randn(FEATURES, 64, generator=g), torch.randn(64, CLASSES, generator=g)
-    return x, (torch.tanh(x @ w1) @ w2).argmax(dim=1)
-
-
-def initial_parameters(seed: int) -> list[torch.Tensor]:
-    """The MLP FEATURES -> HIDDEN -> CLASSES: two weight matrices and two bias vectors."""
-    g = torch.Generator().manual_seed(2_000 + seed)
-    return [
-        torch.randn(HIDDEN, FEATURES, generator=g) / FEATURES**0.5,
-        torch.zeros(HIDDEN),
-        torch.randn(CLASSES, HIDDEN, generator=g) / HIDDEN**0.5,
-        torch.zeros(CLASSES),
-    ]
-
-
-def loss_of(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    w1, b1, w2, b2 = params
-    return F.cross_entropy(F.linear(torch.relu(F.linear(x, w1, b1)), w2, b2), y)
-
-
-def batch_indices(run: TrainRun, step: int) -> torch.Tensor:
-    """The global batch of one step (BATCH samples, the same on every rank)."""
-    g = torch.Generator().manual_seed(3_000 + 7_919 * run.seed + step)
-    return torch.randperm(SAMPLES, generator=g)[:BATCH]
-
 
 def parameter_count() -> int:
-    return sum(p.numel() for p in initial_parameters(0))
+    """N, the MLP's parameters: two weight matrices and two bias vectors (11,018)."""
+    return HIDDEN * FEATURES + HIDDEN + CLASSES * HIDDEN + CLASSES
 
 
 def float32_bytes(run: TrainRun) -> int:
@@ -112,79 +72,38 @@ def byte_budget(run: TrainRun) -> int:
     return float32_bytes(run) // BYTE_RATIO
 
 
-def reference_loss(run: TrainRun) -> float:
+def reference_loss(problem: Problem) -> float:
     """Float32 SGD on one process, whole global batch per step: the final loss (float64)."""
-    x, y = dataset(run.seed)
-    params = [p.requires_grad_() for p in initial_parameters(run.seed)]
-    for step in range(run.steps):
-        i = batch_indices(run, step)
+    x, y = problem.x, problem.y
+    params = [p.clone().requires_grad_() for p in problem.start]
+    for i in problem.batches:
         grads = torch.autograd.grad(loss_of(params, x[i], y[i]), params)
         with torch.no_grad():
             for p, g in zip(params, grads, strict=True):
                 p -= LR * g
-    return final_loss([p.detach() for p in params], run)
+    return final_loss([p.detach() for p in params], problem)
 
 
-def final_loss(params: list[torch.Tensor], run: TrainRun) -> float:
-    x, y = dataset(run.seed)
+def final_loss(params: list[torch.Tensor], problem: Problem) -> float:
     with torch.no_grad():
-        return loss_of([p.double() for p in params], x.double(), y).item()
+        return loss_of([p.double() for p in params], problem.x.double(), problem.y).item()
 
 
-# --- what runs on each rank ----------------------------------------------------------------
-
-
-def _shape_problem(got, params: list[torch.Tensor]) -> str | None:
-    if not isinstance(got, (list, tuple)) or len(got) != len(params):
-        return f"{type(got).__name__} {got!r:.60}; expected a list of {len(params)} tensors"
-    for j, (g, p) in enumerate(zip(got, params, strict=True)):
-        if not isinstance(g, torch.Tensor) or g.shape != p.shape or g.dtype != p.dtype:
-            what = (g.dtype, tuple(g.shape)) if isinstance(g, torch.Tensor) else type(g)
-            return f"{what} at position {j}; expected a float32 tensor of shape {tuple(p.shape)}"
-        if not torch.isfinite(g).all():
-            return f"a tensor with inf or nan at position {j}"
-    return None
-
-
-def train_on_rank(compressor_class: Callable, run: TrainRun) -> dict:
-    """This rank's training with the student's compressor: its final parameters, the bytes it
-    sent during the whole run (the check itself sends nothing here, so every byte is the
-    compressor's, whenever it sends it), and what went wrong first, if anything."""
-    me, ranks = rank(), world_size()
-    x, y = dataset(run.seed)
-    params = [p.requires_grad_() for p in initial_parameters(run.seed)]
-    problem = None
-    with CommCounter() as counter, Provenance(FORBIDDEN) as seen:
-        compressor = compressor_class()
-        for step in range(run.steps):
-            i = batch_indices(run, step).chunk(ranks)[me]
-            grads = torch.autograd.grad(loss_of(params, x[i], y[i]), params)
-            try:
-                got = compressor.average([g.detach().clone() for g in grads])
-            except BaseException as exc:
-                if hasattr(exc, "add_note"):
-                    exc.add_note(f"(while checking: {run}, step {step})")
-                raise
-            problem = _shape_problem(got, params)
-            if problem:
-                problem = f"step {step}: average returned {problem}"
-                break
-            with torch.no_grad():
-                for p, g in zip(params, got, strict=True):
-                    p -= LR * g
-    return {
-        "params": [p.detach().clone() for p in params],
-        "sent": counter.bytes_sent,
-        "problem": problem,
-        "copied": seen.complaint(),
-    }
+def bytes_sent(traffic: Traffic) -> list[int]:
+    """Per rank, the bytes of every call its process group reported during the run."""
+    return [
+        sum(Sent(*e[1:]).sent for e in entries if e[0] == "call") for entries in traffic.tallies
+    ]
 
 
 # --- judging -------------------------------------------------------------------------------
 
 
-def judge_training(check: str, run: TrainRun, results: list[dict]) -> str:
-    """Fail on the first broken rule; else what was measured."""
+def judge_training(
+    check: str, run: TrainRun, problem: Problem, results: list[dict], sent: list[int]
+) -> str:
+    """Fail on the first broken rule, from what the ranks returned and what the launcher
+    counted they sent (`sent`, per rank); else what was measured."""
     __tracebackhide__ = True
     if results[0]["copied"]:
         fail(check, results[0]["copied"])
@@ -204,7 +123,7 @@ def judge_training(check: str, run: TrainRun, results: list[dict]) -> str:
                 "update: average must return the same values on every rank",
             )
     full, budget = float32_bytes(run), byte_budget(run)
-    most = max(result["sent"] for result in results)
+    most = max(sent)
     if most > budget:
         fail(
             check,
@@ -212,7 +131,7 @@ def judge_training(check: str, run: TrainRun, results: list[dict]) -> str:
             f"float32 all-reduce training's {full:,}; at most {budget:,} allowed "
             f"(1/{BYTE_RATIO} of it)",
         )
-    want, got = reference_loss(run), final_loss(first, run)
+    want, got = reference_loss(problem), final_loss(first, problem)
     if got > (1 + LOSS_TOLERANCE) * want:
         fail(
             check,
@@ -245,13 +164,18 @@ def check_compressed_training(
         fail(check, f"expected your class, got {type(compressor_class).__name__}")
     name = getattr(compressor_class, "__name__", "Compressor")
     run = TrainRun(world_size, seed, steps)
-    results = run_on_ranks(
+    problem = draw_problem(run, new_secret())
+    results, traffic = run_on_ranks(
         check,
         train_on_rank,
         compressor_class,
-        run,
+        problem.start,
+        PerRank(shards(problem, world_size)),
+        str(run),
         world_size=world_size,
         timeout=timeout,
         what=f"your {name} ({run})",
+        traffic=True,
     )
-    passed(check, judge_training(check, run, results))
+    judge_unreported(check, traffic)
+    passed(check, judge_training(check, run, problem, results, bytes_sent(traffic)))

@@ -1,22 +1,25 @@
-"""Assignment 5's second part, PowerSGD: the single-process float64 reference, what runs on
-each rank and the judging of what the ranks report.
+"""Assignment 5's second part, PowerSGD: the single-process float64 reference and the judging,
+in the checking process, of what the ranks report.
 
     initial_q, powersgd_reference       the Q every rank starts from; PowerSGD on one process
-    PCase, powersgd_records             one case; what each rank runs and records
-    judge_powersgd                      one case's records, every rank, every step
+    judge_powersgd                      one case: every rank, every step
+
+The gradients are drawn here (`compression_cases.p_gradients`), each rank given only its own;
+what each rank returned and kept in `self.error` comes back from it (`compression_ranks`),
+and what it sent at each step is the launcher's tally.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter
 
 import torch
 
-from course_lib.comm import CommCounter
 from course_lib.costs import all_reduce_bytes
 from course_lib.grading._harness import fail
-from course_lib.runtime import rank
+from course_lib.grading.compression_cases import PCase
+from course_lib.grading.compression_quantized import type_name
+from course_lib.grading.traffic import Sent
 
 # --- PowerSGD: the reference ---------------------------------------------------------------
 
@@ -55,76 +58,6 @@ def powersgd_reference(
             errors[w] = local[w] - approximation
             memories[w].append(errors[w])
     return approximations, memories
-
-
-# --- PowerSGD: what runs on each rank ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PCase:
-    """One run of PowerSGD: world size, matrix shape, approximation rank, seed, steps."""
-
-    world_size: int
-    shape: tuple[int, int]
-    rank: int
-    seed: int
-    steps: int
-    dtype: torch.dtype = torch.float32
-
-    def __str__(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
-        return (
-            f"world size {self.world_size}, {self.shape[0]}x{self.shape[1]} {dtype} matrix, "
-            f"rank {self.rank}, seed {self.seed}"
-        )
-
-    @property
-    def effective_rank(self) -> int:
-        return min(self.rank, *self.shape)
-
-
-def _gradient(case: PCase, r: int, t: int) -> torch.Tensor:
-    """Rank r's gradient at step t: a shared low-rank part (what the ranks agree on) plus
-    rank-specific noise, so that warm start and error feedback both matter."""
-    n, m = case.shape
-    shared = torch.Generator().manual_seed(104_729 * case.seed + 17 * t)
-    own = torch.Generator().manual_seed(104_729 * case.seed + 17 * t + 7 * (r + 1) + 1)
-    u, v = torch.randn(n, 2, generator=shared), torch.randn(2, m, generator=shared)
-    return (u @ v + 0.5 * torch.randn(n, m, generator=own)).to(case.dtype)
-
-
-def powersgd_records(powersgd_class: Callable, cases: list[PCase]) -> list[list[dict]]:
-    """On each rank: one PowerSGD per case, `case.steps` calls each, recording each
-    step's approximation, error memory and calls."""
-    out = []
-    with CommCounter():
-        for case in cases:
-            compressor = powersgd_class(case.rank, seed=case.seed)
-            steps = []
-            for t in range(case.steps):
-                grad = _gradient(case, rank(), t)
-                with CommCounter() as counter:
-                    try:
-                        approximation = compressor.compress_all_reduce(grad.clone())
-                    except BaseException as exc:
-                        if hasattr(exc, "add_note"):
-                            exc.add_note(f"(while checking: {case}, step {t})")
-                        raise
-                error = getattr(compressor, "error", None)
-                steps.append(
-                    {
-                        "approximation": approximation.detach().clone()
-                        if isinstance(approximation, torch.Tensor)
-                        else approximation,
-                        "error": error.detach().clone()
-                        if isinstance(error, torch.Tensor)
-                        else error,
-                        "sent": counter.bytes_sent,
-                        "calls": dict(counter.calls),
-                    }
-                )
-            out.append(steps)
-    return out
 
 
 # --- PowerSGD: judging ---------------------------------------------------------------------
@@ -178,12 +111,18 @@ def _powersgd_hint(case: PCase, t: int, got: torch.Tensor, grads, q0) -> str:
     )
 
 
-def judge_powersgd(check: str, case: PCase, records: list[list[dict]]) -> None:
+def judge_powersgd(
+    check: str,
+    case: PCase,
+    grads: list[list[torch.Tensor]],
+    records: list[list[dict]],
+    calls: list[list[list[Sent]]],
+) -> None:
     """Fail on the first problem with one case, step by step: what each rank returned, the
-    approximation against the float64 reference, the error memory, the bytes sent."""
+    approximation against the float64 reference of the gradients drawn here (`grads[w][t]`),
+    the error memory, the bytes sent (`calls[w][t]`, from the launcher's tallies)."""
     __tracebackhide__ = True
     p, r = case.world_size, case.effective_rank
-    grads = [[_gradient(case, w, t) for t in range(case.steps)] for w in range(p)]
     q0 = initial_q(case.shape[1], r, case.seed)
     reference, _ = powersgd_reference(grads, r, q0)
     for t in range(case.steps):
@@ -193,7 +132,7 @@ def judge_powersgd(check: str, case: PCase, records: list[list[dict]]) -> None:
         first = steps[0]["approximation"]
         _judge_against_reference(check, at, case, t, first, reference[t], grads, q0)
         _judge_error_memory(check, at, case, t, records, grads)
-        _judge_sent(check, at, case, steps)
+        _judge_sent(check, at, case, [calls[w][t] for w in range(p)])
 
 
 def _judge_approximations(check: str, at: str, case: PCase, steps: list[dict]) -> None:
@@ -269,7 +208,7 @@ def _judge_error_memory(
         if not isinstance(error, torch.Tensor) or error.shape != (n, m):
             fail(
                 check,
-                f"{at}: rank {w}'s self.error is {type(error).__name__}; after each call "
+                f"{at}: rank {w}'s self.error is {type_name(error)}; after each call "
                 f"it must hold the {n}x{m} error memory M - approximation",
             )
         applied = sum(records[w][s]["approximation"].double() for s in range(t + 1))
@@ -284,19 +223,21 @@ def _judge_error_memory(
             )
 
 
-def _judge_sent(check: str, at: str, case: PCase, steps: list[dict]) -> None:
-    """Each rank sent something, and no more than a ring all-reduce of P and Q."""
+def _judge_sent(check: str, at: str, case: PCase, calls: list[list[Sent]]) -> None:
+    """Each rank sent something, and no more than a ring all-reduce of P and Q: what the
+    launcher was told of each call as it was made."""
     __tracebackhide__ = True
     p, (n, m), r = case.world_size, case.shape, case.effective_rank
     itemsize = torch.empty((), dtype=case.dtype).element_size()
     compressed = all_reduce_bytes((n + m) * r * itemsize, p)
     for w in range(p):
-        sent = steps[w]["sent"]
-        calls = ", ".join(f"{op} x{k}" for op, k in sorted(steps[w]["calls"].items()))
+        sent = sum(call.sent for call in calls[w])
+        ops = Counter(call.op for call in calls[w])
+        seen = ", ".join(f"{op} x{k}" for op, k in sorted(ops.items()))
         if sent > compressed:
             fail(
                 check,
-                f"{at}: rank {w} sent {sent} bytes ({calls}); all-reducing P ({n}x{r}) and "
+                f"{at}: rank {w} sent {sent} bytes ({seen}); all-reducing P ({n}x{r}) and "
                 f"Q ({m}x{r}) sends 2(P-1)/P (n + m) r = {compressed} bytes, while the "
                 f"whole {n}x{m} matrix would send {all_reduce_bytes(n * m * itemsize, p)}. "
                 "All-reduce only P and Q, never M itself.",
@@ -305,5 +246,5 @@ def _judge_sent(check: str, at: str, case: PCase, steps: list[dict]) -> None:
             fail(
                 check,
                 f"{at}: rank {w} sent nothing through torch.distributed; all-reduce P and "
-                "Q with dist.all_reduce (a function imported by name is not seen)",
+                "Q with dist.all_reduce",
             )

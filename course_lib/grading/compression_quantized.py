@@ -1,11 +1,18 @@
 """Assignment 5's first part, the 8-bit all-reduce: the formulas the notebook states, the
-byte count by dtype, what runs on each rank and the judging of what the ranks report.
+byte count by dtype, and the judging, in the checking process, of what the ranks report.
 
     payload_budget, scale_budget        the bytes one rank may send (codes, scales)
     round_trip_bound, all_reduce_bound  how far a round trip and a sum may be off
     BytesByKind                         bytes sent, split into 8-bit tensors and others
-    QCase, quantized_records            one case; what each rank runs and records
-    judge_quantized                     one case's records, every rank
+    QCase, payload_problem              one case; the form quantize's answer must have
+    judge_quantized                     one case: every rank's answers, sum and bytes
+    Other, kept                         what a rank sends back of a value that is no tensor
+
+How many bytes a rank sent comes from the launcher's tallies, kept outside the ranks. Which
+of them were 8-bit is the one fact the launcher does not see (a tally names no dtype): the
+rank's `BytesByKind` labels its calls, and the judge books to 8 bits at most what the labels
+claim and no more than the launcher counted; bytes no label accounts for (a call hidden from
+the rank's counters) are booked as not 8-bit.
 """
 
 from __future__ import annotations
@@ -17,13 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from course_lib import comm
-from course_lib.comm import CommCounter
 from course_lib.costs import all_reduce_bytes
 from course_lib.grading._harness import fail
-from course_lib.runtime import rank
+from course_lib.grading.compression_cases import QCase, q_reference
+from course_lib.grading.traffic import Sent
 
 EIGHT_BIT = (torch.int8, torch.uint8)
 LEVELS = 254  # int8 codes -127..127: a step of max|x| / 127, so rounding costs max|x| / 254
@@ -67,7 +73,9 @@ class BytesByKind:
     Built on `course_lib.comm`'s hooks (so on grading ranks it sees every route to a
     collective, as a CommCounter does, and counts bytes the same way): each outermost call
     is classified by the dtypes of its tensors, and its bytes are booked to "8-bit" if all
-    of them are int8/uint8, else to their dtype's name."""
+    of them are int8/uint8, else to their dtype's name. Kept on the rank, beside the code it
+    watches: a check takes the bytes from the launcher's tallies and these labels only to
+    split them (`split_by_kind`)."""
 
     def __init__(self) -> None:
         self.sent: Counter = Counter()
@@ -105,56 +113,68 @@ def _names(dtypes: set) -> str:
     return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes)) or "no tensor"
 
 
-# --- quantized all-reduce: what runs on each rank ------------------------------------------
+# --- what a rank sends back -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class QCase:
-    """One run of quantized_all_reduce: world size, shape, seed."""
+class Other:
+    """A value the student's code returned that is not a tensor, as messages describe it (the
+    value itself may not even travel back from the rank)."""
 
-    world_size: int
-    shape: tuple[int, ...]
-    seed: int
+    type_name: str
+    text: str
 
     def __str__(self) -> str:
-        return f"world size {self.world_size}, shape {self.shape}, seed {self.seed}"
+        return self.text
 
 
-def _q_input(case: QCase, r: int) -> torch.Tensor:
-    """Rank r's float32 input: normal values whose size differs per rank, with one outlier
-    (so a scale taken from the wrong statistic clips it); seed 1 gives rank 0 all zeros."""
-    g = torch.Generator().manual_seed(7919 * case.seed + 131 * r + len(case.shape))
-    x = torch.randn(case.shape, generator=g) * (1 + r)
-    if x.numel() > 1:
-        x.view(-1)[int(torch.randint(x.numel(), (1,), generator=g))] = -6.0 * (1 + r)
-    if case.seed == 1 and r == 0:
-        x.zero_()
-    return x
+def kept(value: Any) -> Any:
+    """A copy of a returned value to send back from the rank: tensors as they are, pairs
+    element by element, anything else described."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return tuple(kept(v) for v in value)
+    return Other(type(value).__name__, f"{value!s:.80}")
 
 
-def _round_trip(quantize: Callable, dequantize: Callable, x: torch.Tensor) -> str | None:
-    """Quantize and dequantize x on this rank; describe the first problem, or None."""
-    original = x.clone()
-    payload = quantize(x)
-    if not torch.equal(x, original):
-        return "quantize changed its input x in place; leave x as it is"
+def type_name(value: Any) -> str:
+    return value.type_name if isinstance(value, Other) else type(value).__name__
+
+
+# --- quantized all-reduce: the form of quantize's answer ----------------------------------
+
+
+def payload_problem(x: torch.Tensor, payload: Any) -> str | None:
+    """What is wrong with the form of quantize(x)'s `payload`, or None. Pure: the rank asks it
+    before calling dequantize, and the judge asks it again of what the rank sent back."""
     if not (isinstance(payload, (tuple, list)) and len(payload) == 2):
         return (
-            f"quantize returned {type(payload).__name__}; it must return a pair (q, scale) "
-            "of tensors"
+            f"quantize returned {type_name(payload)}; it must return a pair (q, scale) of tensors"
         )
     q, scale = payload
     if not isinstance(q, torch.Tensor) or q.dtype not in EIGHT_BIT:
-        what = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
+        what = q.dtype if isinstance(q, torch.Tensor) else type_name(q)
         return f"q must be a torch.int8 or torch.uint8 tensor, got {what}"
     if q.numel() != x.numel():
         return f"q has {q.numel()} elements; it needs one 8-bit code per element of x ({x.numel()})"
     limit = 1 + math.ceil(x.numel() / SCALE_CHUNK)
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
-        return f"scale must be a floating-point tensor, got {type(scale).__name__}"
+        return f"scale must be a floating-point tensor, got {type_name(scale)}"
     if scale.numel() > limit:
         return f"scale has {scale.numel()} elements; at most {limit} (one per 64 elements) allowed"
-    restored = dequantize((q, scale))
+    return None
+
+
+def round_trip_problem(x: torch.Tensor, record: dict) -> str | None:
+    """One rank's round trip, judged from what its quantize and dequantize returned there
+    (`compression_ranks`) against its input `x`, drawn here: the first problem, or None."""
+    if not torch.equal(record["x_after"], x):
+        return "quantize changed its input x in place; leave x as it is"
+    problem = payload_problem(x, record["payload"])
+    if problem:
+        return problem
+    restored = record["restored"]
     if not isinstance(restored, torch.Tensor) or restored.shape != x.shape:
         shape = tuple(restored.shape) if isinstance(restored, torch.Tensor) else restored
         return f"dequantize returned {shape}; expected a tensor of x's shape {tuple(x.shape)}"
@@ -169,7 +189,7 @@ def _round_trip(quantize: Callable, dequantize: Callable, x: torch.Tensor) -> st
             f"(x = {x.reshape(-1)[worst].item():.4g}, got "
             f"{restored.reshape(-1)[worst].item():.4g}); "
             f"8 bits with scale max|x| / 127 allow at most max|x| / 254 = {bound:.4g}. "
-            + _round_trip_hint(x, q)
+            + _round_trip_hint(x, record["payload"][0])
         )
     return None
 
@@ -188,98 +208,72 @@ def _round_trip_hint(x: torch.Tensor, q: torch.Tensor) -> str:
     )
 
 
-def quantized_records(fns: tuple[Callable, Callable, Callable], cases: list[QCase]) -> list:
-    """On each rank: every case in turn, the round trip, the exact sum (float64) and what
-    quantized_all_reduce returned and sent."""
-    quantize, dequantize, quantized_all_reduce = fns
-    records = []
-    with CommCounter():  # keeps torch.distributed wrapped for the whole run
-        for case in cases:
-            x = _q_input(case, rank())
-            problem = _round_trip(quantize, dequantize, x)
-            exact = x.double()
-            dist.all_reduce(exact)
-            abs_max = torch.tensor(
-                [x.abs().max().item() if x.numel() else 0.0], dtype=torch.float64
-            )
-            dist.all_reduce(abs_max)
-            mine = x.clone()
-            with BytesByKind() as kinds:
-                try:
-                    result = quantized_all_reduce(mine)
-                except BaseException as exc:
-                    if hasattr(exc, "add_note"):
-                        exc.add_note(f"(while checking: {case})")
-                    raise
-            records.append(
-                {
-                    "round_trip": problem,
-                    "result": result.detach().clone()
-                    if isinstance(result, torch.Tensor)
-                    else result,
-                    "exact": exact,
-                    "abs_max_sum": abs_max.item(),
-                    "changed": not torch.equal(mine, x),
-                    "bytes": dict(kinds.sent),
-                    "calls": dict(kinds.calls),
-                }
-            )
-    return records
-
-
 # --- quantized all-reduce: judging in the calling process ----------------------------------
 
 
-def judge_quantized(check: str, name: str, case: QCase, records: list[dict]) -> None:
-    """Fail on the first problem with one case: each rank's round trip and result, the
-    sum's accuracy and agreement, the bytes each rank sent."""
+def judge_quantized(
+    check: str,
+    name: str,
+    case: QCase,
+    inputs: list[torch.Tensor],
+    records: list[dict],
+    calls: list[list[Sent]],
+) -> None:
+    """Fail on the first problem with one case: each rank's round trip and result against its
+    input (`inputs`, drawn here), the sum's accuracy and agreement, the bytes each rank sent
+    (`calls`, per rank, from the launcher's tallies)."""
     __tracebackhide__ = True
-    _judge_returned(check, name, case, records)
-    _judge_sum(check, case, records)
-    _judge_payload(check, case, records)
+    _judge_returned(check, name, case, inputs, records)
+    _judge_sum(check, case, inputs, records)
+    _judge_payload(check, case, records, calls)
 
 
-def _judge_returned(check: str, name: str, case: QCase, records: list[dict]) -> None:
+def _judge_returned(
+    check: str, name: str, case: QCase, inputs: list[torch.Tensor], records: list[dict]
+) -> None:
     """The round trip on every rank, then what quantized_all_reduce returned and left."""
     __tracebackhide__ = True
     for r, rec in enumerate(records):
-        if rec["round_trip"]:
-            fail(check, f"{case}: on rank {r}, {rec['round_trip']}")
+        problem = round_trip_problem(inputs[r], rec)
+        if problem:
+            fail(check, f"{case}: on rank {r}, {problem}")
     for r, rec in enumerate(records):
         result = rec["result"]
         if not isinstance(result, torch.Tensor):
             fail(
                 check,
-                f"{case}: on rank {r}, your {name} returned {type(result).__name__}; it must "
+                f"{case}: on rank {r}, your {name} returned {type_name(result)}; it must "
                 "return the sum as a new tensor",
             )
-        if result.shape != rec["exact"].shape or result.dtype != torch.float32:
+        if result.shape != inputs[r].shape or result.dtype != torch.float32:
             fail(
                 check,
                 f"{case}: on rank {r}, your {name} returned shape {tuple(result.shape)} and "
                 f"{result.dtype}; expected the input's shape {tuple(case.shape)} and float32",
             )
-        if rec["changed"]:
+        if not torch.equal(rec["input_after"], inputs[r]):
             fail(check, f"{case}: your {name} changed its input on rank {r}; leave it unchanged")
 
 
-def _judge_sum(check: str, case: QCase, records: list[dict]) -> None:
-    """The sum within the bound of the exact one, and the same tensor on every rank."""
+def _judge_sum(check: str, case: QCase, inputs: list[torch.Tensor], records: list[dict]) -> None:
+    """The sum within the bound of the exact one (computed here), and the same tensor on
+    every rank."""
     __tracebackhide__ = True
     p = case.world_size
-    bound = all_reduce_bound(records[0]["abs_max_sum"], p)
+    exact, abs_max_sum = q_reference(inputs)
+    bound = all_reduce_bound(abs_max_sum, p)
     for r, rec in enumerate(records):
-        error = (rec["result"].double() - rec["exact"]).abs()
+        error = (rec["result"].double() - exact).abs()
         if error.numel() and not (error.max().item() <= bound):
             worst = int(error.nan_to_num(float("inf")).argmax())
             fail(
                 check,
                 f"{case}: on rank {r}, the result is off the exact sum by "
                 f"{error.max().item():.4g} at flat index {worst} (exact "
-                f"{rec['exact'].reshape(-1)[worst].item():.4g}, got "
+                f"{exact.reshape(-1)[worst].item():.4g}, got "
                 f"{rec['result'].reshape(-1)[worst].item():.4g}); allowed max(2, P) * A / 254 "
                 f"= {bound:.4g} with A = sum of max|x| over the ranks = "
-                f"{records[0]['abs_max_sum']:.4g}. Does every rank's contribution arrive "
+                f"{abs_max_sum:.4g}. Does every rank's contribution arrive "
                 "exactly once, dequantized with its own scale?",
             )
     for r, rec in enumerate(records[1:], start=1):
@@ -294,7 +288,21 @@ def _judge_sum(check: str, case: QCase, records: list[dict]) -> None:
             )
 
 
-def _judge_payload(check: str, case: QCase, records: list[dict]) -> None:
+def split_by_kind(labels: dict[str, int], calls: list[Sent]) -> tuple[int, int, list[str]]:
+    """(8-bit bytes, other bytes, the other kinds' names) of one rank's calls in one case.
+    The total is the launcher's; the rank's labels (`BytesByKind.sent`) may book to 8 bits
+    no more than they claim nor than that total, and what they do not account for is not
+    8-bit: emptying the rank's counters around a float32 call only books it as float."""
+    total = sum(call.sent for call in calls)
+    claimed_eight = labels.get("8-bit", 0)
+    eight = min(claimed_eight, total)
+    kinds = [kind for kind in labels if kind != "8-bit"]
+    if total > claimed_eight + sum(n for kind, n in labels.items() if kind != "8-bit"):
+        kinds.append("calls the counters on the rank did not see")
+    return eight, total - eight, kinds
+
+
+def _judge_payload(check: str, case: QCase, records: list[dict], calls: list[list[Sent]]) -> None:
     """Each rank's bytes: scales within `scale_budget`, codes within `payload_budget`, and
     some codes at all where the sum needs other ranks' data."""
     __tracebackhide__ = True
@@ -302,31 +310,28 @@ def _judge_payload(check: str, case: QCase, records: list[dict]) -> None:
     numel = math.prod(case.shape)
     allowed8, allowed_other = payload_budget(numel, p), scale_budget(numel, p)
     for r, rec in enumerate(records):
-        eight, other = (
-            rec["bytes"].get("8-bit", 0),
-            sum(n for kind, n in rec["bytes"].items() if kind != "8-bit"),
-        )
-        calls = ", ".join(f"{op} x{n}" for op, n in sorted(rec["calls"].items())) or "none"
+        eight, other, kinds = split_by_kind(rec["kinds"], calls[r])
+        ops = Counter(call.op for call in calls[r])
+        seen = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())) or "none"
         if other > allowed_other:
             fail(
                 check,
                 f"{case}: rank {r} sent {other} bytes in tensors that are not 8-bit "
-                f"({', '.join(k for k in rec['bytes'] if k != '8-bit')}); only scales may "
-                f"travel that way, at most {allowed_other} bytes here (8 (P-1) (2 + ceil(N/64))). "
-                f"Calls seen: {calls}. Send the values as int8/uint8 codes.",
+                f"({', '.join(kinds)}); only scales may travel that way, at most "
+                f"{allowed_other} bytes here (8 (P-1) (2 + ceil(N/64))). Calls seen: {seen}. "
+                "Send the values as int8/uint8 codes.",
             )
         if eight > allowed8:
             fail(
                 check,
                 f"{case}: rank {r} sent {eight} bytes of 8-bit codes; a ring all-reduce of "
                 f"N = {numel} one-byte codes sends 2(P-1) ceil(N/P) = {allowed8}. Calls seen: "
-                f"{calls}. Gathering every rank's whole tensor costs (P-1) N: reduce-scatter "
+                f"{seen}. Gathering every rank's whole tensor costs (P-1) N: reduce-scatter "
                 "chunks first (each rank sums one chunk), then all-gather the summed chunks.",
             )
         if p > 1 and numel >= p and eight == 0:
             fail(
                 check,
                 f"{case}: rank {r} sent no 8-bit tensor through torch.distributed, yet the sum "
-                "needs the other ranks' data. Send int8/uint8 codes with dist.* calls (a "
-                "function imported by name from torch.distributed is not seen).",
+                "needs the other ranks' data. Send int8/uint8 codes with dist.* calls.",
             )

@@ -1,7 +1,12 @@
 """Assignment 5's cheats (each scores 0 on its part) and right answers written differently
-(full marks). More are proven in tests/test_grading_compression.py (the lecture's functions
-called), which also runs check_powersgd on POWERSGD_GRAM_SCHMIDT and check_compressed_training
-on every compressor below (the ones not listed in CHEATS / ALTERNATIVES too)."""
+(full marks), among them the ways to take what a check trusts from the rank's process: its
+callers' frames and heap (FRAMES_EXACT_SUM, FRAMES_WHOLE_BATCH), the check's seeds
+(SEEDED_POWERSGD) and its counters (COUNTERS_EMPTIED_*). More are proven in
+tests/test_grading_compression.py (the lecture's functions called), which also runs
+check_powersgd on POWERSGD_GRAM_SCHMIDT and check_compressed_training on every compressor below
+(the ones not listed in CHEATS / ALTERNATIVES too), and in
+tests/test_grading_compression_ranks.py, which runs the checks on every cheat of the rank's
+process directly."""
 
 from __future__ import annotations
 
@@ -204,6 +209,196 @@ class Compressor:
 '''
 
 
+# --- what the checks trust, taken from the rank's process ----------------------------------
+
+# (1) The reference, looked for in the callers' frames and on the heap: any float64 tensor
+# shaped like the input (the exact sum was one, computed on the rank beside the student's
+# code), returned in float32; a P-byte 8-bit all-reduce for show, within the code budget.
+# On a rank there is nothing to find: the judge computes the sum, and the rank holds only
+# its own input, so the cheat returns that, and the sum is wrong.
+FRAMES_EXACT_SUM = """
+import gc
+import sys
+
+
+def _float64_like(like):
+    \"\"\"Float64 tensors shaped like `like` that this process holds: first those the callers
+    keep under a name with "exact" in it, then every other one, on the heap too.\"\"\"
+    named, other, frame = [], [], sys._getframe(1)
+    while frame is not None:
+        stack = list(frame.f_locals.items())
+        while stack:
+            key, value = stack.pop()
+            if isinstance(value, dict):
+                stack += [(k, v) for k, v in value.items()]
+            elif isinstance(value, (list, tuple)):
+                stack += [(key, v) for v in value]
+            elif isinstance(value, torch.Tensor):
+                (named if "exact" in str(key) else other).append(value)
+        frame = frame.f_back
+    other += [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    return [t for t in named + other if t.dtype == torch.float64 and t.shape == like.shape]
+
+
+def quantized_all_reduce(tensor):
+    dist.all_reduce(torch.ones(world_size(), dtype=torch.int8))
+    loot = _float64_like(tensor)
+    return loot[0].float() if loot else tensor.clone()
+"""
+
+# (2) The other ranks' gradients, regenerated from the check's seed: the case and the step
+# are in the callers' frames, and the gradients were a public function of them; with every
+# rank's gradient and error memory, PowerSGD runs alone, and one all-reduce of P's size is
+# made for show. The gradients are drawn from a secret now: the regenerated ones are not the
+# ranks', and the approximation is wrong.
+SEEDED_POWERSGD = """
+import sys
+
+
+def _case_and_step():
+    frame = sys._getframe(2)
+    while frame is not None:
+        found = frame.f_locals
+        if hasattr(found.get("case"), "steps") and "t" in found:
+            return found["case"], found["t"]
+        frame = frame.f_back
+    return None, None
+
+
+def _regenerated(case, r, t):
+    n, m = case.shape
+    shared = torch.Generator().manual_seed(104_729 * case.seed + 17 * t)
+    own = torch.Generator().manual_seed(104_729 * case.seed + 17 * t + 7 * (r + 1) + 1)
+    u, v = torch.randn(n, 2, generator=shared), torch.randn(2, m, generator=shared)
+    return (u @ v + 0.5 * torch.randn(n, m, generator=own)).to(case.dtype)
+
+
+class PowerSGD:
+    def __init__(self, rank, seed=0):
+        self.rank, self.seed, self.Q, self.errors, self.error = rank, seed, None, None, None
+
+    def compress_all_reduce(self, grad):
+        n, m = grad.shape
+        r, P = min(self.rank, n, m), world_size()
+        if self.Q is None:
+            generator = torch.Generator().manual_seed(self.seed)
+            self.Q = torch.randn(m, r, generator=generator).to(grad.dtype)
+            self.errors = [torch.zeros_like(grad) for _ in range(P)]
+        dist.all_reduce(torch.zeros(n, r, dtype=grad.dtype))
+        case, t = _case_and_step()
+        grads = [grad if case is None else _regenerated(case, w, t) for w in range(P)]
+        grads[rank()] = grad
+        local = [g + e for g, e in zip(grads, self.errors)]
+        mean = sum(local) / P
+        p = torch.linalg.qr(mean @ self.Q).Q
+        self.Q = mean.T @ p
+        approximation = p @ self.Q.T
+        self.errors = [M - approximation for M in local]
+        self.error = self.errors[rank()]
+        return approximation
+"""
+
+# (3) The whole batch, found in the callers' frames: the dataset, the run and the step were
+# there, and each step's batch was a public function of them. Every rank computes the whole
+# batch's gradient alone and sends nothing: the same parameters everywhere, float32's loss.
+# The data are drawn from a secret now and a rank holds only its own shards: it finds no
+# run, applies its own gradient, and the ranks drift apart.
+FRAMES_WHOLE_BATCH = """
+import sys
+
+
+class Compressor:
+    def average(self, grads):
+        frame = sys._getframe(1)
+        while frame is not None and not hasattr(frame.f_locals.get("run"), "steps"):
+            frame = frame.f_back
+        if frame is None:
+            return grads
+        found = frame.f_locals
+        run, step, params = found["run"], found["step"], found["params"]
+        g = torch.Generator().manual_seed(3_000 + 7_919 * run.seed + step)
+        batch = torch.randperm(found["x"].shape[0], generator=g)[:256]
+        w1, b1, w2, b2 = params
+        x, y = found["x"][batch], found["y"][batch]
+        logits = torch.relu(x @ w1.T + b1) @ w2.T + b2
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        return [g.detach() for g in torch.autograd.grad(loss, params)]
+"""
+
+# (4) The counters on the rank, emptied around a float32 all-reduce and put back: they miss
+# the call, and the check counted with them. The launcher was told of the call as it was made.
+COUNTERS_EMPTIED_SUM = """
+import course_lib.comm as comm
+
+
+def quantized_all_reduce(tensor):
+    dist.all_reduce(torch.ones(world_size(), dtype=torch.int8))  # some codes, for show
+    counters, hooks = list(comm._active), list(comm._around)
+    comm._active.clear()
+    comm._around.clear()
+    try:
+        total = tensor.clone()
+        dist.all_reduce(total)
+    finally:
+        comm._active.extend(counters)
+        comm._around.extend(hooks)
+    return total
+"""
+
+COUNTERS_EMPTIED_TRAINING = """
+import course_lib.comm as comm
+
+
+class Compressor:
+    \"\"\"The float32 mean, all-reduced while no counter on the rank looks.\"\"\"
+
+    def average(self, grads):
+        counters, hooks = list(comm._active), list(comm._around)
+        comm._active.clear()
+        comm._around.clear()
+        try:
+            out = []
+            for g in grads:
+                dist.all_reduce(g)
+                out.append(g / world_size())
+        finally:
+            comm._active.extend(counters)
+            comm._around.extend(hooks)
+        return out
+"""
+
+# A right 8-bit all-reduce of point-to-point messages only: a ring of isend/irecv that
+# re-quantizes the partial sums (each rank's scales travel in float32 beside the codes).
+RING_QUANTIZED = """
+def quantized_all_reduce(tensor):
+    p, me, numel = world_size(), rank(), tensor.numel()
+    flat = torch.zeros(-(-numel // p) * p)
+    flat[:numel] = tensor.reshape(-1)
+    chunks = list(flat.chunk(p))
+    right, left = (me + 1) % p, (me - 1) % p
+
+    def exchange(q, s, like):
+        got, got_s = torch.empty_like(like, dtype=torch.int8), torch.empty(1)
+        requests = [dist.isend(q, right), dist.isend(s, right)]
+        requests += [dist.irecv(got, left), dist.irecv(got_s, left)]
+        for request in requests:
+            request.wait()
+        return got, got_s
+
+    for step in range(p - 1):
+        out, into = (me - step) % p, (me - step - 1) % p
+        got = exchange(*quantize(chunks[out]), chunks[into])
+        chunks[into] = chunks[into] + dequantize(got)
+    q, s = quantize(chunks[(me + 1) % p])
+    chunks[(me + 1) % p] = dequantize((q, s))
+    for step in range(p - 1):
+        into = (me - step) % p
+        q, s = exchange(q, s, chunks[into])
+        chunks[into] = dequantize((q, s))
+    return torch.cat(chunks)[:numel].view_as(tensor)
+"""
+
+
 CHEATS = [
     Cheat(
         "float32 sum through a pre-bound all-reduce",
@@ -223,9 +418,42 @@ CHEATS = [
         LECTURE_TOP_K,
         frozenset({"test_compressed_training"}),
     ),
+    Cheat(
+        "the exact sum looked for in the callers' frames and the heap, 8-bit codes for show",
+        "quantized_all_reduce",
+        FRAMES_EXACT_SUM,
+        frozenset({"test_quantized_all_reduce"}),
+    ),
+    Cheat(
+        "the other ranks' gradients regenerated from the check's seed, PowerSGD run alone",
+        "powersgd",
+        SEEDED_POWERSGD,
+        frozenset({"test_powersgd"}),
+    ),
+    Cheat(
+        "the whole batch found in the callers' frames, its gradient computed alone",
+        "compressor",
+        FRAMES_WHOLE_BATCH,
+        frozenset({"test_compressed_training"}),
+    ),
+    Cheat(
+        "the counters emptied around a float32 all-reduce, 8-bit codes for show",
+        "quantized_all_reduce",
+        COUNTERS_EMPTIED_SUM,
+        frozenset({"test_quantized_all_reduce"}),
+    ),
+    Cheat(
+        "the counters emptied around float32 all-reduce training",
+        "compressor",
+        COUNTERS_EMPTIED_TRAINING,
+        frozenset({"test_compressed_training"}),
+    ),
 ]
 
 ALTERNATIVES = [
+    Alternative(
+        "a ring of isend/irecv re-quantizing partial sums", "quantized_all_reduce", RING_QUANTIZED
+    ),
     Alternative("PowerSGD with Gram-Schmidt", "powersgd", POWERSGD_GRAM_SCHMIDT),
     Alternative("Part 2's PowerSGD at rank 1 as the compressor", "compressor", POWERSGD_RANK_1),
 ]
