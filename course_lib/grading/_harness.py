@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import re
+import secrets
 import textwrap
 import traceback
 from collections import Counter
@@ -116,6 +117,12 @@ def install_ipython_display() -> None:
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is not None:
         shell.set_custom_exc((CheckFailed,), _show_check_failed)
+
+
+def new_secret() -> int:
+    """A seed no rank can know, new for each call: a check draws its inputs from it in the
+    checking process, so a rank cannot regenerate the other ranks' inputs from its own."""
+    return secrets.randbits(62)
 
 
 def share(weights: dict[str, float], failed: set[str]) -> float:

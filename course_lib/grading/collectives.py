@@ -36,9 +36,10 @@ from course_lib.grading._harness import (
     calls_by_case,
     fail,
     judge_unreported,
+    new_secret,
     run_on_ranks,
 )
-from course_lib.grading.collectives_cases import draw, new_secret, reference
+from course_lib.grading.collectives_cases import draw, reference
 from course_lib.grading.collectives_judge import (
     Spec,
     Tally,

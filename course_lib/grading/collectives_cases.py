@@ -12,18 +12,11 @@ cannot regenerate the others' from its own either.
 
 from __future__ import annotations
 
-import secrets
-
 import torch
 
 from course_lib.grading.collectives_ranks import Case
 
 INT64_LIMIT = 2**58  # int64 inputs reach far past 2**53, where float64 stops being exact
-
-
-def new_secret() -> int:
-    """A seed no rank can know: the inputs of one call of a check are drawn from it."""
-    return secrets.randbits(62)
 
 
 def _random(case: Case, generator: torch.Generator) -> torch.Tensor:

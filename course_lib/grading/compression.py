@@ -39,12 +39,12 @@ from course_lib.grading._harness import (
     calls_by_case,
     fail,
     judge_unreported,
+    new_secret,
     run_on_ranks,
 )
 from course_lib.grading.compression_cases import (
     PCase,
     QCase,
-    new_secret,
     p_gradients,
     q_inputs,
 )

@@ -37,7 +37,13 @@ import torch
 
 from course_lib import PerRank
 from course_lib.costs import all_reduce_bytes
-from course_lib.grading._harness import fail, judge_unreported, passed, run_on_ranks
+from course_lib.grading._harness import (
+    fail,
+    judge_unreported,
+    new_secret,
+    passed,
+    run_on_ranks,
+)
 from course_lib.grading.compression_cases import (
     CLASSES,
     FEATURES,
@@ -47,7 +53,6 @@ from course_lib.grading.compression_cases import (
     TrainRun,
     draw_problem,
     loss_of,
-    new_secret,
     shards,
 )
 from course_lib.grading.compression_ranks import train_on_rank

@@ -5,10 +5,9 @@ The ranks that run the student's code receive only their own inputs (`PerRank`):
 case for the 8-bit all-reduce, a gradient per step for PowerSGD, a shard per step for the
 training of Part 3. Never the other ranks' inputs, the seed they come from or the result:
 with nothing on a rank to copy, a right sum must come from the messages. The secret is new
-for every call of a check (`new_secret`), so a rank cannot regenerate the others' inputs
+for every call of a check (`_harness.new_secret`), so a rank cannot regenerate the others' inputs
 from its own either; a case's `seed` only labels it (and Part 1's seed 1 gives rank 0 zeros).
 
-    new_secret()                         a seed for one run of the ranks, new each time
     q_inputs(cases, secret)              every rank's tensor, per 8-bit all-reduce case
     q_reference(inputs)                  the exact sum (float64) and A = sum of max|x_r|
     p_gradients(cases, secret)           every rank's gradient at every PowerSGD step
@@ -18,17 +17,10 @@ from its own either; a case's `seed` only labels it (and Part 1's seed 1 gives r
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-
-def new_secret() -> int:
-    """A seed no rank can know: the inputs of one run of the ranks are drawn from it."""
-    return secrets.randbits(62)
-
 
 # --- Part 1: the 8-bit all-reduce ----------------------------------------------------------
 
@@ -186,7 +178,6 @@ __all__ = [
     "TrainRun",
     "draw_problem",
     "loss_of",
-    "new_secret",
     "p_gradients",
     "q_inputs",
     "q_reference",

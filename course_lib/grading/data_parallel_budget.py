@@ -35,7 +35,6 @@ ranks end about 0.8 apart.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 
 import torch
@@ -49,6 +48,7 @@ from course_lib.grading._harness import (
     calls_by_case,
     fail,
     judge_unreported,
+    new_secret,
     run_on_ranks,
 )
 from course_lib.grading.data_parallel_runs import FORBIDDEN
@@ -203,7 +203,7 @@ def check_communicate_less(
         raise ValueError("steps must be >= 1 and every world size 2..8")
     verdict, seen = Verdict(check), []
     for ranks in world_sizes:
-        batches = [draw_batches(seed, steps, r, ranks, secrets.randbits(62)) for r in range(ranks)]
+        batches = [draw_batches(seed, steps, r, ranks, new_secret()) for r in range(ranks)]
         ran = None
         with verdict.case():
             ran = run_on_ranks(

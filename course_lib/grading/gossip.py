@@ -35,9 +35,10 @@ from course_lib.grading._harness import (
     calls_by_case,
     fail,
     judge_unreported,
+    new_secret,
     run_on_ranks,
 )
-from course_lib.grading.gossip_cases import draw, new_secret, push_sum_reference
+from course_lib.grading.gossip_cases import draw, push_sum_reference
 from course_lib.grading.gossip_graphs import GRAPHS, in_neighbors, out_neighbors
 from course_lib.grading.gossip_judge import TOLERANCE, judge_case
 from course_lib.grading.gossip_ranks import Case, run_rounds

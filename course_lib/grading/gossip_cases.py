@@ -5,7 +5,6 @@ The ranks that run the student's code receive only their own starting x (`PerRan
 others' nor the reference: a rank can neither look them up in its process nor regenerate them
 from a seed, so a right round must come from the messages.
 
-    new_secret()                           a seed no rank can know
     draw(case, secret)                     every rank's starting x for one case of Part 1
     push_sum_reference(xs, ws, graph, t)   one round for every rank at once, float64
     reference_gap(case, starts)            how close push-sum itself gets to the average
@@ -13,17 +12,10 @@ from a seed, so a right round must come from the messages.
 
 from __future__ import annotations
 
-import secrets
-
 import torch
 
 from course_lib.grading.gossip_graphs import out_neighbors
 from course_lib.grading.gossip_ranks import Case
-
-
-def new_secret() -> int:
-    """A seed no rank can know: the inputs of one call of a check are drawn from it."""
-    return secrets.randbits(62)
 
 
 def draw(case: Case, secret: int) -> list[torch.Tensor]:

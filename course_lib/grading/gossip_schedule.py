@@ -38,9 +38,9 @@ from course_lib.grading._harness import (
     calls_by_case,
     fail,
     judge_unreported,
+    new_secret,
     run_on_ranks,
 )
-from course_lib.grading.gossip_cases import new_secret
 from course_lib.grading.gossip_ranks import SCHEDULE_SIZE as SIZE
 from course_lib.grading.gossip_ranks import run_schedule, schedule_table, well_formed
 from course_lib.grading.traffic import Sent

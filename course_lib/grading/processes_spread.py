@@ -23,7 +23,6 @@ be accounted for by them (`_harness.judge_unreported`).
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Callable
 
 import torch
@@ -36,6 +35,7 @@ from course_lib.grading._harness import (
     close_pool,
     fail,
     judge_unreported,
+    new_secret,
     run_on_ranks,
 )
 from course_lib.grading.provenance import Provenance
@@ -213,7 +213,7 @@ def check_spread(
     check = "check_spread"
     verdict = Verdict(check)
     taken = {}
-    secret = secrets.randbits(62)
+    secret = new_secret()
     for p in world_sizes:
         given = draw(p, seed, secret)
         try:

@@ -35,6 +35,7 @@ from course_lib.grading._harness import (
     calls_by_case,
     fail,
     judge_unreported,
+    new_secret,
     run_on_ranks,
 )
 from course_lib.grading.sequence_parallel_balance import (
@@ -54,7 +55,6 @@ from course_lib.grading.sequence_parallel_cases import (
     Case,
     draw,
     given,
-    new_secret,
     ring_budget,
     solve,
     ulysses_budget,

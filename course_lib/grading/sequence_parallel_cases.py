@@ -16,7 +16,6 @@ other ranks' nor the answer: a right answer must come from the messages.
 from __future__ import annotations
 
 import math
-import secrets
 from dataclasses import dataclass
 
 import torch
@@ -64,11 +63,6 @@ class Case:
     def block_bytes(self) -> int:
         """One block: a (heads, longest shard, head_dim) float64 tensor."""
         return self.heads * max(self.lengths()) * self.head_dim * ITEMSIZE
-
-
-def new_secret() -> int:
-    """A seed no rank can know: the inputs of one call of a check are drawn from it."""
-    return secrets.randbits(62)
 
 
 def draw(case: Case, secret: int) -> dict[str, torch.Tensor]:
@@ -155,7 +149,6 @@ __all__ = [
     "draw",
     "expected",
     "given",
-    "new_secret",
     "ring_budget",
     "rows",
     "solve",
