@@ -31,7 +31,7 @@ from course_lib.grading.expert_parallel import (
     row_bytes,
     traffic_budget,
 )
-from course_lib.grading.expert_parallel_ranks import inputs, layer
+from course_lib.grading.expert_parallel_cases import inputs, layer
 from tests.adapters import mutant, planted, solution
 from tests.cheats import a12_expert_parallel as cheats
 

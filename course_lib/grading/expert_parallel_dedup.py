@@ -10,9 +10,9 @@ student's design; the check measures the bytes.
     dedup_cases(P, seeds)           4 experts a rank, k = 2, d_model 64, a paired router
     rank_rows(case, chosen, kept)   [P, P]: distinct (token, rank) pairs between ranks
     row_bytes(case, rows)           what Part 1's layer sends in token rows, all ranks
-    judge_dedup(check, case, records, rows)   every byte sent, against DEDUP_FRACTION of it
+    judge_dedup(check, case, comms, rows)   every byte sent, against DEDUP_FRACTION of it
 
-The cases' router is `paired` (`expert_parallel_ranks.layer`): experts 2i and 2i + 1 have
+The cases' router is `paired` (`expert_parallel_cases.layer`): experts 2i and 2i + 1 have
 nearly the same router row, so a token's two most probable experts are mostly such a pair,
 and a pair lives on one rank (E/P = 4). On one process the layer is the same as Part 1's;
 only where the chosen experts sit changes, and with it what deduplication saves.
@@ -25,7 +25,8 @@ from collections.abc import Iterable
 import torch
 
 from course_lib.grading._harness import fail
-from course_lib.grading.expert_parallel_ranks import Case, judge_calls, lengths
+from course_lib.grading.expert_parallel_cases import Case, lengths
+from course_lib.grading.expert_parallel_judge import ITEMSIZE, judge_calls
 
 # Sending each (token, rank) once saves about half of Part 1's dispatch on these cases, and
 # combining on the experts' rank half of its combine: 0.52-0.56 of Part 1's token rows with
@@ -33,7 +34,6 @@ from course_lib.grading.expert_parallel_ranks import Case, judge_calls, lengths
 # included (measured on seeds 0-2, tests/test_grading_expert_parallel.py). Part 1's layer
 # sends 1.0 and a little more; every token to every rank over 0.9 on 2 ranks, 2.0 on 4.
 DEDUP_FRACTION = 0.85
-ITEMSIZE = 8  # float64
 
 
 def dedup_cases(P: int, seeds: Iterable[int]) -> list[Case]:
@@ -69,14 +69,15 @@ def row_bytes(case: Case, rows: torch.Tensor) -> int:
     return 2 * between * case.d_model * ITEMSIZE
 
 
-def judge_dedup(check: str, case: Case, records: list[dict], rows: torch.Tensor) -> float:
+def judge_dedup(check: str, case: Case, comms: list[dict], rows: torch.Tensor) -> float:
     """The "bytes" property: Part 3's message rules, and every byte all ranks send in the
-    forward at most DEDUP_FRACTION of what Part 1's layer sends in token rows (`rows`: its
-    kept choices per pair of ranks, `kept_rows`). Returns the share measured."""
+    forward (the launcher's tallies, `expert_parallel_judge.communication`) at most
+    DEDUP_FRACTION of what Part 1's layer sends in token rows (`rows`: its kept choices per
+    pair of ranks, `kept_rows`). Returns the share measured."""
     __tracebackhide__ = True
-    judge_calls(check, case, records, "bytes")
+    judge_calls(check, case, comms, "bytes")
     part1 = row_bytes(case, rows)
-    sent = sum(record["sent"] for record in records)
+    sent = sum(seen["sent"] for seen in comms)
     allowed = int(DEDUP_FRACTION * part1)
     if sent > allowed:
         fail(
