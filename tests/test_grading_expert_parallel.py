@@ -18,6 +18,7 @@ from course_lib.grading import (
     check_moe_forward,
     check_moe_traffic,
 )
+from course_lib.grading import expert_parallel as ep
 from course_lib.grading.expert_parallel import (
     DEDUP_FRACTION,
     Case,
@@ -31,7 +32,16 @@ from course_lib.grading.expert_parallel import (
     row_bytes,
     traffic_budget,
 )
-from course_lib.grading.expert_parallel_cases import inputs, layer
+from course_lib.grading.expert_parallel_cases import (
+    draw,
+    expert_ids,
+    given,
+    inputs,
+    layer,
+    new_secret,
+)
+from course_lib.grading.expert_parallel_judge import carried
+from course_lib.grading.traffic import Sent
 from tests.adapters import mutant, planted, solution
 from tests.cheats import a12_expert_parallel as cheats
 
@@ -327,3 +337,119 @@ def test_the_lectures_layer_is_refused_in_part_4():
         check_moe_dedup, fn, message="the course's own implementation", world_sizes=(2,)
     )
     assert error.score == 0
+
+
+# --- what a rank holds, and what the verdicts trust -----------------------------------------
+
+
+def test_the_notebooks_secret_is_the_default_and_a_check_draws_another():
+    """`layer`, `inputs` and `kept_rows` (given to the notebook's try cells) build the case with
+    secret 0; a check's draw, from `new_secret`, has other weights and tokens."""
+    case = dedup_cases(2, (0,))[0]
+    x, g = inputs(case)
+    torch.testing.assert_close(draw(case, 0)["x"], x, rtol=0, atol=0)
+    secret = new_secret()
+    assert secret != new_secret()
+    other = draw(case, secret)
+    assert not torch.equal(other["x"], x) and not torch.equal(other["g"], g)
+    assert not torch.equal(other["router"].weight, layer(case)[0].weight)
+
+
+def test_a_rank_is_given_its_own_tokens_and_experts_only():
+    case = cases(4, (0,))[0]
+    drawn = draw(case, new_secret())
+    for r in range(4):
+        x, g, router, experts = given(case, drawn, r)
+        torch.testing.assert_close(x, drawn["x"].tensor_split(4)[r], rtol=0, atol=0)
+        torch.testing.assert_close(g, drawn["g"].tensor_split(4)[r], rtol=0, atol=0)
+        assert [e for e, m in enumerate(drawn["experts"]) if any(m is o for o in experts)] == (
+            expert_ids(case, r)
+        )
+
+
+def _inventory(x, router, experts, k, capacity_factor):
+    """On a rank: what the process holds besides its own share, reported as the ValueError the
+    rank's record keeps: the experts (MLPBlocks) and the float64 tensors, not parameters, with
+    more rows than x and as many columns (a whole batch)."""
+    import gc
+
+    from course_lib.models import MLPBlock
+
+    blocks = sum(isinstance(o, MLPBlock) for o in gc.get_objects())
+    batches = sum(
+        isinstance(o, torch.Tensor)
+        and not isinstance(o, torch.nn.Parameter)
+        and o.dim() == 2
+        and o.dtype == x.dtype
+        and o.shape[1] == x.shape[1]
+        and len(o) > len(x)
+        for o in gc.get_objects()
+    )
+    raise ValueError(f"{blocks} {batches}")
+
+
+def test_the_ranks_hold_no_other_ranks_tokens_or_experts():
+    """A rank's heap holds the experts of its own share and no whole batch (the old ranks built
+    the whole layer and batch from the case's seed)."""
+    todo = cases(2, (0,))
+    runs = ep._run("check", _inventory, None, todo, timeout=60, name="probe")
+    for case, _, records, _ in runs:
+        per = case.n_experts // 2
+        for record in records:
+            blocks, batches = map(int, record["raised"].split())
+            assert batches == 0, (case, record["raised"])
+            # this case's experts, and at most those of the rank's earlier cases (garbage)
+            assert per <= blocks <= per * len(todo), (case, record["raised"])
+
+
+FRAMES = planted("expert_parallel", "moe_layer", cheats.FRAMES_AND_HEAP).expert_parallel_moe
+REGENERATED = planted("expert_parallel", "moe_layer", cheats.REGENERATED).expert_parallel_moe
+EMPTIED = planted("expert_parallel", "exchange", cheats.COUNTERS_EMPTIED)
+
+
+@pytest.mark.parametrize("fn", [FRAMES, REGENERATED], ids=["frames and heap", "regenerated"])
+def test_the_whole_batch_is_not_on_the_ranks_to_take(fn):
+    """Cheats that look for the other ranks' tokens and experts in the process, or rebuild the
+    check's case with the given builders: right on the old ranks, which held them all or drew
+    them from the case's seed; wrong now."""
+    error = expect_failure(check_moe_forward, fn, message="differs", world_sizes=(2,))
+    assert error.score == 0
+    error = expect_failure(
+        check_moe_traffic, fn, A12.sync_router_grads, message="differs", world_sizes=(2,)
+    )
+    assert error.score == 0
+
+
+def test_counters_emptied_around_an_all_gather_of_every_row_hide_nothing():
+    """Right, but every row all-gathered with the rank's counters emptied around it: the
+    launcher's tallies see the all-gather (Part 3), and its bytes (Part 4)."""
+    check_moe_backward(EMPTIED.expert_parallel_moe, EMPTIED.sync_router_grads, world_sizes=(2,))
+    error = expect_failure(
+        check_moe_traffic,
+        EMPTIED.expert_parallel_moe,
+        EMPTIED.sync_router_grads,
+        message="per-expert numbers only",
+        world_sizes=(2,),
+    )
+    assert error.score == 0 and error.failed == {"dispatch"}
+    error = expect_failure(check_moe_dedup, EMPTIED.dedup_moe, message="", world_sizes=(2,))
+    assert error.score == 0 and error.failed == {"bytes"}
+
+
+def test_sync_router_grads_is_not_counted():
+    """Marks between a case's layer and its sync: an all-reduce of the router's whole gradient
+    (E x d_model numbers, more than 2 E) in sync_router_grads is allowed."""
+    check_moe_traffic(A12.expert_parallel_moe, A12.sync_router_grads, world_sizes=(2,))
+
+
+def test_a_small_collectives_numbers_come_from_its_reported_bytes():
+    """`carried` inverts comm.volume's models: the bytes of the rank's own tensor."""
+    for P in (2, 3, 4):
+        group = tuple(range(P))
+        gather = Sent("all_gather", None, (P - 1) * 64, (P - 1) * 64, group)
+        assert carried(gather) == 64
+        reduce = Sent("all_reduce", None, 2 * (P - 1) * 64 / P, 2 * (P - 1) * 64 / P, group)
+        assert carried(reduce) == 64
+        assert carried(Sent("broadcast", None, (P - 1) * 64, 0, group)) == 64
+        assert carried(Sent("broadcast", None, 0, 64, group)) == 64
+    assert carried(Sent("all_gather", None, 0, 0, (0,))) == 0

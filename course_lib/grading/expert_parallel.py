@@ -63,6 +63,7 @@ from course_lib.grading.expert_parallel_dedup import (
     judge_dedup,
     rank_rows,
     row_bytes,
+    typical,
 )
 from course_lib.grading.expert_parallel_judge import (
     ATOL,
@@ -78,22 +79,41 @@ from course_lib.grading.expert_parallel_ranks import run_cases
 
 TRAFFIC_WEIGHTS = {RESULT: 0.0, "dispatch": 1.0}  # right first; the traffic is what scores
 DEDUP_WEIGHTS = {RESULT: 0.0, "bytes": 1.0}
+REDRAWS = 20  # draws of a case that its `accept` may refuse (Part 4's: about none)
 
 
-def _run(check: str, fn, sync, cases: list[Case], P: int, timeout: float, name: str) -> list:
+def _drawn(case: Case, accept: Callable | None) -> tuple[dict, dict | None]:
+    """A case's layer and batch from a secret seed, and the layer on one process (None when
+    the experts do not split); drawn again, from another secret, until `accept(case,
+    solved)` holds."""
+    for _ in range(REDRAWS):
+        drawn = draw(case, new_secret())
+        if case.n_experts % case.world_size:
+            return drawn, None
+        solved = solve(case, drawn)
+        if accept is None or accept(case, solved):
+            break
+    return drawn, solved
+
+
+def _run(
+    check: str,
+    fn: Callable,
+    sync: Callable | None,
+    cases: list[Case],
+    timeout: float,
+    name: str,
+    accept: Callable | None = None,
+) -> list:
     """Every case on P ranks, each rank given its own tokens and experts: per case (case,
     the layer on one process, the ranks' records, the ranks' calls of the layer as the
     launcher saw them). A case whose experts do not split is not solved (None)."""
     __tracebackhide__ = True
+    P = cases[0].world_size
     for answer in (fn, sync) if sync is not None else (fn,):
         if not callable(answer):
             fail(check, f"expected your function, got {type(answer).__name__} {answer!r:.60}")
-    secret = new_secret()
-    drawn = [draw(case, secret) for case in cases]
-    solved = [
-        solve(case, d) if case.n_experts % P == 0 else None
-        for case, d in zip(cases, drawn, strict=True)
-    ]
+    drawn, solved = zip(*(_drawn(case, accept) for case in cases), strict=True)
     shares = PerRank(
         [[given(c, d, r) for c, d in zip(cases, drawn, strict=True)] for r in range(P)]
     )
@@ -154,7 +174,7 @@ def _check(
     closest = [0.0, 0, 0]
     for P in world_sizes:
         todo = cases(P, seeds)
-        for case, want, records, comms in _run(check, fn, sync, todo, P, timeout, name):
+        for case, want, records, comms in _run(check, fn, sync, todo, timeout, name):
             count += 1
             with verdict.case():
                 judge_forward(check, name, case, records, want)
@@ -171,7 +191,7 @@ def _check(
             count += 1
             with verdict.case():
                 try:
-                    _, _, records, _ = _run(check, fn, None, [refused], P, timeout, name)[0]
+                    _, _, records, _ = _run(check, fn, None, [refused], timeout, name)[0]
                 except CheckFailed as error:
                     if error.tampering:
                         raise
@@ -271,7 +291,9 @@ def check_moe_dedup(
     world_sizes = sorted(set(world_sizes))
     for P in world_sizes:
         todo = dedup_cases(P, seeds)
-        for case, want, records, comms in _run(check, dedup_moe, None, todo, P, timeout, name):
+        for case, want, records, comms in _run(
+            check, dedup_moe, None, todo, timeout, name, typical
+        ):
             with verdict.case():
                 judge_forward(check, name, case, records, want)
             with verdict.case():
