@@ -40,6 +40,7 @@ from course_lib.grading.expert_parallel_cases import (
     layer,
     new_secret,
 )
+from course_lib.grading.expert_parallel_dedup import typical
 from course_lib.grading.expert_parallel_judge import carried
 from course_lib.grading.traffic import Sent
 from tests.adapters import mutant, planted, solution
@@ -289,17 +290,43 @@ PER_EXPERT_RETURN = planted("expert_parallel", "dedup", cheats.PER_EXPERT_RETURN
 
 @pytest.mark.parametrize(
     "fn, low, high",
-    [(A12.dedup_moe, 0.45, 0.6), (PER_EXPERT_RETURN.dedup_moe, 0.7, 0.82)],
+    [(A12.dedup_moe, 0.45, 0.63), (PER_EXPERT_RETURN.dedup_moe, 0.7, 0.84)],
     ids=["one vector back per (token, rank)", "every expert's output back"],
 )
 def test_the_dedup_check_accepts_both_designs(fn, low, high, capsys):
     """Both designs pass on the hidden tests' seeds too; the largest share each sent (printed
-    by the check) is where the notebook says: 52-56% and 77-81% of one row per (token,
-    expert), both under DEDUP_FRACTION."""
+    by the check) is about where the notebook says (52-56% and 77-81% of one row per (token,
+    expert) on the notebook's draws; up to 63% and 84% on the checks' secret draws, which
+    `typical` keeps to at most DISTINCT_SHARE distinct rows), both under DEDUP_FRACTION."""
     check_moe_dedup(fn, seeds=(0, 1, 2))
     out = capsys.readouterr().out
     share = int(re.search(r"at most (\d+)% of the bytes", out).group(1)) / 100
     assert low <= share <= high < DEDUP_FRACTION, out
+
+
+def test_the_checks_draws_leave_both_designs_under_the_fraction():
+    """On draws `typical` accepts, from secrets, the bytes both designs send in the forward,
+    counted from the routing (counts per expert and rows per rank all-gathered; rows of d_model
+    numbers and E/P gates or flags there; one vector back per (token, rank), or one per kept
+    (token, expert)), stay under DEDUP_FRACTION of one row per (token, expert)."""
+    worst = [0.0, 0.0]
+    for _ in range(4):
+        secret = new_secret()
+        for P in (2, 4):
+            for case in dedup_cases(P, (0, 1, 2)):
+                chosen, _, kept = routing(case, secret)
+                solved = {"chosen": chosen, "kept": kept, "kept_rows": kept_rows(case, secret)}
+                if not typical(case, solved):
+                    continue
+                d, per = case.d_model, case.n_experts // P
+                counts = P * (P - 1) * (case.n_experts + P) * 8
+                distinct = between(rank_rows(case, solved["chosen"], solved["kept"]))
+                kept = between(solved["kept_rows"])
+                part1 = row_bytes(case, solved["kept_rows"])
+                one_back = (distinct * (2 * d + per) * 8 + counts) / part1
+                each_back = ((distinct * (d + per) + kept * d) * 8 + counts) / part1
+                worst = [max(worst[0], one_back), max(worst[1], each_back)]
+    assert worst[0] < 0.63 and worst[1] < 0.84 < DEDUP_FRACTION, worst
 
 
 # Rows to every rank, whether or not a kept expert of the token is there (zero gates there).
