@@ -21,6 +21,7 @@ students); a check's secret gives other weights and tokens that no rank can rege
 from __future__ import annotations
 
 import copy
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,6 @@ from torch import nn
 
 from course_lib import models
 from course_lib.costs import expert_capacity
-from course_lib.grading.collectives_cases import new_secret
 
 PAIR_SPREAD = 0.03  # how far a paired expert's router row is from its twin's (see `layer`)
 
@@ -56,6 +56,13 @@ class Case:
             f"k={self.k}, capacity_factor {self.capacity_factor:g}, seed {self.seed}"
             + (f", d_model {self.d_model}, paired router" if self.paired else "")
         )
+
+
+def new_secret() -> int:
+    """A seed no rank can know: a check draws each case from one. (A check's parts import no
+    other topic's checks, so this is the line collectives_cases and sequence_parallel_cases
+    have too.)"""
+    return secrets.randbits(62)
 
 
 def layer(case: Case, secret: int = 0) -> tuple[nn.Linear, list[nn.Module]]:
