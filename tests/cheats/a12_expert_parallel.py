@@ -207,6 +207,10 @@ def _held():
     return found + gc.get_objects()
 
 
+def _first(found, keep):
+    return next((o for o in found if keep(o)), None)
+
+
 def expert_parallel_moe(x, router, experts, k, capacity_factor):
     p, r = world_size(), rank()
     n_experts = router.out_features
@@ -214,36 +218,21 @@ def expert_parallel_moe(x, router, experts, k, capacity_factor):
         raise ValueError("experts do not split")
     _token()
     held, mine = _held(), x.detach()
-    whole = next(
-        (
-            o.detach()
-            for o in held
-            if isinstance(o, torch.Tensor) and o is not x and o.dim() == 2
-            and o.dtype == x.dtype and o.shape[1] == x.shape[1] and len(o) >= len(x)
-            and torch.equal(o.tensor_split(p)[r], mine)
-        ),
-        None,
+    rows = lambda o: (  # noqa: E731
+        isinstance(o, torch.Tensor) and o is not x and o.dtype == x.dtype and o.dim() == 2
+        and o.shape[1] == x.shape[1]
     )
-    every = next(
-        (
-            list(o)
-            for o in held
-            if isinstance(o, (list, tuple, torch.nn.ModuleList)) and len(o) == n_experts
-            and all(any(m is e for m in o) for e in experts)
-        ),
-        None,
+    whole = _first(held, lambda o: rows(o) and torch.equal(o.tensor_split(p)[r], mine))
+    every = _first(
+        held,
+        lambda o: isinstance(o, (list, tuple, torch.nn.ModuleList)) and len(o) == n_experts
+        and all(any(m is e for m in o) for e in experts),
     )
     if whole is None or every is None:
         return torch.zeros_like(x)
-    g_all = next(
-        (
-            o.detach()
-            for o in held
-            if isinstance(o, torch.Tensor) and o.shape == whole.shape and o.dtype == x.dtype
-            and not torch.equal(o, whole)
-        ),
-        None,
-    )
+    whole, every = whole.detach(), list(every)
+    g_all = _first(held, lambda o: rows(o) and o.shape == whole.shape and not torch.equal(o, whole))
+    g_all = None if g_all is None else g_all.detach()
     return _rows(whole, g_all, every, x, router, k, capacity_factor)
 """
 )
