@@ -1,8 +1,8 @@
-"""Assignment 12's checks accept right expert-parallel layers and reject wrong ones."""
+"""Assignment 12's checks accept right expert-parallel layers and reject wrong ones, and a
+rank holds nothing to copy: its own tokens and experts only, from a secret draw, with the
+calls judged by the launcher's tallies. Part 4's check: test_grading_expert_parallel_dedup.py."""
 
 from __future__ import annotations
-
-import re
 
 import pytest
 import torch
@@ -14,24 +14,29 @@ from course_lib.expert_parallel import MoE
 from course_lib.grading import (
     CheckFailed,
     check_moe_backward,
-    check_moe_dedup,
     check_moe_forward,
     check_moe_traffic,
 )
+from course_lib.grading import expert_parallel as ep
 from course_lib.grading.expert_parallel import (
-    DEDUP_FRACTION,
     Case,
     cases,
     dedup_cases,
     dropped,
-    kept_rows,
-    rank_rows,
     reference,
     routing,
-    row_bytes,
     traffic_budget,
 )
-from course_lib.grading.expert_parallel_ranks import inputs, layer
+from course_lib.grading.expert_parallel_cases import (
+    draw,
+    expert_ids,
+    given,
+    inputs,
+    layer,
+    new_secret,
+)
+from course_lib.grading.expert_parallel_judge import carried
+from course_lib.grading.traffic import Sent
 from tests.adapters import mutant, planted, solution
 from tests.cheats import a12_expert_parallel as cheats
 
@@ -247,83 +252,115 @@ def test_the_lectures_layer_is_refused(cell, source):
     )
 
 
-# --- Part 4 (open): each token sent once to each rank ---------------------------------------
+# --- what a rank holds, and what the verdicts trust -----------------------------------------
 
 
-def between(rows: torch.Tensor) -> int:
-    return int(rows.sum() - rows.diagonal().sum())
+def test_the_notebooks_secret_is_the_default_and_a_check_draws_another():
+    """`layer`, `inputs` and `kept_rows` (given to the notebook's try cells) build the case with
+    secret 0; a check's draw, from `new_secret`, has other weights and tokens."""
+    case = dedup_cases(2, (0,))[0]
+    x, g = inputs(case)
+    torch.testing.assert_close(draw(case, 0)["x"], x, rtol=0, atol=0)
+    secret = new_secret()
+    assert secret != new_secret()
+    other = draw(case, secret)
+    assert not torch.equal(other["x"], x) and not torch.equal(other["g"], g)
+    assert not torch.equal(other["router"].weight, layer(case)[0].weight)
 
 
-def test_the_dedup_cases_leave_a_large_saving_to_take():
-    """On every case of check_moe_dedup, the distinct (token, rank) rows between ranks are at
-    most 60% of the (token, expert) rows (the paired router), counted here from the routing
-    directly; the factor 1.0 drops choices and E / k drops none."""
-    for P in (2, 4):
-        for case in dedup_cases(P, (0, 1, 2)):
-            chosen, _, kept = routing(case)
-            per = case.n_experts // P
-            owner = torch.arange(case.tokens).tensor_split(P)
-            unique = sum(
-                len({int(e) // per for e in chosen[t][kept[t]]} - {i})
-                for i, tokens in enumerate(owner)
-                for t in tokens.tolist()
-            )
-            assert unique == between(rank_rows(case, chosen, kept)), case
-            assert unique <= 0.6 * between(kept_rows(case)), case
-            assert (dropped(case) > 0) == (case.capacity_factor == 1.0), case
-            assert row_bytes(case, kept_rows(case)) == 2 * between(kept_rows(case)) * 64 * 8
+def test_a_rank_is_given_its_own_tokens_and_experts_only():
+    case = cases(4, (0,))[0]
+    drawn = draw(case, new_secret())
+    for r in range(4):
+        x, g, router, experts = given(case, drawn, r)
+        torch.testing.assert_close(x, drawn["x"].tensor_split(4)[r], rtol=0, atol=0)
+        torch.testing.assert_close(g, drawn["g"].tensor_split(4)[r], rtol=0, atol=0)
+        assert [e for e, m in enumerate(drawn["experts"]) if any(m is o for o in experts)] == (
+            expert_ids(case, r)
+        )
 
 
-PER_EXPERT_RETURN = planted("expert_parallel", "dedup", cheats.PER_EXPERT_RETURN)
+def _inventory(x, router, experts, k, capacity_factor):
+    """On a rank: what the process holds besides its own share, reported as the ValueError the
+    rank's record keeps: the experts (MLPBlocks) and the float64 tensors, not parameters, with
+    more rows than x and as many columns (a whole batch)."""
+    import gc
+
+    from course_lib.models import MLPBlock
+
+    blocks = sum(isinstance(o, MLPBlock) for o in gc.get_objects())
+    batches = sum(
+        isinstance(o, torch.Tensor)
+        and not isinstance(o, torch.nn.Parameter)
+        and o.dim() == 2
+        and o.dtype == x.dtype
+        and o.shape[1] == x.shape[1]
+        and len(o) > len(x)
+        for o in gc.get_objects()
+    )
+    raise ValueError(f"{blocks} {batches}")
 
 
-@pytest.mark.parametrize(
-    "fn, low, high",
-    [(A12.dedup_moe, 0.45, 0.6), (PER_EXPERT_RETURN.dedup_moe, 0.7, 0.82)],
-    ids=["one vector back per (token, rank)", "every expert's output back"],
-)
-def test_the_dedup_check_accepts_both_designs(fn, low, high, capsys):
-    """Both designs pass on the hidden tests' seeds too; the largest share each sent (printed
-    by the check) is where the notebook says: 52-56% and 77-81% of one row per (token,
-    expert), both under DEDUP_FRACTION."""
-    check_moe_dedup(fn, seeds=(0, 1, 2))
-    out = capsys.readouterr().out
-    share = int(re.search(r"at most (\d+)% of the bytes", out).group(1)) / 100
-    assert low <= share <= high < DEDUP_FRACTION, out
+def test_the_ranks_hold_no_other_ranks_tokens_or_experts():
+    """A rank's heap holds the experts of its own share and no whole batch (the old ranks built
+    the whole layer and batch from the case's seed)."""
+    todo = cases(2, (0,))
+    runs = ep._run("check", _inventory, None, todo, timeout=60, name="probe")
+    for case, _, records, _ in runs:
+        per = case.n_experts // 2
+        for record in records:
+            blocks, batches = map(int, record["raised"].split())
+            assert batches == 0, (case, record["raised"])
+            # this case's experts, and at most those of the rank's earlier cases (garbage)
+            assert per <= blocks <= per * len(todo), (case, record["raised"])
 
 
-# Rows to every rank, whether or not a kept expert of the token is there (zero gates there).
-TO_EVERY_RANK = mutant(
-    "expert_parallel",
-    "dedup",
-    ("kept.view(n, P, per_rank).any(2)", "torch.ones(n, P, dtype=torch.bool)"),
-).dedup_moe
-# The experts' rank sends back the plain sum of the outputs, without their gates.
-UNWEIGHTED = mutant(
-    "expert_parallel",
-    "dedup",
-    ("their_gates[use, i, None] * expert(here[use])", "expert(here[use])"),
-).dedup_moe
+FRAMES = planted("expert_parallel", "moe_layer", cheats.FRAMES_AND_HEAP).expert_parallel_moe
+REGENERATED = planted("expert_parallel", "moe_layer", cheats.REGENERATED).expert_parallel_moe
+EMPTIED = planted("expert_parallel", "exchange", cheats.COUNTERS_EMPTIED)
 
 
-@pytest.mark.parametrize(
-    "fn",
-    [A12.expert_parallel_moe, TO_EVERY_RANK],
-    ids=["one row per (token, expert): Part 1's layer", "every token to every rank"],
-)
-def test_right_layers_that_send_too_much_score_nothing_in_part_4(fn):
-    error = expect_failure(check_moe_dedup, fn, message="together in the forward")
-    assert error.score == 0 and error.failed == {"bytes"}
-
-
-def test_a_wrong_combine_scores_nothing_in_part_4():
-    error = expect_failure(check_moe_dedup, UNWEIGHTED, message="differs", world_sizes=(2,))
-    assert error.score == 0 and "result" in error.failed
-
-
-def test_the_lectures_layer_is_refused_in_part_4():
-    fn = planted("expert_parallel", "dedup", cheats.LECTURE_DEDUP).dedup_moe
+@pytest.mark.parametrize("fn", [FRAMES, REGENERATED], ids=["frames and heap", "regenerated"])
+def test_the_whole_batch_is_not_on_the_ranks_to_take(fn):
+    """Cheats that look for the other ranks' tokens and experts in the process, or rebuild the
+    check's case with the given builders: right on the old ranks, which held them all or drew
+    them from the case's seed; wrong now."""
+    error = expect_failure(check_moe_forward, fn, message="differs", world_sizes=(2,))
+    assert error.score == 0
     error = expect_failure(
-        check_moe_dedup, fn, message="the course's own implementation", world_sizes=(2,)
+        check_moe_traffic, fn, A12.sync_router_grads, message="differs", world_sizes=(2,)
     )
     assert error.score == 0
+
+
+def test_counters_emptied_around_an_all_gather_of_every_row_hide_nothing():
+    """Right, but every row all-gathered with the rank's counters emptied around it: the
+    launcher's tallies see the all-gather (Part 3; Part 4's bytes: the _dedup tests)."""
+    check_moe_backward(EMPTIED.expert_parallel_moe, EMPTIED.sync_router_grads, world_sizes=(2,))
+    error = expect_failure(
+        check_moe_traffic,
+        EMPTIED.expert_parallel_moe,
+        EMPTIED.sync_router_grads,
+        message="per-expert numbers only",
+        world_sizes=(2,),
+    )
+    assert error.score == 0 and error.failed == {"dispatch"}
+
+
+def test_sync_router_grads_is_not_counted():
+    """Marks between a case's layer and its sync: an all-reduce of the router's whole gradient
+    (E x d_model numbers, more than 2 E) in sync_router_grads is allowed."""
+    check_moe_traffic(A12.expert_parallel_moe, A12.sync_router_grads, world_sizes=(2,))
+
+
+def test_a_small_collectives_numbers_come_from_its_reported_bytes():
+    """`carried` inverts comm.volume's models: the bytes of the rank's own tensor."""
+    for P in (2, 3, 4):
+        group = tuple(range(P))
+        gather = Sent("all_gather", None, (P - 1) * 64, (P - 1) * 64, group)
+        assert carried(gather) == 64
+        reduce = Sent("all_reduce", None, 2 * (P - 1) * 64 / P, 2 * (P - 1) * 64 / P, group)
+        assert carried(reduce) == 64
+        assert carried(Sent("broadcast", None, (P - 1) * 64, 0, group)) == 64
+        assert carried(Sent("broadcast", None, 0, 64, group)) == 64
+    assert carried(Sent("all_gather", None, 0, 0, (0,))) == 0

@@ -7,14 +7,19 @@ different ranks.
     check_moe_dedup(dedup_moe)                                the layer, each token sent once
                                                               to each rank (Part 4, open)
 
-Each rank holds chunk r of `torch.tensor_split` of a seeded float64 batch x [T, d_model], the
-router (nn.Linear(d_model, E, bias=False), the same on every rank) and experts r E/P to
+Each rank is called with chunk r of `torch.tensor_split` of a float64 batch x [T, d_model],
+the router (nn.Linear(d_model, E, bias=False), the same on every rank) and experts r E/P to
 (r+1) E/P - 1 (`models.MLPBlock`). The layer: softmax router probabilities, each token's k
 most probable experts, each expert taking at most C = `costs.expert_capacity`(T, E, k,
 capacity_factor) choices, the first C by token position in the whole batch (whichever of a
 token's k choices it is), a token's output the sum over its kept choices of probability times
-the expert's output (zero if all were dropped). The reference (`reference`) is that, written
-out on one process in the checking process: never the lecture's code.
+the expert's output (zero if all were dropped).
+
+Everything is drawn (from a secret seed, new for each call of a check) and solved in the
+checking process (`expert_parallel_cases`): the layer written out on one process, never the
+lecture's code, is the reference, and each rank receives only its own tokens and experts.
+Which calls each rank made and how many bytes they sent come from the launcher's tallies
+(`run_on_ranks(..., traffic=True)`), never from the rank (`expert_parallel_judge`).
 
 Traffic rules (`check_moe_traffic`): tokens travel only by all-to-alls (all_to_all_single,
 counted by its split sizes, or all_to_all) or send/recv/isend/irecv; other collectives
@@ -29,253 +34,116 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-import torch
-import torch.nn.functional as F
-
-from course_lib import compare
-from course_lib.costs import expert_capacity
-from course_lib.grading._harness import RESULT, CheckFailed, Verdict, fail, run_on_ranks
+from course_lib.calls import PerRank
+from course_lib.grading._harness import (
+    RESULT,
+    CheckFailed,
+    Verdict,
+    calls_by_case,
+    fail,
+    judge_unreported,
+    run_on_ranks,
+)
+from course_lib.grading.expert_parallel_cases import (
+    Case,
+    draw,
+    dropped,
+    given,
+    inputs,
+    kept_rows,
+    layer,
+    new_secret,
+    reference,
+    routing,
+    solve,
+)
 from course_lib.grading.expert_parallel_dedup import (
     DEDUP_FRACTION,
     dedup_cases,
     judge_dedup,
     rank_rows,
     row_bytes,
+    typical,
 )
-from course_lib.grading.expert_parallel_ranks import (
-    Case,
-    expert_ids,
-    inputs,
-    judge_calls,
-    layer,
-    lengths,
-    run_cases,
+from course_lib.grading.expert_parallel_judge import (
+    ATOL,
+    RTOL,
+    communication,
+    judge_backward,
+    judge_forward,
+    judge_refusal,
+    judge_traffic,
+    traffic_budget,
 )
+from course_lib.grading.expert_parallel_ranks import run_cases
 
-# float64: the experts add the same products in another order on another rank (~1e-16); a
-# token at the wrong expert, a wrong drop or a missing gate weight moves it by 1e-2 or more.
-RTOL, ATOL = 1e-9, 1e-12
 TRAFFIC_WEIGHTS = {RESULT: 0.0, "dispatch": 1.0}  # right first; the traffic is what scores
 DEDUP_WEIGHTS = {RESULT: 0.0, "bytes": 1.0}
-HOP_BYTES = 64
-ITEMSIZE = 8  # float64
+REDRAWS = 20  # draws of a case that its `accept` may refuse (Part 4's: about none)
 
 
-def routing(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The whole batch's routing on one process: each token's k experts [T, k], their
-    probabilities [T, k], and whether each choice is within its expert's capacity [T, k]."""
-    router, _ = layer(case)
-    x, _ = inputs(case)
-    probs = torch.softmax(x @ router.weight.detach().T, dim=-1)
-    gates, chosen = probs.topk(case.k, dim=-1)
-    capacity = expert_capacity(case.tokens, case.n_experts, case.k, case.capacity_factor)
-    queue = [0] * case.n_experts
-    kept = torch.zeros_like(chosen, dtype=torch.bool)
-    for t in range(case.tokens):  # token order, whichever of its choices it is
-        for j in range(case.k):
-            e = int(chosen[t, j])
-            kept[t, j] = queue[e] < capacity
-            queue[e] += 1
-    return chosen, gates, kept
+def _drawn(case: Case, accept: Callable | None) -> tuple[dict, dict | None]:
+    """A case's layer and batch from a secret seed, and the layer on one process (None when
+    the experts do not split); drawn again, from another secret, until `accept(case,
+    solved)` holds."""
+    for _ in range(REDRAWS):
+        drawn = draw(case, new_secret())
+        if case.n_experts % case.world_size:
+            return drawn, None
+        solved = solve(case, drawn)
+        if accept is None or accept(case, solved):
+            break
+    return drawn, solved
 
 
-def reference(case: Case) -> dict:
-    """The layer on one process over the whole batch, float64: its output, and the gradients
-    of sum(out * g) for x, the router's weight and every expert's parameters."""
-    router, experts = layer(case)
-    x, g = inputs(case)
-    x = x.clone().requires_grad_(True)
-    chosen, _, kept = routing(case)
-    probs = torch.softmax(F.linear(x, router.weight), dim=-1)
-    out = torch.zeros_like(x)
-    for e, expert in enumerate(experts):
-        token, slot = torch.nonzero((chosen == e) & kept, as_tuple=True)
-        gate = probs[token, e].unsqueeze(1)
-        out = out.index_add(0, token, gate * expert(x[token]))
-    out.backward(g)
-    return {
-        "out": out.detach(),
-        "x_grad": x.grad,
-        "router_grad": router.weight.grad,
-        "expert_grads": [[p.grad for p in expert.parameters()] for expert in experts],
-    }
-
-
-def dropped(case: Case) -> int:
-    """Choices over capacity in the case's batch."""
-    return int((~routing(case)[2]).sum())
-
-
-def kept_rows(case: Case) -> torch.Tensor:
-    """[P, P]: kept choices of rank i's tokens that go to rank j's experts."""
-    chosen, _, kept = routing(case)
-    P, per = case.world_size, case.n_experts // case.world_size
-    owner = torch.arange(case.tokens).tensor_split(P)
-    rows = torch.zeros(P, P, dtype=torch.long)
-    for i, tokens in enumerate(owner):
-        for e in chosen[tokens][kept[tokens]].tolist():
-            rows[i, e // per] += 1
-    return rows
-
-
-def traffic_budget(case: Case, rows: torch.Tensor | None = None) -> list[int]:
-    """Bytes each rank may send in one forward and backward: its kept choices for other
-    ranks' experts (dispatch) and the outputs of other ranks' choices (combine), a token row
-    each, twice (backward sends the same rows' gradients the other way), plus `HOP_BYTES`
-    per peer for each of the four all-to-alls and 16 E bytes per peer (counts per expert).
-    With every rank sending N bytes of routed tokens spread evenly, the rows are
-    2 * costs.ep_bytes(N, P)."""
-    P = case.world_size
-    rows = kept_rows(case) if rows is None else rows
-    row = case.d_model * ITEMSIZE
-    off = rows - torch.diag(rows.diagonal())
-    slack = (P - 1) * (4 * HOP_BYTES + 16 * case.n_experts)
-    return [int(2 * row * (off[r].sum() + off[:, r].sum())) + slack for r in range(P)]
-
-
-def _run(check: str, fn, sync, cases: list[Case], P: int, timeout: float, name: str) -> list:
-    """Every case on P ranks; each case's records, one per rank."""
+def _run(
+    check: str,
+    fn: Callable,
+    sync: Callable | None,
+    cases: list[Case],
+    timeout: float,
+    name: str,
+    accept: Callable | None = None,
+) -> list:
+    """Every case on P ranks, each rank given its own tokens and experts: per case (case,
+    the layer on one process, the ranks' records, the ranks' calls of the layer as the
+    launcher saw them). A case whose experts do not split is not solved (None)."""
     __tracebackhide__ = True
+    P = cases[0].world_size
     for answer in (fn, sync) if sync is not None else (fn,):
         if not callable(answer):
             fail(check, f"expected your function, got {type(answer).__name__} {answer!r:.60}")
-    found = run_on_ranks(
+    drawn, solved = zip(*(_drawn(case, accept) for case in cases), strict=True)
+    shares = PerRank(
+        [[given(c, d, r) for c, d in zip(cases, drawn, strict=True)] for r in range(P)]
+    )
+    results, traffic = run_on_ranks(
         check,
         run_cases,
         fn,
         sync,
         cases,
+        shares,
         world_size=P,
         timeout=timeout,
         what=f"your {name} (world size {P}, {len(cases)} cases)",
+        traffic=True,
     )
-    if found[0]["copied"]:
-        fail(check, found[0]["copied"])
-    return [[per_rank["cases"][i] for per_rank in found] for i in range(len(cases))]
-
-
-def _span(case: Case, r: int) -> str:
-    n = lengths(case)
-    start = sum(n[:r])
-    return f"tokens {start}..{start + n[r] - 1}, experts {expert_ids(case, r)}"
-
-
-def judge_forward(check: str, name: str, case: Case, records: list[dict], want: dict) -> None:
-    """Every rank's output equals its rows of the single-process layer."""
-    __tracebackhide__ = True
-    for r, record in enumerate(records):
-        at = f"{case}: rank {r} ({_span(case, r)})"
-        if record["raised"] is not None:
-            fail(check, f"{at}: your {name} raised ValueError({record['raised']!r})")
-        expected = want["out"].tensor_split(case.world_size)[r]
-        if not isinstance(record["out"], torch.Tensor) or record["out"].shape != expected.shape:
-            got = record["returned"]
-            if isinstance(record["out"], torch.Tensor):
-                got = f"a tensor of shape {tuple(record['out'].shape)}"
-            fail(
-                check,
-                f"{at}: your {name} returned {got}; return this rank's [n_local, "
-                "d_model] output tensor",
-            )
-        problem = compare.find_mismatch(
-            {"output": record["out"]}, {"output": expected}, rtol=RTOL, atol=ATOL
+    for found in results:
+        if found["copied"]:
+            fail(check, found["copied"])
+    # Marks 2i and 2i + 1 open case i's layer and its sync_router_grads: only the layer counts.
+    calls = calls_by_case(check, traffic.tallies, 2 * len(cases))
+    judge_unreported(check, traffic)
+    return [
+        (
+            case,
+            solved[i],
+            [results[r]["cases"][i] for r in range(P)],
+            [communication(calls[r][2 * i]) for r in range(P)],
         )
-        if problem:
-            fail(check, f"{at}: {problem}.\n{_hint(case, record, r)}")
-
-
-def _hint(case: Case, record: dict, r: int) -> str:
-    """What to try, from the shape of the mistake."""
-    out = record["out"]
-    zero_rows = int((out.abs().sum(1) == 0).sum())
-    chosen, _, kept = routing(case)
-    mine = torch.arange(case.tokens).tensor_split(case.world_size)[r]
-    all_dropped = int((~kept[mine]).all(1).sum())
-    if zero_rows < all_dropped:
-        return (
-            f"Hint: {all_dropped} of this rank's tokens have every choice over capacity, so "
-            f"their output is zero, but only {zero_rows} rows of yours are. Is the capacity "
-            "applied, over the whole batch, in token order?"
-        )
-    return (
-        "Hint: check, in this order: the experts a token goes to (top-k of the softmax), the "
-        "capacity (the first C choices of an expert in token order over the whole batch: "
-        "tokens on lower ranks come first), which rank holds which expert, and that each kept "
-        "output is multiplied by its router probability."
-    )
-
-
-def judge_backward(check: str, name: str, case: Case, records: list[dict], want: dict) -> None:
-    """x's, the router's (after sync) and every expert's gradients equal the reference's."""
-    __tracebackhide__ = True
-    P = case.world_size
-    for r, record in enumerate(records):
-        at = f"{case}: rank {r} ({_span(case, r)})"
-        if record["x_grad"] is None:
-            fail(
-                check,
-                f"{at}: x.grad is None after backward: does the output depend on x "
-                "through autograd (an all-to-all that autograd can go back through)?",
-            )
-        router_grad = record["router_grad"]
-        if router_grad is None:  # no gradient reached the router: compared as zeros
-            router_grad = torch.zeros_like(want["router_grad"])
-        got = {"x.grad": record["x_grad"], "router.weight.grad": router_grad}
-        expected = {
-            "x.grad": want["x_grad"].tensor_split(P)[r],
-            "router.weight.grad": want["router_grad"],
-        }
-        for i, e in enumerate(expert_ids(case, r)):
-            reference_grads = want["expert_grads"][e]
-            for j, (mine, ref) in enumerate(
-                zip(record["expert_grads"][i], reference_grads, strict=True)
-            ):
-                got[f"expert {e} parameter {j} grad"] = (
-                    torch.zeros_like(ref) if mine is None else mine
-                )
-                expected[f"expert {e} parameter {j} grad"] = ref
-        problem = compare.find_mismatch(got, expected, rtol=RTOL, atol=ATOL)
-        if problem:
-            hint = ""
-            if "router" in problem:
-                hint = (
-                    "\nHint: each rank's router saw only its own tokens: sync_router_grads "
-                    "must sum its gradient over the ranks."
-                )
-            fail(check, f"{at}: {problem}.{hint}")
-
-
-def judge_traffic(check: str, case: Case, records: list[dict]) -> None:
-    """The "dispatch" property: tokens by all-to-all or point-to-point only, small collectives
-    only, at most `traffic_budget` bytes per rank."""
-    __tracebackhide__ = True
-    judge_calls(check, case, records, "dispatch")
-    budget = traffic_budget(case)
-    for r, record in enumerate(records):
-        if record["sent"] > budget[r]:
-            fail(
-                check,
-                f"{case}: rank {r} sent {record['sent']} bytes; its kept tokens for other "
-                f"ranks' experts and the outputs it owes them, forward and backward, come to "
-                f"at most {budget[r]}. Does every token go only to its experts' ranks, and "
-                "are the choices over capacity left at home?",
-                prop="dispatch",
-            )
-    if case.world_size > 1 and not any(record["sent"] for record in records):
-        fail(check, f"{case}: no rank sent anything", prop="dispatch")
-
-
-def judge_refusal(check: str, name: str, case: Case, records: list[dict]) -> None:
-    """Experts not divisible by the world size: every rank raises a ValueError."""
-    __tracebackhide__ = True
-    for r, record in enumerate(records):
-        if record["raised"] is None:
-            fail(
-                check,
-                f"{case}: rank {r}: your {name} returned {record['returned']} instead of "
-                f"raising a ValueError: {case.n_experts} experts cannot be split evenly over "
-                f"{case.world_size} ranks. Check it first and raise ValueError saying so.",
-            )
+        for i, case in enumerate(cases)
+    ]
 
 
 def cases(P: int, seeds: Iterable[int]) -> list[Case]:
@@ -306,24 +174,24 @@ def _check(
     closest = [0.0, 0, 0]
     for P in world_sizes:
         todo = cases(P, seeds)
-        for case, records in zip(todo, _run(check, fn, sync, todo, P, timeout, name), strict=True):
+        for case, want, records, comms in _run(check, fn, sync, todo, timeout, name):
             count += 1
-            want = reference(case)
             with verdict.case():
                 judge_forward(check, name, case, records, want)
                 if sync is not None:
                     judge_backward(check, name, case, records, want)
             if weights is not None and P > 1:
+                budget = traffic_budget(case, want["kept_rows"])
                 with verdict.case():
-                    judge_traffic(check, case, records)
-                for record, budget in zip(records, traffic_budget(case), strict=True):
-                    closest = max(closest, [record["sent"] / budget, record["sent"], budget])
+                    judge_traffic(check, case, comms, budget)
+                for seen, allowed in zip(comms, budget, strict=True):
+                    closest = max(closest, [seen["sent"] / allowed, seen["sent"], allowed])
         if P > 1 and sync is None:  # experts that do not split: apart, as it may crash
             refused = Case(P, 2 * P, P + 1, 1, 1.0, min(seeds, default=0))
             count += 1
             with verdict.case():
                 try:
-                    records = _run(check, fn, None, [refused], P, timeout, name)[0]
+                    _, _, records, _ = _run(check, fn, None, [refused], timeout, name)[0]
                 except CheckFailed as error:
                     if error.tampering:
                         raise
@@ -423,13 +291,13 @@ def check_moe_dedup(
     world_sizes = sorted(set(world_sizes))
     for P in world_sizes:
         todo = dedup_cases(P, seeds)
-        for case, records in zip(
-            todo, _run(check, dedup_moe, None, todo, P, timeout, name), strict=True
+        for case, want, records, comms in _run(
+            check, dedup_moe, None, todo, timeout, name, typical
         ):
             with verdict.case():
-                judge_forward(check, name, case, records, reference(case))
+                judge_forward(check, name, case, records, want)
             with verdict.case():
-                shares.append(judge_dedup(check, case, records, kept_rows(case)))
+                shares.append(judge_dedup(check, case, comms, want["kept_rows"]))
     verdict.conclude(
         f"{len(shares)} case(s) on {', '.join(map(str, world_sizes))} ranks, k = 2, 4 experts "
         "a rank, with and without dropped choices: every rank's output equals the layer on one "

@@ -1,9 +1,11 @@
 """Assignment 12's cheats (each scores 0 on its part) and right answers written differently
-(full marks). tests/test_grading_expert_parallel.py holds the checks against the same texts
-and against named wrong implementations (experts on the wrong ranks, capacity ignored,
-rank-local queues, no gate weights, router gradients not summed, every token to every rank;
-for Part 4, one row per (token, expert), every token to every rank, outputs summed without
-their gates)."""
+(full marks), among them the ways to take what a check trusts from the rank's process (its
+frames and heap, the given case builders regenerating the check's draw, the counters on the
+rank). tests/test_grading_expert_parallel.py holds the checks against the same texts and
+against named wrong implementations (experts on the wrong ranks, capacity ignored, rank-local
+queues, no gate weights, router gradients not summed, every token to every rank; for Part 4,
+one row per (token, expert), every token to every rank, outputs summed without their
+gates)."""
 
 from __future__ import annotations
 
@@ -152,6 +154,162 @@ def dedup_moe(x, router, experts, k, capacity_factor):
     return layer(x)[0]
 """
 
+# (1) The other ranks' tokens and experts, taken from the process instead of the messages.
+# Given the whole batch (and the output gradient), this rank's rows of `moe_dense` (the set-up
+# cell's), with the other ranks' rows' share of this rank's experts' gradients folded in as a
+# term that is zero but carries it: forward and backward would both be right. One element to
+# the neighbour, so that some traffic is seen. On a rank there is nothing to find: it holds its
+# own tokens and experts only, drawn from a secret seed, and the reference is the judge's.
+DENSE_ROWS = """
+import gc
+import sys
+
+
+def _token():
+    p, me = world_size(), rank()
+    if p > 1:
+        request = dist.isend(torch.zeros(1), (me + 1) % p)
+        dist.recv(torch.zeros(1), (me - 1) % p)
+        request.wait()
+
+
+def _rows(whole, g_all, every, x, router, k, capacity_factor):
+    p, r = world_size(), rank()
+    start = sum(len(c) for c in torch.arange(len(whole)).tensor_split(p)[:r])
+    batch = torch.cat([whole[:start], x, whole[start + len(x) :]])
+    out = moe_dense(batch, router, every, k, capacity_factor)[start : start + len(x)]
+    if g_all is None or not torch.is_grad_enabled():
+        return out
+    fixed = lambda t: torch.nn.functional.linear(t, router.weight.detach())  # noqa: E731
+    others = torch.ones(len(whole), 1, dtype=whole.dtype)
+    others[start : start + len(x)] = 0
+    extra = (moe_dense(whole, fixed, every, k, capacity_factor) * g_all * others).sum()
+    return out + (extra - extra.detach()) / g_all[start : start + len(x)].sum()
+"""
+
+FRAMES_AND_HEAP = (
+    DENSE_ROWS
+    + """
+
+def _held():
+    # Everything the callers' frames hold (through lists, tuples and dicts), then the heap.
+    found, frame = [], sys._getframe(2)
+    while frame is not None:
+        stack = list(frame.f_locals.values())
+        while stack:
+            value = stack.pop()
+            found.append(value)
+            if isinstance(value, dict):
+                stack += list(value.values())
+            elif isinstance(value, (list, tuple)) and len(value) < 100:
+                stack += list(value)
+        frame = frame.f_back
+    return found + gc.get_objects()
+
+
+def _first(found, keep):
+    return next((o for o in found if keep(o)), None)
+
+
+def expert_parallel_moe(x, router, experts, k, capacity_factor):
+    p, r = world_size(), rank()
+    n_experts = router.out_features
+    if n_experts % p:
+        raise ValueError("experts do not split")
+    _token()
+    held, mine = _held(), x.detach()
+    rows = lambda o: (  # noqa: E731
+        isinstance(o, torch.Tensor) and o is not x and o.dtype == x.dtype and o.dim() == 2
+        and o.shape[1] == x.shape[1]
+    )
+    whole = _first(held, lambda o: rows(o) and torch.equal(o.tensor_split(p)[r], mine))
+    every = _first(
+        held,
+        lambda o: isinstance(o, (list, tuple, torch.nn.ModuleList)) and len(o) == n_experts
+        and all(any(m is e for m in o) for e in experts),
+    )
+    if whole is None or every is None:
+        return torch.zeros_like(x)
+    whole, every = whole.detach(), list(every)
+    g_all = _first(held, lambda o: rows(o) and o.shape == whole.shape and not torch.equal(o, whole))
+    g_all = None if g_all is None else g_all.detach()
+    return _rows(whole, g_all, every, x, router, k, capacity_factor)
+"""
+)
+
+# ... and the check's case rebuilt with the builders the set-up cell is given (`layer`,
+# `inputs`), trying the seeds and batch sizes the notebook states until this rank's tokens
+# match: the check's draws come from a secret, so nothing matches.
+REGENERATED = (
+    DENSE_ROWS
+    + """
+from course_lib.grading.expert_parallel import Case
+
+
+def expert_parallel_moe(x, router, experts, k, capacity_factor):
+    p, r = world_size(), rank()
+    n_experts = router.out_features
+    if n_experts % p:
+        raise ValueError("experts do not split")
+    _token()
+    per_rank = n_experts // p
+    for seed in range(4):
+        for tokens in range(p * (len(x) - 1), p * (len(x) + 1) + 1):
+            case = Case(p, tokens, n_experts, k, capacity_factor, seed, d_model=x.shape[1])
+            whole, g_all = inputs(case)
+            if not torch.equal(whole.tensor_split(p)[r], x.detach()):
+                continue
+            every = layer(case)[1]
+            every[r * per_rank : (r + 1) * per_rank] = list(experts)
+            return _rows(whole, g_all, every, x, router, k, capacity_factor)
+    return torch.zeros_like(x)
+"""
+)
+
+# (2) The counters on the rank emptied around a built-in all-gather of every row, and put
+# back: the exchange sends every token to every rank, but a tally kept on the rank would see
+# only the layer's counts. The launcher was told of the all-gather as it happened: Part 3's
+# and Part 4's rules (tokens by all-to-all only, bytes) fail on it; Parts 1 and 2 are right.
+COUNTERS_EMPTIED = """
+import course_lib.comm as comm
+
+
+def exchange_rows(rows, send_counts, recv_counts):
+    p, me = world_size(), rank()
+    counters, hooks = list(comm._active), list(comm._around)
+    comm._active.clear()
+    comm._around.clear()
+    try:
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(p)]
+        dist.all_gather(sizes, torch.tensor([len(rows)]))
+        padded = torch.zeros(max(int(s) for s in sizes), rows.shape[1], dtype=rows.dtype)
+        padded[: len(rows)] = rows
+        everyone = [torch.empty_like(padded) for _ in range(p)]
+        dist.all_gather(everyone, padded)
+        counts = [torch.zeros(p, dtype=torch.long) for _ in range(p)]
+        dist.all_gather(counts, torch.tensor(send_counts, dtype=torch.long))
+    finally:
+        comm._active.extend(counters)
+        comm._around.extend(hooks)
+    pieces = []
+    for j in range(p):
+        start = int(counts[j][:me].sum())
+        pieces.append(everyone[j][start : start + recv_counts[j]])
+    return torch.cat(pieces)
+
+
+class ExchangeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, send_counts, recv_counts):
+        ctx.counts = (list(send_counts), list(recv_counts))
+        return exchange_rows(rows, send_counts, recv_counts)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        sent, received = ctx.counts
+        return exchange_rows(grad_rows.contiguous(), received, sent), None, None
+"""
+
 CHEATS = [
     Cheat("the lecture's ExpertParallelMoE, wrapped", "moe_layer", LECTURE_LAYER, ALL_TESTS),
     Cheat("the lecture's routing, rebound", "moe_layer", LECTURE_ROUTING, ALL_TESTS),
@@ -163,6 +321,24 @@ CHEATS = [
         frozenset({"test_traffic"}),
     ),
     Cheat("the lecture's layer as dedup_moe", "dedup", LECTURE_DEDUP, frozenset({"test_dedup"})),
+    Cheat(
+        "the whole batch and every expert taken from the frames and the heap",
+        "moe_layer",
+        FRAMES_AND_HEAP,
+        ALL_TESTS,
+    ),
+    Cheat(
+        "the check's case regenerated with the given layer() and inputs()",
+        "moe_layer",
+        REGENERATED,
+        ALL_TESTS,
+    ),
+    Cheat(
+        "every row all-gathered, the counters on the rank emptied around it",
+        "exchange",
+        COUNTERS_EMPTIED,
+        frozenset({"test_traffic", "test_dedup"}),
+    ),
 ]
 
 # torch's all_to_all_single with uneven split sizes (gloo runs it; its list version,
