@@ -18,6 +18,7 @@ from course_lib.grading import (
     check_moe_traffic,
 )
 from course_lib.grading import expert_parallel as ep
+from course_lib.grading._harness import new_secret
 from course_lib.grading.expert_parallel import (
     Case,
     cases,
@@ -33,7 +34,6 @@ from course_lib.grading.expert_parallel_cases import (
     given,
     inputs,
     layer,
-    new_secret,
 )
 from course_lib.grading.expert_parallel_judge import carried
 from course_lib.grading.traffic import Sent

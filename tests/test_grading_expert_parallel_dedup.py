@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from course_lib.grading import check_moe_dedup
+from course_lib.grading._harness import new_secret
 from course_lib.grading.expert_parallel import (
     DEDUP_FRACTION,
     dedup_cases,
@@ -19,7 +20,6 @@ from course_lib.grading.expert_parallel import (
     routing,
     row_bytes,
 )
-from course_lib.grading.expert_parallel_cases import new_secret
 from course_lib.grading.expert_parallel_dedup import typical
 from tests.adapters import mutant, planted
 from tests.cheats import a12_expert_parallel as cheats

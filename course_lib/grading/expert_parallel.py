@@ -42,6 +42,7 @@ from course_lib.grading._harness import (
     calls_by_case,
     fail,
     judge_unreported,
+    new_secret,
     run_on_ranks,
 )
 from course_lib.grading.expert_parallel_cases import (
@@ -52,7 +53,6 @@ from course_lib.grading.expert_parallel_cases import (
     inputs,
     kept_rows,
     layer,
-    new_secret,
     reference,
     routing,
     solve,

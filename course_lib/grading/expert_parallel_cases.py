@@ -21,7 +21,6 @@ students); a check's secret gives other weights and tokens that no rank can rege
 from __future__ import annotations
 
 import copy
-import secrets
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +55,6 @@ class Case:
             f"k={self.k}, capacity_factor {self.capacity_factor:g}, seed {self.seed}"
             + (f", d_model {self.d_model}, paired router" if self.paired else "")
         )
-
-
-def new_secret() -> int:
-    """A seed no rank can know: a check draws each case from one. (A check's parts import no
-    other topic's checks, so this is the line collectives_cases and sequence_parallel_cases
-    have too.)"""
-    return secrets.randbits(62)
 
 
 def layer(case: Case, secret: int = 0) -> tuple[nn.Linear, list[nn.Module]]:
@@ -208,7 +200,6 @@ __all__ = [
     "kept_rows",
     "layer",
     "lengths",
-    "new_secret",
     "reference",
     "routing",
     "solve",
