@@ -482,14 +482,22 @@ def test_the_head_loss_check_counts_rank_0s_backward_all_reduces(capsys):
     assert check_head_loss_backward(..., head_loss) is None
 
 
-def test_the_row_and_block_checks_read_the_runs_on_2_ranks(capsys):
-    layers = [counted("column", 0, 1), counted("row", 1, 0), counted("block", 2, 2)]
-    runs = {1: [{"layers": []}], 2: [{"layers": layers}]}  # made up: rank 0 on t = 2
-    assert check_row_backward_all_reduces("0", runs) is True
+# Made-up counts of rank 0 on t = 2 (and nothing on t = 1, which the checks do not read).
+COUNTED_RUNS = {
+    1: [{"layers": []}],
+    2: [{"layers": [counted("column", 0, 1), counted("row", 1, 0), counted("block", 2, 2)]}],
+}
+
+
+def test_the_row_check_reads_the_row_layers_backward_count_on_2_ranks(capsys):
+    assert check_row_backward_all_reduces("0", COUNTED_RUNS) is True
     assert "the identity backward" in capsys.readouterr().out
-    assert check_row_backward_all_reduces("1", runs) is False
-    assert check_row_backward_all_reduces(..., runs) is None
-    assert check_block_all_reduces("4", runs) is True
+    assert check_row_backward_all_reduces("1", COUNTED_RUNS) is False
+    assert check_row_backward_all_reduces(..., COUNTED_RUNS) is None
+
+
+def test_the_block_check_adds_the_blocks_forward_and_backward_counts_on_2_ranks(capsys):
+    assert check_block_all_reduces("4", COUNTED_RUNS) is True
     assert "one f and one g" in capsys.readouterr().out
-    assert check_block_all_reduces("2", runs) is False  # forward only
-    assert check_block_all_reduces(..., runs) is None
+    assert check_block_all_reduces("2", COUNTED_RUNS) is False  # forward only
+    assert check_block_all_reduces(..., COUNTED_RUNS) is None
