@@ -18,7 +18,8 @@ to find it. Graded work is in the assignments, with their own checks (`course_li
 An expected value a cell could show as an expression (a formula, a library call that computes
 exactly what is asked) is computed off the page, by a check named after the exercise in the
 lecture's `course_lib.measure.<topic>`: the cell holds the answer and one call, and copying
-from the page earns nothing. Lecture 0, which has no module of its own, has its check here.
+from the page earns nothing. Lecture 0, which has no module of its own, has its checks here
+(`check_bytes_on_8_ranks`, `check_warm_speedup`).
 """
 
 from __future__ import annotations
@@ -298,7 +299,7 @@ def check_matrix(
     return False
 
 
-# --- lecture 0's exercise (lecture 0 has no module of its own) --------------------------------
+# --- lecture 0's exercises (lecture 0 has no module of its own) ------------------------------
 
 
 def check_bytes_on_8_ranks(bytes_per_rank_on_8: object) -> bool | None:
@@ -309,4 +310,18 @@ def check_bytes_on_8_ranks(bytes_per_rank_on_8: object) -> bool | None:
         rtol=0.01,
         unit="bytes",
         hint="A float32 is 4 bytes, so N = 4,000,000; then 2(P-1)/P * N with P = 8.",
+    )
+
+
+WARM_SPEEDUPS = {"10x": 10, "100x": 100, "1000x": 1000}
+
+
+def check_warm_speedup(warm_speedup: object, cold: float, warm_ms: float) -> bool | None:
+    """Lecture 0: how many times faster than starting fresh workers (`cold` seconds) a warm
+    call (`warm_ms` milliseconds) was, against the option nearest the run on a log scale."""
+    return check_choice(
+        warm_speedup,
+        nearest_option(cold / (warm_ms / 1000), WARM_SPEEDUPS),
+        list(WARM_SPEEDUPS),
+        why="Fresh workers are forked and join a process group; a warm call is one message each.",
     )

@@ -36,6 +36,9 @@ from course_lib.measure.collectives import (
     AllReduceModelWidget,
     RingWidget,
     check_crossover,
+    check_faster_on_two_nodes,
+    check_fastest_at_4kB,
+    check_naive_over_ring_at_16MB,
     crossovers,
     draw_ring_frame,
     plot_all_reduce_sweep,
@@ -566,3 +569,36 @@ def test_time_against_model_prints_a_row_per_algorithm_and_returns_both_times(ca
     lines = capsys.readouterr().out.splitlines()
     assert "model, 10 Gbit/s" in lines[0] and len(lines) == 1 + 1 + len(ALGORITHMS)
     assert lines[-1].split()[0] == "halving_doubling" and lines[-1].endswith("2 N")
+
+
+# Made-up sweep seconds at 4 kB and 16 MB: butterfly first at 4 kB, naive 3.2x the ring at 16 MB.
+SWEPT = {
+    "naive": [0.020, 0.96],
+    "tree": [0.012, 0.50],
+    "butterfly": [0.010, 0.40],
+    "ring": [0.030, 0.30],
+    "halving_doubling": [0.011, 0.31],
+    "two_level": [0.005, 0.45],  # not one of the question's five: never the answer
+}
+
+
+def test_the_fastest_at_4kb_check_takes_the_quickest_of_the_five(capsys):
+    assert check_fastest_at_4kB("butterfly", SWEPT) is True
+    assert "Few messages win when latency dominates" in capsys.readouterr().out
+    assert check_fastest_at_4kB("ring", SWEPT) is False
+    assert check_fastest_at_4kB(..., SWEPT) is None
+
+
+def test_the_naive_over_ring_check_takes_the_nearest_ratio_on_a_log_scale(capsys):
+    assert check_naive_over_ring_at_16MB("4x", SWEPT) is True
+    assert "Measured: 3.2x" in capsys.readouterr().out
+    assert check_naive_over_ring_at_16MB("2x", SWEPT) is False
+    assert check_naive_over_ring_at_16MB(..., SWEPT) is None
+
+
+def test_the_two_nodes_check_takes_the_one_that_finished_first(capsys):
+    on_two_nodes = {"ring": 0.290, "two_level": 0.180}  # made up, seconds
+    assert check_faster_on_two_nodes("two_level", on_two_nodes) is True
+    assert "the leaders' ring of 2 sends N" in capsys.readouterr().out
+    assert check_faster_on_two_nodes("ring", on_two_nodes) is False
+    assert check_faster_on_two_nodes(..., on_two_nodes) is None

@@ -9,6 +9,7 @@ computed in fp32); sums over 50-200 fp32 steps are exact to ~1e-5.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,6 +39,8 @@ from course_lib.compression import (
 from course_lib.measure.compression import (
     CompressionLog,
     build_ddp,
+    check_fastest_at_100Mbit,
+    check_momentum_ends,
     check_powersgd_ratio,
     measure_quantized_all_reduce,
     network_table,
@@ -446,3 +449,24 @@ def test_the_powersgd_ratio_exercise_is_checked_off_the_page(capsys):
     assert "128" not in out
     assert check_powersgd_ratio(...) is None
     assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_momentum_check_holds_the_losses_of_the_last_steps_against_each_other(capsys):
+    last10 = {"topk+ef": 0.40, "topk+ef, momentum": 0.30}  # made up: 0.75 times, below
+    assert check_momentum_ends("below", last10) is True
+    assert "Measured: 0.75 times the plain-SGD loss" in capsys.readouterr().out
+    assert check_momentum_ends("near", last10) is False
+    assert check_momentum_ends("near", {**last10, "topk+ef, momentum": 0.44}) is True
+    assert check_momentum_ends(..., last10) is None
+
+
+def test_the_slow_network_check_takes_the_method_of_fewest_seconds_in_all(capsys):
+    def rank_runs(**seconds):  # made up: each method's step seconds on one rank
+        return {m: SimpleNamespace(step_s=s) for m, s in seconds.items()}
+
+    slow_runs = [rank_runs(fp32=[1.0, 1.0], int8=[0.3, 0.3], powersgd=[0.3, 0.2])]
+    assert check_fastest_at_100Mbit("powersgd", slow_runs) is True
+    assert "the bytes dominate" in capsys.readouterr().out
+    assert check_fastest_at_100Mbit("int8", slow_runs) is False
+    assert check_fastest_at_100Mbit("fp16", slow_runs) is False  # not one of the options
+    assert check_fastest_at_100Mbit(..., slow_runs) is None

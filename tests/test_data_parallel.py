@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -481,3 +482,41 @@ def test_the_overlap_table_prints_medians_without_the_first_two_steps(capsys):
     assert "T_fwd + max(T_bwd, T_comm) = 6.0 ms" in out
     assert "2.00x as fast per step as all-reduce after backward" in out
     assert "1.60x as fast per step as DDP, one 1000 MB bucket" in out
+
+
+# --- the predictions' checks, with made-up measurements -----------------------------------------
+
+
+def test_the_first_ready_check_takes_the_first_name_the_hooks_saw(capsys):
+    order = ["layers.4.bias", "layers.4.weight", "layers.0.bias", "layers.0.weight"]
+    assert large_batches.check_first_ready("layers.4.bias", order) is True
+    assert "the last layer's gradients come first" in capsys.readouterr().out
+    assert large_batches.check_first_ready("layers.0.weight", order) is False
+    assert large_batches.check_first_ready(..., order) is None
+
+
+def test_the_straggler_check_takes_rank_0s_growth_nearest_an_option(capsys):
+    def run(ms):  # made up: two set-up steps, then steps of `ms` milliseconds
+        return [SimpleNamespace(step_s=[1.0, 1.0] + [ms / 1000] * 5)]
+
+    assert large_batches.check_rank0_grows_by("50 ms", run(20), run(65)) is True
+    assert "Rank 0 grew by 45.0 ms" in capsys.readouterr().out
+    assert large_batches.check_rank0_grows_by("0 ms", run(20), run(65)) is False
+    assert large_batches.check_rank0_grows_by("0 ms", run(20), run(19)) is True  # no growth
+    assert large_batches.check_rank0_grows_by(..., run(20), run(65)) is None
+
+
+def test_the_large_batch_check_divides_the_best_steps(capsys):
+    best = {256: (0.8, 300), 1024: (1.6, 200)}  # made up: 1.5x fewer steps
+    assert large_batches.check_steps_fall_from_256_to_1024("less than 2x", best) is True
+    assert "300 -> 200 steps" in capsys.readouterr().out
+    assert large_batches.check_steps_fall_from_256_to_1024("about 4x", best) is False
+    assert large_batches.check_steps_fall_from_256_to_1024(..., best) is None
+
+
+def test_the_no_sync_check_takes_the_share_of_the_bytes_written(capsys):
+    accumulated = {False: [(None, 40_000)], True: [(None, 10_500)]}  # made up: about 1/4
+    assert large_batches.check_no_sync_sends("about a quarter", accumulated, 4) is True
+    assert "Only the last of the 4 backwards" in capsys.readouterr().out
+    assert large_batches.check_no_sync_sends("the same", accumulated, 4) is False
+    assert large_batches.check_no_sync_sends(..., accumulated, 4) is None

@@ -12,6 +12,7 @@ from course_lib.exercises import (
     check_matrix,
     check_number,
     check_numbers,
+    check_warm_speedup,
     faster,
     nearest_option,
     together,
@@ -114,6 +115,15 @@ def test_lecture_0s_bytes_on_8_ranks_is_checked_off_the_page(capsys):
     assert "7e+06" not in out and "7000000" not in out and "7,000,000" not in out
     assert check_bytes_on_8_ranks(...) is None
     assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_lecture_0s_warm_speedup_takes_the_option_nearest_the_run(capsys):
+    # made up: 2.5 s to start fresh workers, 4 ms a warm call, 625x: nearest 1000x on a log scale
+    assert check_warm_speedup("1000x", 2.5, 4.0) is True
+    assert "a warm call is one message each" in capsys.readouterr().out
+    assert check_warm_speedup("100x", 2.5, 4.0) is False
+    assert "1000x was" in capsys.readouterr().out
+    assert check_warm_speedup(..., 2.5, 4.0) is None
 
 
 def first_rows(t, rank, size):

@@ -26,7 +26,9 @@ from course_lib.measure.expert_parallel import (
     batch,
     bytes_sent,
     check_capacity,
+    check_dropped_at_one,
     check_ep_forward_bytes,
+    check_faster_ep_or_tp,
     check_worst_balance_loss,
     largest_errors,
     step_spread,
@@ -300,3 +302,26 @@ def test_the_ep_bytes_check_takes_two_all_to_alls_of_seven_eighths(capsys):
     assert "each send (P-1)/P of it" in out and "1.174e+08" not in out
     assert check_ep_forward_bytes(...) is None
     assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_dropped_check_reads_the_share_at_factor_one(capsys):
+    factors, shares = [0.5, 1.0, 2.0], [0.5, 0.12, 0.0]  # made up: 12% dropped at 1.0
+    assert check_dropped_at_one("10% to 30%", factors, shares) is True
+    assert "only their excess" in capsys.readouterr().out
+    assert check_dropped_at_one("none", factors, shares) is False  # the perfectly even router
+    assert check_dropped_at_one(..., factors, shares) is None
+
+
+def test_the_ep_or_tp_check_takes_each_bandwidths_faster_median_or_both_when_close(capsys):
+    bandwidths = [125e6, 12.5e6, 1.25e6]
+    spread = {  # made-up (median, fastest, slowest) seconds: TP ahead at 1 Gbit/s, EP at 10
+        "EP": [(0.10, 0.09, 0.12), (0.2, 0.2, 0.2), (0.5, 0.5, 0.6)],
+        "TP": [(0.05, 0.05, 0.06), (0.2, 0.2, 0.2), (0.9, 0.9, 1.0)],
+    }
+    assert check_faster_ep_or_tp("EP", "TP", bandwidths, spread) == (True, True)
+    assert "the time at high bandwidth is fixed costs" in capsys.readouterr().out
+    assert check_faster_ep_or_tp("TP", "EP", bandwidths, spread) == (False, False)
+    assert check_faster_ep_or_tp(..., ..., bandwidths, spread) == (None, None)
+    spread["TP"][0] = (0.11, 0.1, 0.12)  # within 20% of EP's: either counts
+    assert check_faster_ep_or_tp(..., "TP", bandwidths, spread) == (None, True)
+    assert check_faster_ep_or_tp(..., "EP", bandwidths, spread) == (None, True)

@@ -29,7 +29,11 @@ from course_lib.fault_tolerance import (
     train,
     two_node_args,
 )
-from course_lib.measure.fault_tolerance import check_minutes_between_checkpoints, watched_steps
+from course_lib.measure.fault_tolerance import (
+    check_minutes_between_checkpoints,
+    check_named_rank,
+    watched_steps,
+)
 
 STEPS, EVERY, KILL_AT = 8, 3, 7  # checkpoints after steps 2 and 5; rank 1 dies at step 7
 
@@ -240,3 +244,14 @@ def test_the_young_check_takes_sqrt_2cm_in_minutes(capsys):
     assert "then convert to minutes" in out and "13.42" not in out
     assert check_minutes_between_checkpoints(...) is None
     assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_named_rank_check_reads_the_ranks_the_error_names(capsys):
+    message = (
+        "rank 0, step 3: the all-reduce did not complete in 2 s; "
+        "rank 1 never arrived (last heartbeat: step 2)"
+    )
+    assert check_named_rank("rank 1", message) is True
+    assert "the heartbeats say who is missing" in capsys.readouterr().out
+    assert check_named_rank("ranks 0, 2, 3", message) is False  # who waited, not who is missing
+    assert check_named_rank(..., message) is None

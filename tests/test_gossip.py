@@ -35,6 +35,9 @@ from course_lib.gossip import (
     simulate_consensus,
 )
 from course_lib.measure.gossip import (
+    check_first_to_agree,
+    check_non_iid_gossip,
+    check_random_peer_plain_agrees,
     check_ring_of_5,
     check_rounds_for_1000x,
     class_sharded_batches,
@@ -439,3 +442,44 @@ def test_the_rounds_for_1000x_exercise_is_checked_off_the_page(capsys):
     assert "132" not in out and "133" not in out
     assert check_rounds_for_1000x(...) is None
     assert "Not answered yet" in capsys.readouterr().out
+
+
+# Made-up consensus errors per round (4 rounds): the exponential graph reaches 1e-12 at round 2,
+# random groups at 3, the ring never; plain averaging on random peers stalls.
+CURVES = {
+    "ring": [1.0, 0.8, 0.6, 0.5, 0.4],
+    "exponential graph": [1.0, 0.5, 1e-16, 1e-16, 1e-16],
+    "random groups of 2": [1.0, 0.5, 0.1, 1e-13, 1e-16],
+    "random peer, plain x": [1.0, 0.3, 0.2, 0.2, 0.2],
+}
+
+
+def test_the_first_to_agree_check_counts_the_rounds_to_rounding(capsys):
+    assert check_first_to_agree("exponential graph", CURVES) is True
+    out = capsys.readouterr().out
+    assert "ring never, exponential graph 2, random groups of 2 3" in out
+    assert "doubles the window" in out
+    assert check_first_to_agree("random groups of 2", CURVES) is False
+    assert check_first_to_agree(..., CURVES) is None
+
+
+def test_the_random_peer_check_reads_the_last_error_of_plain_averaging(capsys):
+    assert check_random_peer_plain_agrees("no", CURVES) is True
+    assert "Its rows do not sum to 1" in capsys.readouterr().out
+    assert check_random_peer_plain_agrees("yes", CURVES) is False
+    agreeing = {**CURVES, "random peer, plain x": [1.0, 1e-3, 1e-9]}
+    assert check_random_peer_plain_agrees("yes", agreeing) is True
+    assert check_random_peer_plain_agrees(..., CURVES) is None
+
+
+def test_the_non_iid_check_divides_gossips_loss_by_all_reduces(capsys):
+    copy_loss = {  # made up: gossip 1.6x worse on class-sharded data, 1.02x on IID
+        ("IID", "allreduce"): 0.50,
+        ("IID", "gossip"): 0.51,
+        ("class-sharded", "allreduce"): 0.50,
+        ("class-sharded", "gossip"): 0.80,
+    }
+    assert check_non_iid_gossip("clearly worse", copy_loss) is True
+    assert "1.60x all-reduce's with class-sharded data" in capsys.readouterr().out
+    assert check_non_iid_gossip("about the same", copy_loss) is False
+    assert check_non_iid_gossip(..., copy_loss) is None

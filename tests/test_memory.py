@@ -20,9 +20,14 @@ from course_lib.costs import activation_memory
 from course_lib.measure.memory import (
     LossScaler,
     PaperBlock,
+    ScaledStep,
+    SequenceSplit,
     activation_sweep,
     activation_table,
     autocast_memory,
+    check_course_vs_formula,
+    check_first_steps,
+    check_s_part_overtakes,
     check_sgd_budget,
     check_smallest_peak,
     course_block,
@@ -502,3 +507,38 @@ def test_the_smallest_peak_exercise_is_checked_off_the_page(capsys):
     assert "16" not in out and " 8 " not in out
     assert check_smallest_peak(..., ...) is None
     assert capsys.readouterr().out.count("Not answered yet") == 2
+
+
+def test_the_first_steps_check_reads_nan_losses_and_skipped_steps(capsys):
+    def steps(*skipped, loss=2.0):  # made-up ScaledSteps
+        return [ScaledStep(i, 2.0**24 / 2**i, skip, loss) for i, skip in enumerate(skipped)]
+
+    assert check_first_steps("steps are skipped, then it trains", steps(True, True, False)) is True
+    assert "no NaN reaches them" in capsys.readouterr().out
+    assert check_first_steps("the loss becomes NaN", steps(True, False)) is False
+    assert check_first_steps("the loss becomes NaN", steps(False, loss=math.nan)) is True
+    assert check_first_steps("nothing is skipped", steps(False, False)) is True
+    assert check_first_steps(..., steps(True)) is None
+
+
+def test_the_s_part_check_finds_the_first_length_where_it_outgrows_the_rest(capsys):
+    def split(square):  # made up: the rest grows by 10 bytes a token
+        seqs = [16, 64, 128, 192, 256]
+        rest = [10 * s for s in seqs]
+        return SequenceSplit(seqs, [], square, [], rest, [])
+
+    assert check_s_part_overtakes("between 128 and 256", split([1, 16, 64, 2000, 4000])) is True
+    assert "about 70h/(4a) = 175" in capsys.readouterr().out
+    assert check_s_part_overtakes("before 128", split([1, 16, 64, 2000, 4000])) is False
+    assert check_s_part_overtakes("before 128", split([1, 16, 2000, 4000, 8000])) is True
+    assert check_s_part_overtakes("not by 256", split([1, 2, 3, 4, 5])) is True
+    assert check_s_part_overtakes(..., split([1, 2, 3, 4, 5])) is None
+
+
+def test_the_course_block_check_holds_the_bytes_saved_against_the_formula(capsys):
+    formula = activation_memory(512, 1, 64, 8)  # made-up measurements around it
+    assert check_course_vs_formula("fewer than the formula", 0.9 * formula, 512, 1, 64, 8) is True
+    assert "Measured 0.90x the formula" in capsys.readouterr().out
+    assert check_course_vs_formula("between 1x and 2x", 0.9 * formula, 512, 1, 64, 8) is False
+    assert check_course_vs_formula("more than 2x", 2.5 * formula, 512, 1, 64, 8) is True
+    assert check_course_vs_formula(..., formula, 512, 1, 64, 8) is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from course_lib.measure.parallel_3d import (
     PlannerWidget,
     candidate_table,
     check_interleaved_bubble,
+    check_pipeline_with_128,
+    check_pipeline_with_cp,
     check_plan,
     check_plan_memory,
     check_plan_mfu,
@@ -565,3 +568,26 @@ def test_table_and_chart_show_the_cp_seconds_in_the_step():
     assert sum(p.get_width() for p in ax.patches) == pytest.approx(
         sum(e.step_seconds for e in shown), rel=RTOL
     )
+
+
+def planned(pp: int) -> SimpleNamespace:
+    """A made-up best plan with a pipeline of `pp` stages, all the two checks read of it."""
+    return SimpleNamespace(plan=SimpleNamespace(pp=pp))
+
+
+def test_the_small_batch_check_compares_the_two_best_pipelines(capsys):
+    plans = {1536: planned(8), 128: planned(16)}
+    assert check_pipeline_with_128("deeper", plans) is True
+    assert "fewer parameters to reduce" in capsys.readouterr().out
+    assert check_pipeline_with_128("the same", plans) is False
+    assert check_pipeline_with_128(..., plans) is None
+    assert check_pipeline_with_128("the same", {1536: planned(8), 128: planned(8)}) is True
+    assert check_pipeline_with_128("shallower", {1536: planned(8), 128: planned(4)}) is True
+
+
+def test_the_cp_check_reads_whether_the_best_plan_keeps_a_pipeline(capsys):
+    assert check_pipeline_with_cp("dropped", planned(1)) is True
+    assert "with no bubble" in capsys.readouterr().out
+    assert check_pipeline_with_cp("kept", planned(1)) is False
+    assert check_pipeline_with_cp("kept", planned(2)) is True
+    assert check_pipeline_with_cp(..., planned(1)) is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,9 @@ from course_lib.measure.pipeline import (
     PipelineWidget,
     brute_force_partition,
     check_bubble_shares,
+    check_first_backward,
+    check_one_f_one_b_in_flight,
+    check_zero_bubble_idle,
     measure_bubbles,
     peak_activations,
     pending_w_peak,
@@ -476,3 +480,35 @@ def test_the_bubble_exercise_takes_7_over_15_7_over_71_and_227(capsys):
     assert "0.4667" not in out and "227" not in out
     assert check_bubble_shares({"P=8, m=8": ..., "P=8, m=64": ...}, ...) is None
     assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_in_flight_check_reads_the_simulated_peaks_of_stages_0_and_3(capsys):
+    one_f = SimpleNamespace(peak_in_flight=lambda s: 4 - s)  # made up: P - s, P = 4
+    assert check_one_f_one_b_in_flight("4", "1", one_f) == (True, True)
+    assert "Stage s holds at most P - s" in capsys.readouterr().out
+    assert check_one_f_one_b_in_flight("8", "2", one_f) == (False, False)  # GPipe holds all m
+    assert check_one_f_one_b_in_flight(..., ..., one_f) == (None, None)
+
+
+def test_the_zero_bubble_check_takes_the_nearest_share_of_1f1bs_idle_time(capsys):
+    one_f = SimpleNamespace(makespan=30.0, bubble=0.3)  # made up: 9 idle per stage
+    deferred = SimpleNamespace(makespan=24.0, bubble=0.125)  # 3 idle: a third
+    assert check_zero_bubble_idle("a third of", one_f, deferred) is True
+    assert "0.33 of 1F1B's idle time" in capsys.readouterr().out
+    assert check_zero_bubble_idle("half of", one_f, deferred) is False
+    assert check_zero_bubble_idle(..., one_f, deferred) is None
+
+
+def test_the_first_backward_check_finds_the_rank_whose_b0_started_first(capsys):
+    def log(stage, b0_start):  # made up: each rank's forward of micro-batch 0, then its B
+        tasks = [
+            SimpleNamespace(kind="F", micro=0, start=stage),
+            SimpleNamespace(kind="B", micro=0, start=b0_start),
+        ]
+        return SimpleNamespace(stage=stage, tasks=tasks)
+
+    logs = [log(0, 9.0), log(1, 8.0), log(2, 7.0), log(3, 6.0)]
+    assert check_first_backward("rank 3", logs) is True
+    assert "on the last rank" in capsys.readouterr().out
+    assert check_first_backward("rank 0", logs) is False
+    assert check_first_backward(..., logs) is None

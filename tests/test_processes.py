@@ -1,5 +1,5 @@
 """course_lib.processes: message timings over Pipe/Queue and gloo, the alpha-beta fit, the plots;
-course_lib.measure.processes: the lecture's exercise checked off the page."""
+course_lib.measure.processes: the lecture's exercises checked off the page."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 
 from course_lib import CommCounter, RankError, WorkerPool
-from course_lib.measure.processes import check_seconds_for_256MB
+from course_lib.measure.processes import (
+    check_first_deadlock,
+    check_seconds_for_256MB,
+    check_threads_and_processes_take,
+    check_unchanged_run,
+)
 from course_lib.processes import (
     LinkFit,
     fit_latency_bandwidth,
@@ -260,3 +265,34 @@ def test_ring_neighbours_wrap_around_the_ends():
     assert ring_neighbours(0, 1) == (0, 0)
     with pytest.raises(ValueError, match="rank 5 is not one of 5 ranks"):
         ring_neighbours(5, 5)
+
+
+def test_the_gil_check_takes_the_share_nearest_each_measured_time(capsys):
+    seconds = {"one after another": 2.0, "threads": 2.1, "processes": 1.1}  # made up
+    assert check_threads_and_processes_take("the same", "half", seconds) == (True, True)
+    out = capsys.readouterr().out
+    assert "threads: 1.05 of the time" in out and "take turns holding the GIL" in out
+    assert check_threads_and_processes_take("half", "the same", seconds) == (False, False)
+    assert check_threads_and_processes_take(..., ..., seconds) == (None, None)
+
+
+def test_the_hogwild_check_finds_the_run_that_kept_its_starting_loss(capsys):
+    runs = {  # made up
+        "start": {"loss": 4.0},
+        "one process": {"loss": 0.1},
+        "HOGWILD": {"loss": 0.12},
+        "copies": {"loss": 4.0},
+    }
+    assert check_unchanged_run("copies", runs) is True
+    assert "the parent sees none" in capsys.readouterr().out
+    assert check_unchanged_run("HOGWILD", runs) is False
+    assert check_unchanged_run(..., runs) is None
+
+
+def test_the_pipe_check_takes_the_smallest_send_that_deadlocked(capsys):
+    finishes = {"1 KB": True, "64 KB": True, "256 KB": False, "1 MB": False}  # made up
+    assert check_first_deadlock("256 KB", finishes) is True
+    assert "a larger send waits for a reader" in capsys.readouterr().out
+    assert check_first_deadlock("1 MB", finishes) is False
+    assert check_first_deadlock("none", dict.fromkeys(finishes, True)) is True
+    assert check_first_deadlock(..., finishes) is None

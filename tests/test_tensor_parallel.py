@@ -24,6 +24,11 @@ from course_lib.costs import (
 )
 from course_lib.measure.tensor_parallel import (
     LAYERS,
+    LayerRun,
+    check_block_all_reduces,
+    check_f_and_g_backward,
+    check_head_loss_backward,
+    check_row_backward_all_reduces,
     check_tp_over_pp,
     comm_formula,
     f_and_g_all_reduces,
@@ -449,3 +454,50 @@ def test_the_tp_over_pp_exercise_takes_18(capsys):
     assert "Layers per stage x 4 all-reduces" in out and "18" not in out
     assert check_tp_over_pp(...) is None
     assert "Not answered yet" in capsys.readouterr().out
+
+
+def counted(layer: str, forward: int, backward: int) -> LayerRun:
+    """A made-up run of `layer` that counted these all-reduces and nothing else."""
+    calls = (
+        ({"all_reduce": forward} if forward else {}),
+        ({"all_reduce": backward} if backward else {}),
+    )
+    return LayerRun(layer, 0.0, 0.0, 0.0, 0, 0, *calls)
+
+
+def test_the_f_and_g_check_reads_the_backward_counts(capsys):
+    fg_calls = {"f": (0, 1), "g": (1, 0)}  # made up: rank 0's (forward, backward) all-reduces
+    assert check_f_and_g_backward("all-reduce", "identity", fg_calls) == (True, True)
+    out = capsys.readouterr().out
+    assert "the ranks add them up" in out and "already whole on every rank" in out
+    assert check_f_and_g_backward("identity", "all-reduce", fg_calls) == (False, False)
+    assert check_f_and_g_backward(..., ..., fg_calls) == (None, None)
+
+
+def test_the_head_loss_check_counts_rank_0s_backward_all_reduces(capsys):
+    head_loss = [counted("head + cross-entropy", 3, 1), counted("head + cross-entropy", 3, 1)]
+    assert check_head_loss_backward("1", head_loss) is True
+    assert "The loss's gradient is local" in capsys.readouterr().out
+    assert check_head_loss_backward("4", head_loss) is False  # forward's 3 and backward's 1
+    assert check_head_loss_backward(..., head_loss) is None
+
+
+# Made-up counts of rank 0 on t = 2 (and nothing on t = 1, which the checks do not read).
+COUNTED_RUNS = {
+    1: [{"layers": []}],
+    2: [{"layers": [counted("column", 0, 1), counted("row", 1, 0), counted("block", 2, 2)]}],
+}
+
+
+def test_the_row_check_reads_the_row_layers_backward_count_on_2_ranks(capsys):
+    assert check_row_backward_all_reduces("0", COUNTED_RUNS) is True
+    assert "the identity backward" in capsys.readouterr().out
+    assert check_row_backward_all_reduces("1", COUNTED_RUNS) is False
+    assert check_row_backward_all_reduces(..., COUNTED_RUNS) is None
+
+
+def test_the_block_check_adds_the_blocks_forward_and_backward_counts_on_2_ranks(capsys):
+    assert check_block_all_reduces("4", COUNTED_RUNS) is True
+    assert "one f and one g" in capsys.readouterr().out
+    assert check_block_all_reduces("2", COUNTED_RUNS) is False  # forward only
+    assert check_block_all_reduces(..., COUNTED_RUNS) is None

@@ -11,6 +11,7 @@ Prefetching changes when all-gathers run, not the arithmetic: float64, atol 1e-1
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -426,3 +427,30 @@ def test_the_offload_check_takes_the_gpus_2n_and_the_cpus_14n_over_p(capsys):
     assert "the copies are per shard" in out and "49" not in out
     assert check_offload({"GPU GB": ..., "CPU GB": ..., "PCIe seconds": ...}) is None
     assert "Not answered yet" in capsys.readouterr().out
+
+
+def test_the_torch_zero1_check_compares_its_bytes_received_with_ddps(capsys):
+    from course_lib.measure.zero import check_torch_zero1_vs_ddp
+
+    def received(ddp, zero1):  # made up: rank 0's runs of every stage on 4 ranks
+        got = {"ddp": ddp, "zero1": zero1}
+        return {4: [[SimpleNamespace(comm_received=got.get(s, 0)) for s in zero.STAGES]]}
+
+    assert check_torch_zero1_vs_ddp("more", received(150, 225)) is True
+    assert "the broadcasts come on top" in capsys.readouterr().out
+    assert check_torch_zero1_vs_ddp("the same", received(150, 225)) is False
+    assert check_torch_zero1_vs_ddp("the same", received(150, 153)) is True  # within 5%
+    assert check_torch_zero1_vs_ddp(..., received(150, 225)) is None
+
+
+def test_the_prefetch_check_counts_the_gathered_peak_in_blocks(capsys):
+    from course_lib.measure.zero import check_blocks_gathered_with_prefetch
+
+    def ranks(peak):  # made up: two ranks' timelines, units of 100 and 1000 bytes
+        return [SimpleNamespace(unit_bytes=[100, 1000], gathered_peak=p) for p in (peak, peak - 50)]
+
+    on, off = ranks(2100), ranks(1100)
+    assert check_blocks_gathered_with_prefetch("2", on, off) is True
+    assert "still gathered" in capsys.readouterr().out
+    assert check_blocks_gathered_with_prefetch("1", on, off) is False
+    assert check_blocks_gathered_with_prefetch(..., on, off) is None

@@ -3,8 +3,10 @@ from (section 3: the order gradients become ready, an all-reduce that overlaps c
 table of DDP's overlap, `overlap_table`),
 large batches (section 5: steps to a target loss against the batch size, the gradient noise
 scale) and fewer all-reduces (section 6: local SGD's loss against the bytes it sends); and
-section 2's exercises, checked with their expected values off the page
-(`check_ring_bytes_limit`, `check_redundancy`).
+the checks of its exercises, which compute their expected values (and say why) off the page:
+section 2's (`check_ring_bytes_limit`, `check_redundancy`) and the predictions checked against
+the runs (`check_first_ready`, `check_rank0_grows_by`, `check_steps_fall_from_256_to_1024`,
+`check_no_sync_sends`).
 
 Data parallelism over P ranks with B/P samples each is, step for step, single-process
 training with batch B (lecture 3, section 2 shows the parameters equal to rounding). So the
@@ -29,7 +31,7 @@ from torch.func import functional_call, grad, vmap
 
 from course_lib import data, launch, models, rank
 from course_lib.costs import MIXED_ADAMW, zero_bytes
-from course_lib.exercises import check_number, together
+from course_lib.exercises import check_choice, check_number, nearest_option, together
 
 SIZES = (8, 32, 4)  # the classifier: 8 inputs, 32 hidden units, 4 classes
 
@@ -300,4 +302,68 @@ def check_redundancy(redundant_bytes: object, zero3_bytes_per_gpu: object) -> bo
             unit="bytes",
             hint="Every kind of state is divided by P.",
         ),
+    )
+
+
+# --- the predictions, checked against what the runs measured ----------------------------------
+
+READY = ("layers.0.weight", "layers.4.bias", "all at the same moment")
+
+
+def check_first_ready(first_ready: object, order: list[str]) -> bool | None:
+    """Which parameter's gradient was ready first in backward (`order`, from
+    `gradient_ready_order`)."""
+    return check_choice(
+        first_ready,
+        order[0],
+        READY,
+        why="Backward runs from the loss back to the input: the last layer's gradients come first.",
+    )
+
+
+GROWTH = {"0 ms": 1.0, "12.5 ms": 12.5, "50 ms": 50.0, "200 ms": 200.0}
+
+
+def check_rank0_grows_by(rank0_grows_by: object, normal: list, slowed: list) -> bool | None:
+    """How much rank 0's median step grew with rank 2 slowed (`normal[r].step_s` and
+    `slowed[r].step_s`: rank r's step seconds), against the option nearest the run."""
+    grew = median_ms(slowed[0].step_s) - median_ms(normal[0].step_s)
+    return check_choice(
+        rank0_grows_by,
+        nearest_option(max(grew, 1.0), GROWTH),  # "0 ms" as 1 ms: a log scale has no zero
+        list(GROWTH),
+        why=f"Rank 0 grew by {grew:.1f} ms: its all-reduce waits for rank 2's gradient every step.",
+    )
+
+
+FALLS = {"about 4x": 4.0, "about 3x": 3.0, "less than 2x": 1.4}
+
+
+def check_steps_fall_from_256_to_1024(
+    steps_fall_from_256_to_1024: object, best: dict[int, tuple[float, int]]
+) -> bool | None:
+    """How many times fewer steps batch 1024 needed than 256 to reach the target loss, each at
+    its best learning rate (`best[B]`: (lr, steps), from `best_steps`)."""
+    ratio = best[256][1] / best[1024][1]
+    return check_choice(
+        steps_fall_from_256_to_1024,
+        nearest_option(ratio, FALLS),
+        list(FALLS),
+        why=f"Measured: {best[256][1]} -> {best[1024][1]} steps, {ratio:.1f}x fewer for 4x the "
+        "batch.",
+    )
+
+
+SHARES = {"the same": 1.0, "about half": 0.5, "about a quarter": 0.25}
+
+
+def check_no_sync_sends(no_sync_sends: object, accumulated: dict, k: int) -> bool | None:
+    """The share of the bytes rank 0 wrote per step of `k` accumulated micro-batches with
+    `no_sync` against without (`accumulated[no_sync][rank]`: (state, bytes written))."""
+    share = accumulated[True][0][1] / accumulated[False][0][1]
+    return check_choice(
+        no_sync_sends,
+        nearest_option(share, SHARES),
+        list(SHARES),
+        why=f"Measured: {share:.2f} of the bytes. Only the last of the {k} backwards all-reduces.",
     )

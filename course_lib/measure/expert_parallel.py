@@ -4,8 +4,9 @@ emulated slow network against tensor parallelism with as many parameters.
 
 Every function with "on each rank" in its docstring runs inside `launch`; the others run in
 the notebook. The formulas the numbers are held against are in `course_lib.costs`. The checks
-of the lecture's exercises (`check_capacity`, `check_worst_balance_loss`,
-`check_ep_forward_bytes`) compute their expected values here, out of the notebook's sight.
+of the lecture's exercises (`check_dropped_at_one`, `check_capacity`,
+`check_worst_balance_loss`, `check_ep_forward_bytes`, `check_faster_ep_or_tp`) compute their
+expected values and say why here, out of the notebook's sight.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from course_lib import models
 from course_lib.comm import CommCounter, WireCounter
 from course_lib.costs import all_to_all_bytes, ep_bytes, expert_capacity
-from course_lib.exercises import check_number
+from course_lib.exercises import check_choice, check_number, faster
 from course_lib.expert_parallel import ExpertParallelMoE, MoE, load_balancing_loss, route
 from course_lib.network import SlowNetwork
 from course_lib.runtime import rank, world_size
@@ -350,3 +351,41 @@ def check_ep_forward_bytes(ep_forward_bytes: object) -> bool | None:
         ep_bytes(4096 * 2 * 4096 * 2, 8),
         hint="N = tokens * k * d * 2 bytes; dispatch and combine each send (P-1)/P of it.",
     )
+
+
+DROPPED = ("none", "under 10%", "10% to 30%", "over 30%")
+
+
+def check_dropped_at_one(
+    dropped_at_one: object, capacity_factors: list[float], shares: list[float]
+) -> bool | None:
+    """The share of the Tk choices dropped at capacity factor 1.0, in brackets, from the
+    `dropped_share` measured at each of `capacity_factors`."""
+    share = shares[capacity_factors.index(1.0)]
+    bracket = DROPPED[(share > 0) + (share >= 0.1) + (share >= 0.3)]  # none, <10%, <30%, more
+    return check_choice(
+        dropped_at_one,
+        bracket,
+        DROPPED,
+        why="Only the experts above the even share drop, and only their excess.",
+    )
+
+
+def check_faster_ep_or_tp(
+    faster_at_10_mbit: object,
+    faster_at_1_gbit: object,
+    bandwidths: list[float],
+    spread: dict[str, list[tuple[float, ...]]],
+) -> tuple[bool | None, bool | None]:
+    """Which step was faster, EP's or TP's, at 10 Mbit/s and at 1 Gbit/s, by the medians of
+    `spread[kind][i]` (`step_spread` at `bandwidths[i]`, bytes/s). Medians within 20% of each
+    other can swap places from run to run: then either answer counts."""
+    why = (
+        "The slope of time against 1/bandwidth is bytes; the time at high bandwidth is fixed costs."
+    )
+    verdicts = []
+    for answer, bandwidth in ((faster_at_10_mbit, 1.25e6), (faster_at_1_gbit, 125e6)):
+        i = bandwidths.index(bandwidth)
+        winner = faster({kind: spread[kind][i][0] for kind in ("EP", "TP")}, margin=0.2)
+        verdicts.append(check_choice(answer, winner, ["EP", "TP"], why=why))
+    return verdicts[0], verdicts[1]

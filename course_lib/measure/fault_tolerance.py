@@ -3,13 +3,15 @@ uninterrupted one, the stall of blocking against asynchronous checkpoints, a str
 hung rank found by the watchdog, and MFU on this CPU and in the planner's plans.
 
 Functions whose docstring says "on each rank" run inside `launch`; the others in the notebook.
-`check_minutes_between_checkpoints`, the check of the exercise on Young's rule, computes its
-expected value here, out of the notebook's sight.
+The checks of the lecture's exercises (`check_minutes_between_checkpoints`, on Young's rule,
+and `check_named_rank`, on the hung rank) compute their expected values and say why here, out
+of the notebook's sight.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -23,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from course_lib import data, models
 from course_lib.costs import checkpoint_interval, mfu, training_flops
-from course_lib.exercises import check_number
+from course_lib.exercises import check_choice, check_number
 from course_lib.fault_tolerance import (
     AsyncCheckpointer,
     guarded_all_reduce,
@@ -179,6 +181,23 @@ def plot_compute(compute: list[list[float]], straggler: int | None):
     ax.bar([f"rank {r}" for r in range(len(compute))], medians, color=colors)
     ax.set(ylabel="ms of compute per step (median)", title="Who makes everyone wait")
     return fig
+
+
+NAMED_RANKS = ("rank 0", "rank 1", "ranks 0, 2, 3")
+
+
+def check_named_rank(named_rank: object, message: str) -> bool | None:
+    """Lecture 13's hang prediction: which rank the error raised on rank 0 (`message`, its first
+    line) names as never having arrived at the all-reduce."""
+    missing = re.findall(r"rank (\d+) never arrived", message)
+    named = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {', '.join(missing) or 'none'}"
+    return check_choice(
+        named_rank,
+        named,
+        NAMED_RANKS,
+        why="The waiting ranks time out; the heartbeats say who is missing: the one stuck at "
+        "step 2.",
+    )
 
 
 # --- 4. MFU ---------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ stale gradients simulated in one process.
     plot_mixing_matrices({"ring": Ring(8).mixing_matrix()})
     plot_contraction(SIZES, contraction_by_size({"ring": Ring}, SIZES))
 
-The checks of sections 2 and 3's exercises (`check_ring_of_5`, `check_rounds_for_1000x`)
-compute their expected values here, off the page. The gossip itself (topologies, rounds,
+The checks of the lecture's exercises (`check_ring_of_5`, `check_rounds_for_1000x`,
+`check_first_to_agree`, `check_random_peer_plain_agrees`, `check_non_iid_gossip`) compute
+their expected values and say why here, off the page. The gossip itself (topologies, rounds,
 push-sum, AsyncPushSum) is course_lib/gossip.py.
 """
 
@@ -29,7 +30,7 @@ from torch import nn
 from course_lib.comm import CommCounter, written_bytes
 from course_lib.data import shard
 from course_lib.data_parallel import allreduce_gradients, flat_gradients, flat_parameters
-from course_lib.exercises import check_matrix, check_number
+from course_lib.exercises import check_choice, check_matrix, check_number
 from course_lib.gossip import (
     AsyncPushSum,
     ExponentialGraph,
@@ -375,7 +376,7 @@ def plot_contraction(sizes: Sequence[int], rates: dict[str, Sequence[float]]) ->
     return fig
 
 
-# --- the exercises of sections 2 and 3, checked off the page ----------------------------------
+# --- the exercises, checked off the page -------------------------------------------------------
 
 
 def check_ring_of_5(ring_of_5: object) -> bool | None:
@@ -393,4 +394,55 @@ def check_rounds_for_1000x(rounds_for_1000x: object) -> bool | None:
         rtol=0.03,
         unit="rounds",
         hint="Solve lambda**t = 1/1000 for t: take logarithms.",
+    )
+
+
+AGREEING = ("ring", "exponential graph", "random groups of 2")
+
+
+def check_first_to_agree(first_to_agree: object, curves: dict[str, list[float]]) -> bool | None:
+    """Lecture 4: which topology's consensus error (`curves[name]`, one value per round) fell
+    below 1e-12 in the fewest rounds."""
+    rounds = {
+        name: next((t for t, e in enumerate(curves[name]) if e < 1e-12), len(curves[name]))
+        for name in AGREEING
+    }
+    seen = ", ".join(
+        f"{name} {t if t < len(curves[name]) else 'never'}" for name, t in rounds.items()
+    )
+    return check_choice(
+        first_to_agree,
+        min(rounds, key=rounds.get),
+        AGREEING,
+        why=f"Rounds to reach 1e-12: {seen}. Each exponential-graph round doubles the window of "
+        "values every copy averages.",
+    )
+
+
+def check_random_peer_plain_agrees(
+    random_peer_plain_agrees: object, curves: dict[str, list[float]]
+) -> bool | None:
+    """Lecture 4: whether plain averaging on the random peer graph (no push-sum) reached the
+    average (`curves["random peer, plain x"]`, its consensus error per round)."""
+    return check_choice(
+        random_peer_plain_agrees,
+        "yes" if curves["random peer, plain x"][-1] < 1e-6 else "no",
+        ["yes", "no"],
+        why="Its rows do not sum to 1: read on.",
+    )
+
+
+def check_non_iid_gossip(
+    non_iid_gossip: object, copy_loss: dict[tuple[str, str], float]
+) -> bool | None:
+    """Lecture 4: whether gossip's copies end clearly worse than all-reduce's on class-sharded
+    data (`copy_loss[data, method]`: the mean loss of the copies on all the data)."""
+    worse = copy_loss["class-sharded", "gossip"] / copy_loss["class-sharded", "allreduce"]
+    iid_worse = copy_loss["IID", "gossip"] / copy_loss["IID", "allreduce"]
+    return check_choice(
+        non_iid_gossip,
+        "clearly worse" if worse > 1.3 else "about the same",
+        ["about the same", "clearly worse"],
+        why=f"Measured: gossip's copies {worse:.2f}x all-reduce's with class-sharded data, "
+        f"{iid_worse:.2f}x with IID data.",
     )

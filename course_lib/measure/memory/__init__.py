@@ -16,7 +16,8 @@ By what a reader looks for:
     activations.py      saved activations against the sequence length, `PaperBlock` and the
                         course's block against the formula, the sweep over s, b, h, a
     mixed_precision.py  autocast's bytes, 16-bit training losses, fp16 loss scaling
-    exercises.py        the lecture's exercises, their expected values computed off the page
+    exercises.py        the lecture's exercises and predictions, their expected values and
+                        whys computed off the page
 
 Import from `course_lib.measure.memory` itself: every name is one name here.
 """
@@ -38,7 +39,13 @@ from course_lib.measure.memory.activations import (
     sequence_split,
     sequence_table,
 )
-from course_lib.measure.memory.exercises import check_sgd_budget, check_smallest_peak
+from course_lib.measure.memory.exercises import (
+    check_course_vs_formula,
+    check_first_steps,
+    check_s_part_overtakes,
+    check_sgd_budget,
+    check_smallest_peak,
+)
 from course_lib.measure.memory.mixed_precision import (
     SMALL_GPT,
     LossScaler,
@@ -64,6 +71,9 @@ __all__ = [
     "activation_sweep",
     "activation_table",
     "autocast_memory",
+    "check_course_vs_formula",
+    "check_first_steps",
+    "check_s_part_overtakes",
     "check_sgd_budget",
     "check_smallest_peak",
     "course_block",

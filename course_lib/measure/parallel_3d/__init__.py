@@ -16,7 +16,8 @@ By what a reader looks for:
     tables.py       the planner in text: the best plan and the close calls, the candidates,
                     why nothing fits, the grid as a table
     plan_check.py   the exercises' checks: one plan's memory, interleaved bubble and MFU by
-                    hand, and check_plan, the verdict on the student's own plan
+                    hand, check_plan, the verdict on the student's own plan, and the
+                    predictions of the pipeline's depth with a small batch and with CP
     figures.py      step times by cause as a figure, and PlannerWidget, the form that re-plans
     real_step.py    what runs on ranks: the groups as the collectives see them, the real step
                     and its single-process reference, its numbers beside the planner's
@@ -35,6 +36,8 @@ from course_lib.measure.parallel_3d.figures import (
 from course_lib.measure.parallel_3d.plan_check import (
     SHRINK,
     check_interleaved_bubble,
+    check_pipeline_with_128,
+    check_pipeline_with_cp,
     check_plan,
     check_plan_memory,
     check_plan_mfu,
@@ -75,6 +78,8 @@ __all__ = [
     "build_stage",
     "candidate_table",
     "check_interleaved_bubble",
+    "check_pipeline_with_128",
+    "check_pipeline_with_cp",
     "check_plan",
     "check_plan_memory",
     "check_plan_mfu",

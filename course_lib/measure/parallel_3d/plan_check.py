@@ -1,18 +1,20 @@
 """Lecture 10's exercises. Exercise 8: `check_plan` prices the student's own plan with the
 planner's `estimate`, and says whether it fits and how its step compares with the best plan's,
 and why (never which plan is best). Before it, the numbers of one plan worked out by hand
-(`check_plan_memory`, `check_interleaved_bubble`, `check_plan_mfu`): each computes its expected
-values here, out of the notebook's sight, and says right or wrong with `course_lib.exercises`."""
+(`check_plan_memory`, `check_interleaved_bubble`, `check_plan_mfu`); after it, two predictions
+of what the planner picks (`check_pipeline_with_128`, `check_pipeline_with_cp`): each computes
+its expected values and says why here, out of the notebook's sight, and says right or wrong
+with `course_lib.exercises`."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from course_lib.costs import bubble_formula
-from course_lib.exercises import check_number, check_numbers
+from course_lib.exercises import check_choice, check_number, check_numbers
 from course_lib.measure.parallel_3d.tables import CLOSE_CALL
 from course_lib.memory import GB
-from course_lib.parallel_3d import LLAMA_70B, Cluster, Model, Plan, best, estimate
+from course_lib.parallel_3d import LLAMA_70B, Cluster, Estimate, Model, Plan, best, estimate
 
 # check_plan's advice, by the part of memory that overflows or the cause that grows the step.
 SHRINK = {
@@ -94,4 +96,35 @@ def check_plan_mfu(mfu: object) -> bool | None:
         mfu,
         one.mfu,  # the planner's own: utilisation x achieved / peak FLOP/s
         hint="Model FLOPs per second = utilisation x achieved FLOP/s; divide by the peak.",
+    )
+
+
+DEPTHS = ("shallower", "the same", "deeper")
+
+
+def check_pipeline_with_128(pipeline_with_128: object, plans: dict[int, Estimate]) -> bool | None:
+    """Whether the best plan's pipeline for 175B on 512 GPUs is shallower, the same or deeper
+    with a global batch of 128 than of 1536 (`plans[batch]`: the planner's best)."""
+    large, small = plans[1536].plan.pp, plans[128].plan.pp
+    return check_choice(
+        pipeline_with_128,
+        DEPTHS[(small >= large) + (small > large)],
+        DEPTHS,
+        why=(
+            "With TP 8, p x d = 64: m = 128/d micro-batches feed p = 64/d stages, so the bubble "
+            "is about 30% whatever the split. What still differs is DP's all-reduce of each "
+            "GPU's gradients, once per step: a deeper pipeline gives each GPU fewer parameters "
+            "to reduce."
+        ),
+    )
+
+
+def check_pipeline_with_cp(pipeline_with_cp: object, with_cp: Estimate) -> bool | None:
+    """Whether the best plan for 7B with 16 sequences of 128k on 256 GPUs, CP allowed
+    (`with_cp`), keeps a pipeline."""
+    return check_choice(
+        pipeline_with_cp,
+        "kept" if with_cp.plan.pp > 1 else "dropped",
+        ["kept", "dropped"],
+        why="CP gives the GPUs DP could not use a share of each sequence, with no bubble.",
     )

@@ -7,7 +7,8 @@
     zero_bubble_step(stage, x, y, loss_fn, m, defer_w=True)  # backward split into B and W
     brute_force_partition(layer_times, activation_sizes, n_machines)  # every cut, to check
     profile_layers(layers, x)                           # each layer's seconds and output bytes
-    check_bubble_shares(bubble, fewest_m)               # the exercise: right, or a hint
+    check_bubble_shares(bubble, fewest_m)               # an exercise: right, or a hint
+    check_first_backward(first_backward, logs)          # a prediction, against the run
 
 By what a reader looks for:
 
@@ -15,13 +16,18 @@ By what a reader looks for:
     figures.py       the Gantt chart, simulated beside measured, and the widget
     partition.py     every cut by brute force (to check the DP), each layer's profile
     zero_bubble.py   backward split into B and W: simulated, and run for real
-    exercises.py     the lecture's exercise on the bubble, checked off the page
+    exercises.py     the lecture's exercises: the bubble by hand and the predictions about
+                     in-flight micro-batches, zero bubble's idle time and the first backward,
+                     checked off the page
 
 The schedules, the pipeline and the partition are in `course_lib.pipeline`.
 """
 
 from course_lib.measure.pipeline.exercises import (
     check_bubble_shares,
+    check_first_backward,
+    check_one_f_one_b_in_flight,
+    check_zero_bubble_idle,
 )
 from course_lib.measure.pipeline.figures import (
     PipelineWidget,
@@ -57,6 +63,9 @@ __all__ = [
     "WEIGHT_GRAD",
     "brute_force_partition",
     "check_bubble_shares",
+    "check_first_backward",
+    "check_one_f_one_b_in_flight",
+    "check_zero_bubble_idle",
     "draw_schedule",
     "measure_bubbles",
     "measure_zero_bubble",

@@ -1,9 +1,21 @@
-"""Lecture 8's exercise on the bubble, checked off the page."""
+"""Lecture 8's exercises, checked off the page: the bubble worked out by hand
+(`check_bubble_shares`), and three predictions checked against the schedules simulated or run
+(`check_one_f_one_b_in_flight`, `check_zero_bubble_idle`, `check_first_backward`), each
+computing its expected option and saying why here, out of the notebook's sight."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from course_lib.costs import bubble_formula
-from course_lib.exercises import check_number, check_numbers, together
+from course_lib.exercises import (
+    check_choice,
+    check_number,
+    check_numbers,
+    nearest_option,
+    together,
+)
+from course_lib.pipeline import StageLog, Timeline
 
 # --- the lecture's exercise on the bubble ------------------------------------------------------
 
@@ -23,4 +35,61 @@ def check_bubble_shares(bubble: object, fewest_m_under_3_percent: object) -> boo
             atol=0.5,
             hint="Solve (P-1)/(m+P-1) < 0.03 for m; m is a whole number.",
         ),
+    )
+
+
+# --- the predictions, checked against the schedules ---------------------------------------------
+
+IN_FLIGHT = ("1", "2", "4", "8")
+
+
+def check_one_f_one_b_in_flight(
+    one_f_one_b_stage0: object, one_f_one_b_stage3: object, one_f: Timeline
+) -> tuple[bool | None, bool | None]:
+    """The most micro-batches stages 0 and 3 hold at once under 1F1B (`one_f`, simulated)."""
+    return (
+        check_choice(
+            one_f_one_b_stage0,
+            str(one_f.peak_in_flight(0)),
+            IN_FLIGHT,
+            why="Stage s holds at most P - s, whatever m: P - s - 1 warm-ups, then one more.",
+        ),
+        check_choice(
+            one_f_one_b_stage3,
+            str(one_f.peak_in_flight(3)),
+            IN_FLIGHT,
+            why="The last stage (P - s = 1) runs each backward right after its forward.",
+        ),
+    )
+
+
+IDLE_SHARES = {"the same as": 1.0, "half of": 0.5, "a third of": 1 / 3}
+
+
+def check_zero_bubble_idle(
+    zero_bubble_idle: object, one_f_split: Timeline, deferred: Timeline
+) -> bool | None:
+    """A stage's idle time with W deferred (`deferred`) as a share of 1F1B's (`one_f_split`),
+    against the option nearest the simulation."""
+    ratio = (deferred.makespan * deferred.bubble) / (one_f_split.makespan * one_f_split.bubble)
+    return check_choice(
+        zero_bubble_idle,
+        nearest_option(ratio, IDLE_SHARES),
+        list(IDLE_SHARES),
+        why=f"Measured: {ratio:.2f} of 1F1B's idle time per stage, (F+B-W)/(F+B+W) = 1/3.",
+    )
+
+
+def check_first_backward(first_backward: object, logs: Sequence[StageLog]) -> bool | None:
+    """Which rank started the first backward (of micro-batch 0) in a step run on ranks (`logs`,
+    one per rank)."""
+    starts = {
+        log.stage: next(t.start for t in log.tasks if (t.kind, t.micro) == ("B", 0)) for log in logs
+    }
+    return check_choice(
+        first_backward,
+        f"rank {min(starts, key=starts.get)}",
+        [f"rank {r}" for r in range(len(logs))],
+        why="Backward starts from the loss, on the last rank; rank r waits for rank r + 1's "
+        "gradient.",
     )

@@ -7,21 +7,24 @@ and FSDP2's prefetching of all-gathers drawn on a timeline; and the checks of it
     tl = prefetch_timeline(batches, prefetch=True)    # on every rank: FSDP2 events in time
     plot_timeline(per_rank_timelines)
     check_zero3_extra_gb(extra_gb)             # an exercise's check: right or wrong, and a hint
+    check_torch_zero1_vs_ddp(answer, runs)     # a prediction, against the bytes measured
 
 By what a reader looks for:
 
     mixed.py       ZeRO in mixed precision (explicit bf16 copies, fp32 master weights), kind
                    by kind, measured against the (2 + 2 + 12)N formula
     prefetch.py    FSDP2's all-gathers and compute on a timeline, with and without prefetching
-    exercises.py   the checks of the lecture's exercises on the formulas, whose expected values
-                   the notebook does not show
+    exercises.py   the checks of the lecture's exercises on the formulas and of its
+                   predictions, whose expected values and whys the notebook does not show
 
 Import from `course_lib.measure.zero` itself: every name is one name here.
 """
 
 from course_lib.measure.zero.exercises import (
+    check_blocks_gathered_with_prefetch,
     check_gb_per_gpu,
     check_offload,
+    check_torch_zero1_vs_ddp,
     check_zero2_bytes_per_param,
     check_zero3_extra_gb,
 )
@@ -49,8 +52,10 @@ __all__ = [
     "Event",
     "MixedRun",
     "Timeline",
+    "check_blocks_gathered_with_prefetch",
     "check_gb_per_gpu",
     "check_offload",
+    "check_torch_zero1_vs_ddp",
     "check_zero2_bytes_per_param",
     "check_zero3_extra_gb",
     "mixed_table",

@@ -1,9 +1,12 @@
-"""Lecture 7's exercises on the formulas: each check computes its expected values here, out of
-the notebook's sight, and says right or wrong with `course_lib.exercises`.
+"""Lecture 7's exercises on the formulas, and its predictions checked against what the ranks
+measured: each check computes its expected values (and says why) here, out of the notebook's
+sight, and says right or wrong with `course_lib.exercises`.
 
     check_gb_per_gpu({"ddp": ..., "zero1": ..., "zero2": ..., "zero3": ...}, redundant_gb)
     check_zero2_bytes_per_param(zero2_bytes_per_param)
+    check_torch_zero1_vs_ddp(torch_zero1_vs_ddp, runs)     # bytes received, measured
     check_zero3_extra_gb(extra_gb)
+    check_blocks_gathered_with_prefetch(blocks, on, off)  # FSDP2's gathered peak, measured
     check_offload({"GPU GB": ..., "CPU GB": ..., "PCIe seconds": ...})
 """
 
@@ -16,9 +19,10 @@ from course_lib.costs import (
     zero_mixed_bytes,
     zero_offload_bytes,
 )
-from course_lib.exercises import check_number, check_numbers, together
+from course_lib.exercises import check_choice, check_number, check_numbers, together
+from course_lib.measure.zero.prefetch import Timeline
 from course_lib.memory import GB
-from course_lib.zero import STAGES
+from course_lib.zero import STAGES, StageRun
 
 PCIE = 16e9  # bytes/s each way, the exercise's PCIe link
 
@@ -73,4 +77,40 @@ def check_offload(offload_answer: object) -> bool | None:
         hint=(
             "The GPU keeps 2 bytes per parameter, whole; the CPU's 14 and the copies are per shard."
         ),
+    )
+
+
+def check_torch_zero1_vs_ddp(
+    torch_zero1_vs_ddp: object, runs: dict[int, list[list[StageRun]]]
+) -> bool | None:
+    """Whether torch's ZeRO-1 received less, the same or more than DDP per step on 4 ranks
+    (`runs[P][rank][i]`: rank's run of `STAGES[i]` on P ranks)."""
+    received = {stage: runs[4][0][STAGES.index(stage)].comm_received for stage in ("ddp", "zero1")}
+    ratio = received["zero1"] / received["ddp"]
+    measured = "the same" if abs(ratio - 1) < 0.05 else "more" if ratio > 1 else "less"
+    return check_choice(
+        torch_zero1_vs_ddp,
+        measured,
+        ["less", "the same", "more"],
+        why=f"Measured at P=4: torch's ZeRO-1 received {ratio:.2f} times what DDP received per "
+        "step. DDP's all-reduce stays, and the broadcasts come on top of it.",
+    )
+
+
+def check_blocks_gathered_with_prefetch(
+    blocks_gathered_with_prefetch: object, on: list[Timeline], off: list[Timeline]
+) -> bool | None:
+    """The most blocks a rank held gathered at once with forward prefetching (`on`, one
+    timeline per rank; `off` without), in blocks of the largest unit's full parameters."""
+    block = max(on[0].unit_bytes)  # one block's full parameters, fp32
+    peaks = {
+        name: max(t.gathered_peak for t in ranks) for name, ranks in (("on", on), ("off", off))
+    }
+    return check_choice(
+        blocks_gathered_with_prefetch,
+        str(round(peaks["on"] / block)),
+        ["1", "2", "3"],
+        why=f"Measured: one block {block:,} B, gathered peak {peaks['on']:,} B with prefetching, "
+        f"{peaks['off']:,} B without. The next unit's all-gather lands while the current unit "
+        "is still gathered.",
     )

@@ -1,21 +1,12 @@
-"""What lecture 9 measures about tensor parallelism, and how it shows it.
-
-    runs = launch(run_all_layers, world_size=2)        # every layer against its dense original
-    print(layer_table(runs[0], tokens, hidden, 2))     # errors, and bytes against the formula
-    run_torch_mlp()                                    # torch's parallelize_module beside ours
-    activation_table(GPT3_175B)                        # GB of activations per GPU, by TP degree
-    link_table(GPT3_175B, t, p, links, flops_per_s)    # TP against PP traffic per micro-batch
-    check_tp_over_pp(tp_over_pp)                       # the exercise: right, or a hint
-
-The layers are in `course_lib.tensor_parallel`, the formulas in `course_lib.costs`.
-"""
+"""Lecture 9's layers on ranks: each tensor-parallel layer against its dense original, with
+the all-reduces it runs and the bytes it sends against the formula; torch's own tensor
+parallelism beside ours; and the all-reduces f and g run in each pass."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,15 +16,8 @@ from torch import nn
 from course_lib import models
 from course_lib.comm import CommCounter, WireCounter
 from course_lib.costs import (
-    GPT3_175B,
-    TransformerShape,
-    activation_memory,
     all_reduce_bytes,
-    compute_seconds,
-    traffic_per_microbatch,
 )
-from course_lib.exercises import check_number
-from course_lib.memory import SavedTensors
 from course_lib.tensor_parallel import (
     ColumnParallelLinear,
     ParallelBlock,
@@ -49,9 +33,6 @@ from course_lib.tensor_parallel import (
     tp_size,
     vocab_parallel_cross_entropy,
 )
-
-if TYPE_CHECKING:  # matplotlib is imported only where a figure is drawn
-    import matplotlib.figure
 
 # --- communication per layer ------------------------------------------------------------------
 
@@ -282,97 +263,6 @@ def run_torch_mlp(config: models.GPTConfig | None = None, batch: int = 2) -> dic
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-# --- activation memory (the formula: `course_lib.costs.activation_memory`) ---------------------
-
-VARIANTS = {  # label: keyword arguments of activation_memory
-    "TP": {},
-    "TP + SP": {"sequence_parallel": True},
-    "TP + SP + selective recompute": {"sequence_parallel": True, "recompute_attention": True},
-}
-
-
-def activation_table(shape: TransformerShape, tps: tuple[int, ...] = (1, 2, 4, 8)) -> str:
-    """GB of activations per GPU for the whole model (all layers, one micro-batch) under each
-    variant and tensor-parallel degree t."""
-    s, b, h, a = shape.seq, shape.batch, shape.hidden, shape.heads
-    rows = [f"{'':<32}" + "".join(f"{f't={t}':>10}" for t in tps)]
-    for label, kwargs in VARIANTS.items():
-        cells = [shape.layers * activation_memory(s, b, h, a, t, **kwargs) / 1e9 for t in tps]
-        rows.append(f"{label:<32}" + "".join(f"{gb:>10.1f}" for gb in cells))
-    return "\n".join(rows)
-
-
-def plot_activation_memory(
-    shape: TransformerShape, tps: tuple[int, ...] = (1, 2, 4, 8)
-) -> matplotlib.figure.Figure:
-    """GB of activations per GPU against t, one line per variant, with the 80 GB of a GPU."""
-    from course_lib.plots import NotebookFigure
-
-    fig = NotebookFigure(figsize=(6, 3.6), layout="constrained")
-    ax = fig.add_subplot()
-    s, b, h, a = shape.seq, shape.batch, shape.hidden, shape.heads
-    for label, kwargs in VARIANTS.items():
-        gb = [shape.layers * activation_memory(s, b, h, a, t, **kwargs) / 1e9 for t in tps]
-        ax.plot(tps, gb, "o-", label=label)
-    ax.axhline(80, color="black", ls="--", lw=1, label="one 80 GB GPU")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(tps), [str(t) for t in tps])
-    ax.set_xlabel("tensor-parallel ranks t")
-    ax.set_ylabel("activations per GPU (GB)")
-    ax.set_title(f"{shape.layers} layers, h={h}, a={a}, s={s}, b={b}", fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return fig
-
-
-def mlp_saved_formula(tokens: int, hidden: int, d_ff: int, t: int, element_size: int) -> int:
-    """Bytes the course's (dropout-free) MLP saves for backward on one of t ranks: its input
-    (replicated), and GeLU's input and output (d_ff/t wide each: split)."""
-    return tokens * (hidden + 2 * d_ff // t) * element_size
-
-
-def measure_mlp_saved(config: models.GPTConfig | None = None, batch: int = 2) -> int:
-    """Bytes autograd saves in this rank's ParallelMLP forward (fp32), weights excluded."""
-    config = config or models.GPTConfig()
-    mlp = ParallelMLP(models.TinyGPT(config).blocks[0].mlp)
-    x = torch.randn(batch, config.seq_len, config.d_model)
-    with SavedTensors(exclude=mlp.parameters()) as saved:
-        y = mlp(x)
-    del y
-    return saved.peak_bytes
-
-
-# --- why TP stays inside a node and PP crosses nodes ---------------------------------------------
-
-
-def link_table(
-    shape: TransformerShape,
-    t: int,
-    p: int,
-    links: Mapping[str, float],
-    flops_per_s: float,
-) -> str:
-    """Per micro-batch and GPU: bytes of TP and PP traffic, and their seconds on each link,
-    next to the compute time."""
-    traffic = traffic_per_microbatch(shape, t, p)
-    compute = compute_seconds(shape, t, p, flops_per_s)
-    rows = [f"compute per micro-batch per GPU: {compute * 1e3:.0f} ms"]
-    for kind, nbytes in traffic.items():
-        times = ", ".join(f"{name} {nbytes / bw * 1e3:.1f} ms" for name, bw in links.items())
-        rows.append(f"{kind}: {nbytes / 1e9:.2f} GB sent per micro-batch -> {times}")
-    return "\n".join(rows)
-
-
-def check_tp_over_pp(tp_over_pp: object) -> bool | None:
-    """The exercise: how many times PP's bytes TP sends per micro-batch, GPT-3 at t=4, p=16."""
-    other = traffic_per_microbatch(GPT3_175B, t=4, p=16)
-    return check_number(
-        tp_over_pp,
-        other["TP"] / other["PP"],
-        hint="Layers per stage x 4 all-reduces x 2(t-1)/t, against 2 for the boundary.",
-    )
 
 
 # --- f and g: which pass talks ---------------------------------------------------------------
