@@ -32,6 +32,7 @@ from course_lib.fault_tolerance import (
 from course_lib.measure.fault_tolerance import (
     check_minutes_between_checkpoints,
     check_named_rank,
+    check_steps_redone,
     watched_steps,
 )
 
@@ -255,3 +256,11 @@ def test_the_named_rank_check_reads_the_ranks_the_error_names(capsys):
     assert "the heartbeats say who is missing" in capsys.readouterr().out
     assert check_named_rank("ranks 0, 2, 3", message) is False  # who waited, not who is missing
     assert check_named_rank(..., message) is None
+
+
+def test_the_steps_redone_check_counts_the_logged_steps_done_twice(capsys):
+    """Checkpoints after steps 4, 9, 14; a crash at step 13: steps 10, 11 and 12 again."""
+    assert check_steps_redone(3, [10, 11, 12]) is True
+    assert check_steps_redone(4, [10, 11, 12]) is False  # counting the crash's step 13
+    assert "newest checkpoint complete" in capsys.readouterr().out
+    assert check_steps_redone(..., [10, 11, 12]) is None

@@ -28,6 +28,7 @@ from course_lib.measure.pipeline import (
     check_first_backward,
     check_one_f_one_b_in_flight,
     check_zero_bubble_idle,
+    check_zero_bubble_measured,
     measure_bubbles,
     peak_activations,
     pending_w_peak,
@@ -497,6 +498,21 @@ def test_the_zero_bubble_check_takes_the_nearest_share_of_1f1bs_idle_time(capsys
     assert "0.33 of 1F1B's idle time" in capsys.readouterr().out
     assert check_zero_bubble_idle("half of", one_f, deferred) is False
     assert check_zero_bubble_idle(..., one_f, deferred) is None
+
+
+def test_the_measured_zero_bubble_check_reads_the_runs_bubbles_and_ws_owed(capsys):
+    """Simulated timelines stand in for the runs: 1F1B's bubble (P-1)/(m+P-1), the deferred
+    schedule's (P-1)(F+B-W) idle beside m(F+B+W) (the formulas of course_lib.costs), and the
+    last stage owing all m = 8 W's at once."""
+    deferred = simulate_zero_bubble(4, 8, defer_w=True)
+    runs = {"1f1b": simulate(4, 8, "1f1b", forward_s=1, backward_s=2), deferred.schedule: deferred}
+    right = {"1f1b": bubble_formula(4, 8), deferred.schedule: zero_bubble_formula(4, 8)}
+    assert check_zero_bubble_measured(right, 8, runs, deferred.schedule) == (True, True)
+    capsys.readouterr()
+    wrong = {"1f1b": 0.5, deferred.schedule: 0.0}
+    assert check_zero_bubble_measured(wrong, 1, runs, deferred.schedule) == (False, False)
+    assert "Which stage runs each B soonest" in capsys.readouterr().out
+    assert check_zero_bubble_measured(..., ..., runs, deferred.schedule) == (None, None)
 
 
 def test_the_first_backward_check_finds_the_rank_whose_b0_started_first(capsys):

@@ -3,8 +3,9 @@ uninterrupted one, the stall of blocking against asynchronous checkpoints, a str
 hung rank found by the watchdog, and MFU on this CPU and in the planner's plans.
 
 Functions whose docstring says "on each rank" run inside `launch`; the others in the notebook.
-The checks of the lecture's exercises (`check_minutes_between_checkpoints`, on Young's rule,
-and `check_named_rank`, on the hung rank) compute their expected values and say why here, out
+The checks of the lecture's exercises (`check_steps_redone`, on the restart,
+`check_minutes_between_checkpoints`, on Young's rule, and `check_named_rank`, on the hung rank)
+compute their expected values and say why here, out
 of the notebook's sight.
 """
 
@@ -37,6 +38,17 @@ from course_lib.runtime import rank
 from course_lib.zero import build
 
 # --- 1. the restart --------------------------------------------------------------------------
+
+
+def check_steps_redone(steps_redone: object, redone: list[int]) -> bool | None:
+    """Lecture 13's restart prediction: how many steps the restarted attempt computed again
+    (`redone`: the steps of attempt 1 before the crash's step, from the loss log)."""
+    return check_number(
+        steps_redone,
+        len(redone),
+        hint="Find the newest checkpoint complete when rank 1 died: which steps after it were "
+        "already done?",
+    )
 
 
 def plot_restart(log: list[dict], reference: list[float], kill_at: int):

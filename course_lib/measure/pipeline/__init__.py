@@ -17,8 +17,8 @@ By what a reader looks for:
     partition.py     every cut by brute force (to check the DP), each layer's profile
     zero_bubble.py   backward split into B and W: simulated, and run for real
     exercises.py     the lecture's exercises: the bubble by hand and the predictions about
-                     in-flight micro-batches, zero bubble's idle time and the first backward,
-                     checked off the page
+                     in-flight micro-batches, zero bubble's idle time, the first backward
+                     and zero bubble's measured bubbles, checked off the page
 
 The schedules, the pipeline and the partition are in `course_lib.pipeline`.
 """
@@ -28,6 +28,7 @@ from course_lib.measure.pipeline.exercises import (
     check_first_backward,
     check_one_f_one_b_in_flight,
     check_zero_bubble_idle,
+    check_zero_bubble_measured,
 )
 from course_lib.measure.pipeline.figures import (
     PipelineWidget,
@@ -66,6 +67,7 @@ __all__ = [
     "check_first_backward",
     "check_one_f_one_b_in_flight",
     "check_zero_bubble_idle",
+    "check_zero_bubble_measured",
     "draw_schedule",
     "measure_bubbles",
     "measure_zero_bubble",

@@ -1,7 +1,8 @@
 """Lecture 8's exercises, checked off the page: the bubble worked out by hand
-(`check_bubble_shares`), and three predictions checked against the schedules simulated or run
-(`check_one_f_one_b_in_flight`, `check_zero_bubble_idle`, `check_first_backward`), each
-computing its expected option and saying why here, out of the notebook's sight."""
+(`check_bubble_shares`), and four predictions checked against the schedules simulated or run
+(`check_one_f_one_b_in_flight`, `check_zero_bubble_idle`, `check_first_backward`,
+`check_zero_bubble_measured`), each computing its expected value and saying why here, out of
+the notebook's sight."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from course_lib.exercises import (
     nearest_option,
     together,
 )
+from course_lib.measure.pipeline.zero_bubble import pending_w_peak
 from course_lib.pipeline import StageLog, Timeline
 
 # --- the lecture's exercise on the bubble ------------------------------------------------------
@@ -92,4 +94,29 @@ def check_first_backward(first_backward: object, logs: Sequence[StageLog]) -> bo
         [f"rank {r}" for r in range(len(logs))],
         why="Backward starts from the loss, on the last rank; rank r waits for rank r + 1's "
         "gradient.",
+    )
+
+
+def check_zero_bubble_measured(
+    predicted_bubble: object, most_ws_owed: object, runs: dict[str, Timeline], deferred: str
+) -> tuple[bool | None, bool | None]:
+    """The bubbles measured on ranks for 1F1B and for zero bubble with W's deferred (`runs`,
+    by schedule; `deferred` names the second), within 3 points, and the most W's a stage of
+    the deferred run owed at once."""
+    owed = [pending_w_peak(runs[deferred], s) for s in range(runs[deferred].n_stages)]
+    return (
+        check_numbers(
+            predicted_bubble,
+            {name: runs[name].bubble for name in ("1f1b", deferred)},
+            rtol=0,
+            atol=0.03,
+            hint="1F1B: (P-1)/(m+P-1); W's deferred: idle (P-1)(F+B-W) per stage beside m(F+B+W).",
+        ),
+        check_number(
+            most_ws_owed,
+            max(owed),
+            rtol=0,
+            atol=0.5,
+            hint="Which stage runs each B soonest after its F, and when are its W's paid?",
+        ),
     )
