@@ -34,8 +34,9 @@ _reporter: Callable[[tuple], None] | None = None
 
 def set_reporter(reporter: Callable[[tuple], None] | None) -> None:
     """Send every call of every counted group to `reporter`, before the call is made, as
-    ("call", op, peer, sent, received, group): the peer's global rank for point-to-point
-    calls (None otherwise), bytes by `comm.volume`, and the group's global ranks."""
+    ("call", op, peer, sent, received, group, dtypes): the peer's global rank for
+    point-to-point calls (None otherwise), bytes by `comm.volume`, the group's global ranks,
+    and the names of the dtypes of the call's tensors, sorted ("float32", "int8")."""
     global _reporter
     _reporter = reporter
 
@@ -53,7 +54,19 @@ def _report(group: CountedGroup, op: str, args: dict) -> None:
     peer = args.get("group_dst", args.get("group_src")) if op in ("send", "recv") else None
     ranks = tuple(dist.get_process_group_ranks(group))
     sent, received = comm.volume(op, {**args, "group": group})
-    _reporter(("call", op, None if peer is None else ranks[peer], sent, received, ranks))
+    dtypes = tuple(sorted({str(t.dtype).removeprefix("torch.") for t in _tensors(args.values())}))
+    _reporter(("call", op, None if peer is None else ranks[peer], sent, received, ranks, dtypes))
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    """Every tensor among `values`, in lists and tuples too."""
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, list | tuple):
+            out += _tensors(value)
+    return out
 
 
 def _counted(op: str, args: dict, call: Callable[[], object]) -> object:

@@ -109,7 +109,7 @@ class WorkerPool:
         self._events: queue.Queue = queue.Queue()
         self._stopped = 0  # workers stopped by the last _kill, whose output may still come
         # Untrusted pools: per rank, what its counted process group reported during the last
-        # call, as it happened (`counted_group`): ("call", op, peer, sent, received, group)
+        # call, as it happened (`counted_group`): ("call", op, peer, sent, received, group, dtypes)
         # and ("mark", label) entries, in order.
         self.tallies: list[list[tuple]] = []
         # Untrusted pools on Linux: per rank, the bytes it wrote to each other rank's sockets

@@ -99,7 +99,7 @@ class Tally:
     received, code on the rank can no longer take back."""
 
     call_id: int
-    entry: tuple  # ("call", op, peer, sent, received, group) or ("mark", label)
+    entry: tuple  # ("call", op, peer, sent, received, group, dtypes) or ("mark", label)
 
 
 Message = Fork | Forked | Exited | Call | Ready | Result | Raised | Progress | Tally

@@ -71,7 +71,7 @@ def test_a_float32_sum_hidden_from_the_counters_is_booked_as_not_8_bit():
     text = _fails(
         check_quantized_all_reduce,
         (quantize, dequantize, answer),
-        "bytes in tensors that are not 8-bit (calls the counters on the rank did not see)",
+        "bytes in tensors that are not 8-bit (float32)",
         world_sizes=(4,),
         shapes=((1000,),),
         seeds=(0,),
@@ -114,21 +114,14 @@ def test_a_sum_on_the_inner_group_is_tampering():
     assert info.value.tampering and "none of its send/recv calls account for" in str(info.value)
 
 
-def test_split_by_kind_books_only_what_the_launcher_counted():
-    calls = [
-        Sent("all_to_all_single", None, 750, 750, (0, 1, 2, 3)),
-        Sent("all_reduce", None, 6000, 6000, (0, 1, 2, 3)),
-    ]
-    # labels that account for every byte: taken as they are
-    assert split_by_kind({"8-bit": 750, "float32": 6000}, calls) == (750, 6000, ["float32"])
-    # a call missing from the labels is not 8-bit
-    assert split_by_kind({"8-bit": 750}, calls) == (
-        750,
-        6000,
-        ["calls the counters on the rank did not see"],
-    )
-    # labels that claim more 8-bit bytes than were sent book no more than were sent
-    assert split_by_kind({"8-bit": 10**6}, calls[:1]) == (750, 0, [])
+def test_split_by_kind_reads_each_calls_dtypes_from_the_launchers_tallies():
+    codes = Sent("all_to_all_single", None, 750, 750, (0, 1, 2, 3), ("int8",))
+    scales = Sent("all_gather", None, 24, 24, (0, 1, 2, 3), ("float32",))
+    mixed = Sent("all_reduce", None, 6000, 6000, (0, 1, 2, 3), ("float32", "uint8"))
+    assert split_by_kind([codes, scales]) == (750, 24, ["float32"])
+    # a call is 8-bit only when every tensor it carries is: one float32 tensor makes it other
+    assert split_by_kind([codes, mixed]) == (750, 6000, ["float32"])
+    assert split_by_kind([Sent("barrier", None, 0, 0, (0, 1))]) == (0, 0, [])
 
 
 # --- every call draws new inputs -----------------------------------------------------------

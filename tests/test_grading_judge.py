@@ -325,11 +325,11 @@ def test_the_launcher_keeps_every_call_a_rank_made_even_when_its_counters_were_e
         tallies = pool.tallies
     assert tallies[0] == [
         ("mark", "before"),
-        ("call", "send", 1, 16, 0, (0, 1)),
-        ("call", "all_reduce", None, 16, 16, (0, 1)),  # 2(P-1)/P * 16 bytes, P = 2
+        ("call", "send", 1, 16, 0, (0, 1), ("float32",)),
+        ("call", "all_reduce", None, 16, 16, (0, 1), ("float32",)),  # 2(P-1)/P * 16 bytes
         ("mark", "after"),
     ]
-    assert tallies[1][1] == ("call", "recv", 0, 0, 16, (0, 1))
+    assert tallies[1][1] == ("call", "recv", 0, 0, 16, (0, 1), ("float32",))
 
 
 def _send_then_around_the_group(around: str | None):

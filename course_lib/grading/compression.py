@@ -21,9 +21,8 @@ Vogels et al. 2019 with torch's error-feedback rule (error = local matrix - appl
 as `powerSGD_hook` does); tests/test_grading_compression.py compares it with `powerSGD_hook`
 itself. What each rank sent, call by call and case by case, is what its process group told
 the launcher as the calls were made (`_harness.run_on_ranks(..., traffic=True)`): no count
-kept on a rank decides a verdict. Only the dtype of Part 1's calls, which a tally does not
-carry, is labelled on the rank, and those labels only split the launcher's bytes into 8-bit
-and other (`compression_quantized.split_by_kind`).
+kept on a rank decides a verdict; Part 1's split of the bytes into 8-bit and other reads each
+call's dtypes from the same tallies (`compression_quantized.split_by_kind`).
 """
 
 from __future__ import annotations

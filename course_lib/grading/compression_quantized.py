@@ -3,16 +3,15 @@ byte count by dtype, and the judging, in the checking process, of what the ranks
 
     payload_budget, scale_budget        the bytes one rank may send (codes, scales)
     round_trip_bound, all_reduce_bound  how far a round trip and a sum may be off
-    BytesByKind                         bytes sent, split into 8-bit tensors and others
+    BytesByKind                         bytes sent, split into 8-bit tensors and others (a
+                                        tool the notebook's try cell shows; no check reads it)
     QCase, payload_problem              one case; the form quantize's answer must have
     judge_quantized                     one case: every rank's answers, sum and bytes
     Other, kept                         what a rank sends back of a value that is no tensor
 
-How many bytes a rank sent comes from the launcher's tallies, kept outside the ranks. Which
-of them were 8-bit is the one fact the launcher does not see (a tally names no dtype): the
-rank's `BytesByKind` labels its calls, and the judge books to 8 bits at most what the labels
-claim and no more than the launcher counted; bytes no label accounts for (a call hidden from
-the rank's counters) are booked as not 8-bit.
+How many bytes a rank sent, and in which dtypes, comes from the launcher's tallies, kept
+outside the ranks: a call counts as 8-bit when all its tensors are int8/uint8
+(`split_by_kind`).
 """
 
 from __future__ import annotations
@@ -73,9 +72,9 @@ class BytesByKind:
     Built on `course_lib.comm`'s hooks (so on grading ranks it sees every route to a
     collective, as a CommCounter does, and counts bytes the same way): each outermost call
     is classified by the dtypes of its tensors, and its bytes are booked to "8-bit" if all
-    of them are int8/uint8, else to their dtype's name. Kept on the rank, beside the code it
-    watches: a check takes the bytes from the launcher's tallies and these labels only to
-    split them (`split_by_kind`)."""
+    of them are int8/uint8, else to their dtype's name. For the student's own look at a
+    call: kept on the rank, beside the code it watches, it decides nothing (the checks read
+    the same split from the launcher's tallies: `split_by_kind`)."""
 
     def __init__(self) -> None:
         self.sent: Counter = Counter()
@@ -225,7 +224,7 @@ def judge_quantized(
     __tracebackhide__ = True
     _judge_returned(check, name, case, inputs, records)
     _judge_sum(check, case, inputs, records)
-    _judge_payload(check, case, records, calls)
+    _judge_payload(check, case, calls)
 
 
 def _judge_returned(
@@ -288,29 +287,31 @@ def _judge_sum(check: str, case: QCase, inputs: list[torch.Tensor], records: lis
             )
 
 
-def split_by_kind(labels: dict[str, int], calls: list[Sent]) -> tuple[int, int, list[str]]:
-    """(8-bit bytes, other bytes, the other kinds' names) of one rank's calls in one case.
-    The total is the launcher's; the rank's labels (`BytesByKind.sent`) may book to 8 bits
-    no more than they claim nor than that total, and what they do not account for is not
-    8-bit: emptying the rank's counters around a float32 call only books it as float."""
-    total = sum(call.sent for call in calls)
-    claimed_eight = labels.get("8-bit", 0)
-    eight = min(claimed_eight, total)
-    kinds = [kind for kind in labels if kind != "8-bit"]
-    if total > claimed_eight + sum(n for kind, n in labels.items() if kind != "8-bit"):
-        kinds.append("calls the counters on the rank did not see")
-    return eight, total - eight, kinds
+def split_by_kind(calls: list[Sent]) -> tuple[int, int, list[str]]:
+    """(8-bit bytes, other bytes, the other dtypes' names) of one rank's calls in one case, from
+    the launcher's tallies: a call is 8-bit when every tensor it carries is int8/uint8."""
+    eight_bit = {str(d).removeprefix("torch.") for d in EIGHT_BIT}
+    eight, other, kinds = 0, 0, []
+    for call in calls:
+        if call.dtypes and set(call.dtypes) <= eight_bit:
+            eight += call.sent
+        else:
+            other += call.sent
+            name = ", ".join(d for d in call.dtypes if d not in eight_bit) or "no tensor"
+            if call.sent and name not in kinds:
+                kinds.append(name)
+    return eight, other, kinds
 
 
-def _judge_payload(check: str, case: QCase, records: list[dict], calls: list[list[Sent]]) -> None:
+def _judge_payload(check: str, case: QCase, calls: list[list[Sent]]) -> None:
     """Each rank's bytes: scales within `scale_budget`, codes within `payload_budget`, and
     some codes at all where the sum needs other ranks' data."""
     __tracebackhide__ = True
     p = case.world_size
     numel = math.prod(case.shape)
     allowed8, allowed_other = payload_budget(numel, p), scale_budget(numel, p)
-    for r, rec in enumerate(records):
-        eight, other, kinds = split_by_kind(rec["kinds"], calls[r])
+    for r in range(p):
+        eight, other, kinds = split_by_kind(calls[r])
         ops = Counter(call.op for call in calls[r])
         seen = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())) or "none"
         if other > allowed_other:

@@ -5,9 +5,8 @@ Every rank's inputs are drawn, and the right answers computed, in the checking p
 (`compression_cases`, the judges); a rank receives only its own share (`PerRank`). The calls
 a rank makes are reported to the launcher as they happen (`course_lib.counted_group`), between
 the marks that say which segment of the run (a case, a step) they belong to: the rank keeps no
-tally the check judges by. The one thing it labels is the dtype of its calls in Part 1
-(`BytesByKind`), which the launcher's tallies do not carry; the judge books those labels
-against the launcher's byte counts (`compression_quantized.split_by_kind`).
+tally the check judges by (the tallies carry each call's dtypes too:
+`compression_quantized.split_by_kind`).
 
     quantized_on_rank(fns, cases, inputs)     Part 1: per case, a round trip, then the sum
     powersgd_on_rank(cls, cases, grads)       Part 2: per case, a PowerSGD and its steps
@@ -24,7 +23,7 @@ import torch
 
 from course_lib import counted_group
 from course_lib.grading.compression_cases import LR, PCase, QCase, loss_of
-from course_lib.grading.compression_quantized import BytesByKind, kept, payload_problem
+from course_lib.grading.compression_quantized import kept, payload_problem
 from course_lib.grading.provenance import Provenance
 
 # Lecture 5's module holds a working 8-bit quantizer, its all-reduce and PowerSGD's pieces:
@@ -82,9 +81,9 @@ def _quantized_case(fns: tuple, case: QCase, x: torch.Tensor, marks: _Marks) -> 
             record["restored"] = kept(dequantize((payload[0], payload[1])))
     mine = x.clone()
     marks.next()
-    with BytesByKind() as kinds, _noting(str(case)):
+    with _noting(str(case)):
         result = quantized_all_reduce(mine)
-    record.update(result=kept(result), input_after=mine.clone(), kinds=dict(kinds.sent))
+    record.update(result=kept(result), input_after=mine.clone())
     return record
 
 

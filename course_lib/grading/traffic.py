@@ -18,7 +18,7 @@ from dataclasses import dataclass
 class Traffic:
     """What the launcher saw of a run's communication, outside the ranks: `tallies`, per rank,
     every call its process group reported as it happened (("call", op, peer, sent, received,
-    group) and ("mark", label) entries); `wire`, per rank, the bytes it wrote to each other
+    group, dtypes) and ("mark", label) entries); `wire`, per rank, the bytes it wrote to each other
     rank's sockets, as the kernel counted them (None where they cannot be read)."""
 
     tallies: list[list[tuple]]
@@ -29,13 +29,15 @@ class Traffic:
 class Sent:
     """One call a rank's process group made, as the launcher received it (`run_on_ranks`
     with `traffic=True`): `peer` is a global rank for send and recv, else None; bytes by
-    `course_lib.comm.volume`; `group` the global ranks of the group it ran on."""
+    `course_lib.comm.volume`; `group` the global ranks of the group it ran on; `dtypes` the
+    names of its tensors' dtypes ("float32", "int8"), sorted."""
 
     op: str
     peer: int | None
     sent: int
     received: int
     group: tuple[int, ...]
+    dtypes: tuple[str, ...] = ()
 
 
 def split_by_marks(entries: list[tuple], cases: int) -> list[list[Sent]] | None:
