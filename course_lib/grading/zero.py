@@ -23,8 +23,17 @@ storage, so a view that keeps a whole tensor alive counts as the whole tensor. M
 also measured while the work runs (`zero_peak`): in stage 2 each time a gradient is ready
 during backward, in stage 3 at the peak of forward and backward.
 
-The checks stand on six parts: `zero_memory` (the sharding rule, how bytes are counted),
-`zero_ranks` (what runs on each rank, the single-process reference, `measure_memory`),
+What a check trusts is computed or kept outside the ranks (docs/architecture.md, "What a grade
+may trust"): the weights and batches are drawn in the checking process from a secret new for
+every call (`zero_cases`), each rank receives the seed of the initial weights (which it holds
+anyway) and only its own share of each batch, the reference is trained in the checking
+process, and what stage 3 all-gathers during backward is read from the launcher's tallies of
+the ranks' calls. The bytes of memory are measured on the ranks by the grader's scans and
+meter, as only a rank can.
+
+The checks stand on seven parts: `zero_memory` (the sharding rule, how bytes are counted),
+`zero_cases` (the secret draw, each rank's share of it, the single-process reference),
+`zero_ranks` (what runs on each rank, `measure_memory`),
 `zero_judge` (judging stages 1 and 2, `TOLERANCE`), `zero_judge3` (judging stage 3),
 `zero_meter` (the memory meter) and `zero_peak` (memory while the work runs, against what
 the unsharded model needs for the same work, measured in the checking process).
@@ -38,6 +47,7 @@ from torch import nn
 
 from course_lib.grading._harness import Verdict, passed, run_on_ranks
 from course_lib.grading.training import ADAMW
+from course_lib.grading.zero_cases import draw, given, reference
 from course_lib.grading.zero_judge import (
     _check_param_groups,
     _compare_grad_shards,
@@ -56,6 +66,7 @@ from course_lib.grading.zero_judge3 import (
     _judge_private_copies,
     _judge_regathering,
     _verified_stage3,
+    gathered_in_backward,
 )
 from course_lib.grading.zero_memory import (
     chunk_of,
@@ -81,7 +92,6 @@ from course_lib.grading.zero_ranks import (
     build_model,
     global_batches,
     measure_memory,
-    reference,
 )
 
 # The step before which check_zero1 and check_zero2 set the learning rate to NEW_LR through
@@ -148,18 +158,19 @@ def _check_stage12(
     __tracebackhide__ = True
     _validate(ranks, run)
     name = "ShardedOptimizer" if stage == 1 else "ShardedGradOptimizer"
+    drawn = draw()
     results = run_on_ranks(
-        check, _train_stage12, impl, stage, run, world_size=ranks, timeout=timeout,
-        what=f"your {name}",
+        check, _train_stage12, impl, stage, run, given(run, drawn, ranks), world_size=ranks,
+        timeout=timeout, what=f"your {name}",
     )  # fmt: skip
-    ref = reference(run)
-    model = build_model(run)
+    ref = reference(run, drawn=drawn)
+    model = build_model(run, drawn.weights)
     where = run.describe(ranks)
     verdict = Verdict(check)
     with verdict.case():
         _check_param_groups(check, results)
     with verdict.case():
-        _compare_parameters(check, run, results, ref)
+        _compare_parameters(check, run, drawn, results)
     with verdict.case():
         _compare_states(check, results, ref)
     limits = _stage12_limits(model, ranks)
@@ -196,13 +207,15 @@ def check_zero3(
     check = "check_zero3"
     run = ZeroRun(seed=seed, steps=steps, batch_size=batch_size)
     _validate(world_size, run)
-    ranks = world_size
-    results = run_on_ranks(
-        check, _train_stage3, shard_module, run, world_size=ranks, timeout=timeout,
-        what="your shard_module",
+    ranks, drawn = world_size, draw()
+    results, traffic = run_on_ranks(
+        check, _train_stage3, shard_module, run, given(run, drawn, ranks), world_size=ranks,
+        timeout=timeout, what="your shard_module", traffic=True,
     )  # fmt: skip
-    ref = reference(run)
-    model = build_model(run)
+    # Marks not the check's own fail the part as tampering, before anything is judged.
+    gathered = gathered_in_backward(check, traffic, run.steps)
+    ref = reference(run, drawn=drawn)
+    model = build_model(run, drawn.weights)
     where = run.describe(ranks)
     verdict = Verdict(check)
     with verdict.case():
@@ -220,7 +233,7 @@ def check_zero3(
     with verdict.case():
         _judge_private_copies(check, results, model, where)
     with verdict.case():
-        _judge_regathering(check, results, model, where)
+        _judge_regathering(check, gathered, model, where)
     verdict.conclude(_verified_stage3(results, shard_bytes(model, ranks), where))
 
 
@@ -242,11 +255,13 @@ def check_zero3_peak(
     check = "check_zero3_peak"
     run = ZeroRun(seed=seed, steps=steps, batch_size=batch_size)
     _validate(world_size, run)
+    drawn = draw()
     results = run_on_ranks(
-        check, _peak_stage3, shard_module, run, world_size=world_size, timeout=timeout,
-        what="your shard_module",
+        check, _peak_stage3, shard_module, run, given(run, drawn, world_size),
+        world_size=world_size, timeout=timeout, what="your shard_module",
     )  # fmt: skip
-    passed(check, _judge_peak(check, results, run, build_model(run), run.describe(world_size)))
+    model = build_model(run, drawn.weights)
+    passed(check, _judge_peak(check, results, run, model, run.describe(world_size)))
 
 
 __all__ = [

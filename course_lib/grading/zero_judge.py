@@ -18,13 +18,14 @@ from torch import nn
 from course_lib import compare
 from course_lib.grading._harness import fail
 from course_lib.grading.training import ADAMW
+from course_lib.grading.zero_cases import Drawn, reference
 from course_lib.grading.zero_memory import (
     chunk_of,
     largest_parameter_bytes,
     shard_bytes,
     shard_numel,
 )
-from course_lib.grading.zero_ranks import NEW_LR, STATE_NAMES, ZeroRun, reference
+from course_lib.grading.zero_ranks import NEW_LR, STATE_NAMES, ZeroRun
 
 # float64 rounding between a split and a whole batch is ~1e-17 in the gradients and ~1e-14
 # after a few AdamW steps (measured); 1e-10 leaves room and still catches any real mistake.
@@ -57,8 +58,11 @@ def _mismatch(got: dict, want: dict, tolerance: dict = TOLERANCE) -> str | None:
     return compare.find_mismatch(got, want, **tolerance)
 
 
-def _parameter_hint(run: ZeroRun, results: list[dict], r: int, s: int, ranks: int) -> str:
-    """Why rank r's parameters after step s are wrong, as far as the check can tell."""
+def _parameter_hint(
+    run: ZeroRun, drawn: Drawn, results: list[dict], r: int, s: int, ranks: int
+) -> str:
+    """Why rank r's parameters after step s are wrong, as far as the check can tell (the
+    references of the usual mistakes are trained here, on the same draw)."""
     got = results[r]["steps"][s]["params"]
     for other in range(ranks):
         theirs = results[other]["steps"][s]["params"]
@@ -72,20 +76,21 @@ def _parameter_hint(run: ZeroRun, results: list[dict], r: int, s: int, ranks: in
             )
     if (
         s == run.new_lr_at
-        and _mismatch(got, reference(run, new_lr=False)["steps"][s]["params"]) is None
+        and _mismatch(got, reference(run, new_lr=False, drawn=drawn)["steps"][s]["params"]) is None
     ):
         return (
             f"before step {s} the check set the learning rate to {NEW_LR:g} through your "
             "optimizer's param_groups, and your step still used the old one: param_groups "
             "must be the inner optimizer's own list (its dicts), not a copy"
         )
-    if ranks > 1 and _mismatch(got, reference(run, ranks)["steps"][s]["params"]) is None:
+    summed = reference(run, ranks, drawn=drawn)["steps"][s]["params"]
+    if ranks > 1 and _mismatch(got, summed) is None:
         return (
             f"your parameters are what training with gradients {ranks} (the world size) "
             "times too large gives: average the gradients (divide the sum by world_size())"
         )
-    initial = reference(run)["initial"]
-    want = reference(run)["steps"][s]["params"]
+    initial = reference(run, drawn=drawn)["initial"]
+    want = reference(run, drawn=drawn)["steps"][s]["params"]
     for name, value in got.items():
         bad = (value - want[name]).abs() > TOLERANCE["atol"] + TOLERANCE["rtol"] * want[name].abs()
         never_moved = bad & (value == initial[name])
@@ -109,15 +114,16 @@ def _parameter_hint(run: ZeroRun, results: list[dict], r: int, s: int, ranks: in
     )
 
 
-def _compare_parameters(check: str, run: ZeroRun, results: list[dict], ref: dict) -> None:
+def _compare_parameters(check: str, run: ZeroRun, drawn: Drawn, results: list[dict]) -> None:
     __tracebackhide__ = True
+    ref = reference(run, drawn=drawn)
     ranks = len(results)
     where = run.describe(ranks)
     for s, ref_step in enumerate(ref["steps"]):
         for r, result in enumerate(results):
             problem = _mismatch(result["steps"][s]["params"], ref_step["params"])
             if problem:
-                hint = _parameter_hint(run, results, r, s, ranks)
+                hint = _parameter_hint(run, drawn, results, r, s, ranks)
                 fail(
                     check,
                     f"rank {r}, after step {s} ({where}): {problem} (compared with "

@@ -5,8 +5,9 @@ shards right after `shard_module` (`_compare_initial_shards`), the gradient shar
 after every step (`_compare_stage3_step`), the bytes the model holds after forward and after
 the step (`_judge_held_bytes`), full parameters kept outside the model
 (`_judge_private_copies`) and the weights all-gathered again in backward
-(`_judge_regathering`). Each raises the failure a student sees; `_verified_stage3` is what a
-passing check says it verified.
+(`_judge_regathering`, on the bytes the launcher's tallies show each rank received during
+backward: `gathered_in_backward`). Each raises the failure a student sees; `_verified_stage3`
+is what a passing check says it verified.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from course_lib.grading._harness import fail
+from course_lib.grading._harness import calls_by_case, fail
+from course_lib.grading.traffic import Traffic
 from course_lib.grading.zero_judge import GRAD_TOLERANCE, _check_bytes, _mismatch
 from course_lib.grading.zero_memory import (
     chunk_of,
@@ -22,6 +24,7 @@ from course_lib.grading.zero_memory import (
     shard_bytes,
     shard_numel,
 )
+from course_lib.grading.zero_ranks import STAGE3_PHASES, stage3_cases
 
 # When the model's holdings are measured (the key of the ranks' records), and what to do when
 # it holds more than its shards.
@@ -195,25 +198,26 @@ def _private_copies_message(
     )
 
 
-def _judge_regathering(check: str, results: list[dict], model: nn.Module, where: str) -> None:
+def _judge_regathering(check: str, gathered: list[list[int]], model: nn.Module, where: str) -> None:
     """Backward needs every Linear layer's full weight again: each rank, at every step, must
-    all-gather at least the other ranks' shards of them during backward."""
+    all-gather at least the other ranks' shards of them during backward. `gathered[r][s]` is
+    what rank r received by all-gather or broadcast in step s's backward, from the
+    launcher's tallies (`gathered_in_backward`)."""
     __tracebackhide__ = True
-    ranks = len(results)
+    ranks = len(gathered)
     linear_weights = sum(
         shard_numel(m.weight.numel(), ranks) * m.weight.element_size()
         for m in model.modules()
         if isinstance(m, nn.Linear)
     )
     needed = (ranks - 1) * linear_weights
-    for s in range(len(results[0]["steps"])):
-        for r, result in enumerate(results):
-            gathered = result["steps"][s]["gathered_in_backward"]
-            if ranks > 1 and gathered < needed:
+    for s in range(len(gathered[0])):
+        for r, per_step in enumerate(gathered):
+            if ranks > 1 and per_step[s] < needed:
                 fail(
                     check,
                     f"rank {r}, step {s}, {where}: during backward it all-gathered "
-                    f"{gathered:,} bytes of parameters; computing the input gradients "
+                    f"{per_step[s]:,} bytes of parameters; computing the input gradients "
                     "needs every Linear layer's full weight again: at least "
                     f"{needed:,} bytes for {ranks} ranks.\nHint: autograd keeps the "
                     "tensors forward saved until backward, so full weights saved in "
@@ -221,6 +225,27 @@ def _judge_regathering(check: str, results: list[dict], model: nn.Module, where:
                     "when backward needs the weight "
                     "(torch.autograd.graph.saved_tensors_hooks)",
                 )
+
+
+# The calls that bring parameters in, as the launcher's tallies name them
+# (`course_lib.counted_group`: all_gather_single is reported as all_gather_into_tensor).
+GATHERING = ("all_gather", "all_gather_into_tensor", "broadcast")
+
+
+def gathered_in_backward(check: str, traffic: Traffic, steps: int) -> list[list[int]]:
+    """Per rank, per step, the bytes it received by the calls of `GATHERING` during
+    backward, as the launcher received its calls (marked by `zero_ranks._train_stage3`).
+    Marks that are not the check's own fail the part as tampering (`calls_by_case`)."""
+    __tracebackhide__ = True
+    per_case = calls_by_case(check, traffic.tallies, stage3_cases(steps))
+    backward = 1 + STAGE3_PHASES.index("backward")
+    return [
+        [
+            sum(c.received for c in cases[backward + len(STAGE3_PHASES) * s] if c.op in GATHERING)
+            for s in range(steps)
+        ]
+        for cases in per_case
+    ]
 
 
 # --- what a passing check says ------------------------------------------------------------

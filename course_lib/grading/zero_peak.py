@@ -48,7 +48,6 @@ from course_lib.grading.zero_ranks import (
     global_batches,
 )
 from course_lib.models import lm_loss
-from course_lib.runtime import rank, world_size
 
 LAYERS_ALLOWED = 3
 
@@ -169,16 +168,15 @@ def largest_layer_bytes(model: nn.Module) -> int:
     )
 
 
-def _peak_stage3(shard_module: Callable, run: ZeroRun) -> list[dict]:
+def _peak_stage3(shard_module: Callable, run: ZeroRun, mine: dict) -> list[dict]:
     """On each rank, per step: the peak of the student's sharded model's forward and
-    backward, as metered here (the plain model's is measured in the checking process)."""
-    ranks, me = world_size(), rank()
-    model = build_model(run)
+    backward on this rank's shares (`mine`, `zero_cases.given`), as metered here (the plain
+    model's is measured in the checking process)."""
+    model = build_model(run, mine["weights"])
     model = shard_module(model) or model
     optimizer = make_optimizer("adamw", model.parameters())
     steps = []
-    for x, y in global_batches(run):
-        x, y = data.shard(x, me, ranks), data.shard(y, me, ranks)
+    for x, y in mine["shares"]:
         optimizer.zero_grad()
         steps.append(_step_peak(model, x, y))
         optimizer.step()

@@ -1,26 +1,24 @@
-"""Part of Assignment 7's checks (grading/zero.py): what runs on each rank, and the
-single-process reference the checks compare it with.
+"""Part of Assignment 7's checks (grading/zero.py): what runs on each rank.
 
 Each check trains `TinyGPT(SMALL)` for a few AdamW steps in float64 (`ZeroRun`), every global
 batch split across the ranks and each rank's loss the mean over its own share:
 `_train_stage12` with a student's ZeRO-1/2 optimizer, `_train_stage3` with a student's
-`shard_module`, each recording what the judging compares and the bytes it measured.
-`reference` is torch.optim.AdamW on one process on the whole batch; `measure_memory` is the
-notebook's per-rank table of bytes for one step.
+`shard_module`, each on what its rank is given (`zero_cases.given`: the seed of the initial
+weights and its own shares, never the other ranks' nor the batches' seeds), recording what the
+judging compares and the bytes it measured. Communication is not counted here: stage 3 marks
+its cases (`counted_group.mark`) so that the launcher's tallies tell backward's calls apart.
+`measure_memory` is the notebook's per-rank table of bytes for one step.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from course_lib import data
-from course_lib.comm import CommCounter
+from course_lib import counted_group, data
 from course_lib.grading.training import ADAMW, make_optimizer, snapshot
 from course_lib.grading.zero_memory import (
     _storage_bytes,
@@ -85,14 +83,18 @@ class ZeroRun:
 NEW_LR = ADAMW["lr"] / 2
 
 
-def build_model(run: ZeroRun) -> TinyGPT:
-    return TinyGPT(SMALL, seed=run.seed, dtype=torch.float64)
+def build_model(run: ZeroRun, weights: int | None = None) -> TinyGPT:
+    """The model every rank starts from: seeded by `weights` (a check's draw), else by
+    `run.seed` (the notebook's)."""
+    return TinyGPT(SMALL, seed=run.seed if weights is None else weights, dtype=torch.float64)
 
 
-def global_batches(run: ZeroRun) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The same global batches on every rank and in the reference."""
-    x, y = data.tokens(4 * run.batch_size, SMALL.seq_len, SMALL.vocab_size, seed=run.seed + 1)
-    return data.batches(x, y, run.batch_size, run.steps, seed=run.seed)
+def global_batches(run: ZeroRun, drawn=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches: of a check's secret draw (`zero_cases.Drawn`, in the checking
+    process only), else of `run.seed` (the notebook's, the same on every rank)."""
+    tokens, order = (run.seed + 1, run.seed) if drawn is None else (drawn.tokens, drawn.order)
+    x, y = data.tokens(4 * run.batch_size, SMALL.seq_len, SMALL.vocab_size, seed=tokens)
+    return data.batches(x, y, run.batch_size, run.steps, seed=order)
 
 
 def _visible_shards(optimizer: object, model: nn.Module, ranks: int) -> list | None:
@@ -128,12 +130,13 @@ def _set_lr(optimizer: object, lr: float) -> None:
             group["lr"] = lr
 
 
-def _train_stage12(impl: Callable, stage: int, run: ZeroRun) -> dict:
-    """On each rank: train with the student's optimizer; record what the check compares.
-    In stage 2, each backward runs under `zero_meter.GradientMeter`, whose hooks are made
-    before the student's optimizer: the bytes alive each time a gradient is ready."""
-    ranks, me = world_size(), rank()
-    model = build_model(run)
+def _train_stage12(impl: Callable, stage: int, run: ZeroRun, mine: dict) -> dict:
+    """On each rank: train with the student's optimizer on this rank's shares (`mine`);
+    record what the check compares. In stage 2, each backward runs under
+    `zero_meter.GradientMeter`, whose hooks are made before the student's optimizer: the bytes
+    alive each time a gradient is ready."""
+    ranks = world_size()
+    model = build_model(run, mine["weights"])
     sampler = GradientMeter(model) if stage == 2 else None
     # optimizer_cls is torch.optim.AdamW itself: on the CPU it runs its single-tensor code
     # (foreach=False), as the reference does.
@@ -141,8 +144,7 @@ def _train_stage12(impl: Callable, stage: int, run: ZeroRun) -> dict:
     groups = getattr(optimizer, "param_groups", None)
     lr = groups[0].get("lr") if isinstance(groups, list) and groups else None
     steps = []
-    for s, (x, y) in enumerate(global_batches(run)):
-        x, y = data.shard(x, me, ranks), data.shard(y, me, ranks)
+    for s, (x, y) in enumerate(mine["shares"]):
         optimizer.zero_grad()
         before = live_tensor_bytes() if sampler else 0
         backwards = []
@@ -171,19 +173,49 @@ def _train_stage12(impl: Callable, stage: int, run: ZeroRun) -> dict:
     return {"lr": lr, "steps": steps}
 
 
-def _train_stage3(shard_module: Callable, run: ZeroRun) -> dict:
+class _Marks:
+    """Marks the cases of stage 3 for the launcher's tallies (`stage3_cases`), in order."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def next(self) -> None:
+        counted_group.mark(self.count)
+        self.count += 1
+
+    def finish(self, cases: int) -> None:
+        """The marks of the cases not run (a model the check refuses), and the last one."""
+        while self.count <= cases:
+            self.next()
+
+
+# Stage 3's cases, as its ranks mark them: shard_module, then per step its forward (with
+# zero_grad), its backward and its optimizer step.
+STAGE3_PHASES = ("forward", "backward", "step")
+
+
+def stage3_cases(steps: int) -> int:
+    """How many cases stage 3's ranks mark (the case of step s's phase k is 1 + 3 s + k)."""
+    return 1 + len(STAGE3_PHASES) * steps
+
+
+def _train_stage3(shard_module: Callable, run: ZeroRun, mine: dict) -> dict:
     """On each rank: shard the model with the student's shard_module, train it with AdamW
-    on the shards, and record shards, gradients, bytes held and what was gathered when."""
-    ranks, me = world_size(), rank()
-    model = build_model(run)
+    on the shards on this rank's shares (`mine`), and record shards, gradients and bytes
+    held. Each phase is a case marked for the launcher: what was gathered during backward is
+    read from its tallies, never counted here."""
+    marks = _Marks()
+    marks.next()  # shard_module
+    model = build_model(run, mine["weights"])
     model = shard_module(model) or model
     names = [name for name, _ in model.named_parameters()]
     result = {"names": names, "initial": snapshot(model.named_parameters()), "steps": []}
     if any(p.dim() != 1 for p in model.parameters()):
+        marks.finish(stage3_cases(run.steps))
         return result  # the check explains what a shard should look like
     optimizer = make_optimizer("adamw", model.parameters())
-    for x, y in global_batches(run):
-        x, y = data.shard(x, me, ranks), data.shard(y, me, ranks)
+    for x, y in mine["shares"]:
+        marks.next()  # forward
         optimizer.zero_grad()
         logits = model(x)
         after_forward = held_bytes(model)
@@ -191,9 +223,10 @@ def _train_stage3(shard_module: Callable, run: ZeroRun) -> dict:
         # The check's own records are not the student's: without `records`, each scan would
         # also copy every earlier record, and the scans would grow step after step.
         elsewhere = storages_elsewhere(model, optimizer, records=result)
-        with CommCounter() as backward_traffic:
-            lm_loss(logits, y).backward()
+        marks.next()  # backward
+        lm_loss(logits, y).backward()
         del logits
+        marks.next()  # the step
         grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
         optimizer.step()
         result["steps"].append(
@@ -205,49 +238,12 @@ def _train_stage3(shard_module: Callable, run: ZeroRun) -> dict:
                     model, optimizer, records=[result, elsewhere, grads]
                 ),
                 "held_after_step": held_bytes(model),
-                "gathered_in_backward": _gathered_bytes(backward_traffic),
                 "grads": grads,
                 "shards": snapshot(model.named_parameters()),
             }
         )
+    marks.finish(stage3_cases(run.steps))
     return result
-
-
-def _gathered_bytes(counter: CommCounter) -> int:
-    ops = ("all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast")
-    return sum(counter.by_op.get(op, [0, 0])[1] for op in ops)
-
-
-# --- the single-process reference, in the checking process --------------------------------
-
-
-def reference(run: ZeroRun, loss_scale: float = 1.0, new_lr: bool = True) -> dict:
-    """torch.optim.AdamW on one process on the whole batch: per step the gradients,
-    parameters and optimizer state (named). The learning rate changes to NEW_LR at
-    `run.new_lr_at` (unless `new_lr` is False); `loss_scale` > 1 trains on summed gradients
-    instead of averaged ones (both for telling a mistake apart). Two backwards on a rank
-    (`run.accumulate`) add up to the same gradients: one reference serves both."""
-    return _reference(dataclasses.replace(run, accumulate=False), loss_scale, new_lr)
-
-
-@functools.lru_cache(maxsize=8)
-def _reference(run: ZeroRun, loss_scale: float, new_lr: bool) -> dict:
-    model = build_model(run)
-    optimizer = make_optimizer("adamw", model.parameters())
-    steps = []
-    for s, (x, y) in enumerate(global_batches(run)):
-        optimizer.zero_grad()
-        (loss_scale * lm_loss(model(x), y)).backward()
-        grads = snapshot((n, p.grad) for n, p in model.named_parameters())
-        if new_lr and s == run.new_lr_at:
-            _set_lr(optimizer, NEW_LR)
-        optimizer.step()
-        state = {
-            n: {k: optimizer.state[p][k].clone() for k in STATE_NAMES}
-            for n, p in model.named_parameters()
-        }
-        steps.append({"grads": grads, "params": snapshot(model.named_parameters()), "state": state})
-    return {"initial": snapshot(build_model(run).named_parameters()), "steps": steps}
 
 
 # --- for the notebook: measured bytes per rank --------------------------------------------

@@ -263,6 +263,149 @@ def unpack(saved):
     return saved
 '''
 
+# --- what a rank might hold or count that is not its own ------------------------------------
+# The checks draw the weights and batches in the checking process from a secret, give each
+# rank only its own share of every batch and train the reference there; what ZeRO-3 gathers
+# in backward is read from the launcher's tallies. Before, every rank regenerated the whole
+# batch from the check's seed (`run.seed`, in its frames; the list of global batches, on its
+# heap) and counted backward's all-gathers with a `CommCounter` of its own.
+
+ZERO1_WHOLE_BATCH_IN_SIGHT = '''
+import gc
+import sys
+
+
+def _model_up_the_stack():
+    frame = sys._getframe(2)
+    while not isinstance(frame.f_locals.get("model"), nn.Module):
+        frame = frame.f_back
+    return frame.f_locals["model"]
+
+
+def _whole_batches():
+    """The global batches: any list of (tokens, targets) batches on the heap, and the batches
+    regenerated from the seed of a run found up the stack; the one with the most rows."""
+    found = []
+    for obj in gc.get_objects():
+        if (
+            isinstance(obj, list) and obj and isinstance(obj[0], tuple) and len(obj[0]) == 2
+            and all(isinstance(t, torch.Tensor) and t.dtype == torch.long for t in obj[0])
+            and obj[0][0].dim() == 2 and obj[0][0].shape[1] == SMALL.seq_len
+        ):
+            found.append(obj)
+    frame = sys._getframe(2)
+    while frame is not None:
+        run = frame.f_locals.get("run")
+        if hasattr(run, "seed") and hasattr(run, "batch_size"):
+            size, seed = run.batch_size, run.seed
+            x, y = data.tokens(4 * size, SMALL.seq_len, SMALL.vocab_size, seed=seed + 1)
+            found.append(data.batches(x, y, size, run.steps, seed=seed))
+            break
+        frame = frame.f_back
+    return max(found, key=lambda batches: len(batches[0][0]))
+
+
+class ShardedOptimizer:
+    """No gradient averaging: step() computes the full-batch gradient here, from the whole
+    batch found on the heap or regenerated from the seed up the stack, steps its shards with
+    it and all-gathers the parameters (the one collective it makes)."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        self.params = list(params)
+        self.shards = [nn.Parameter(take_shard(p)) for p in self.params]
+        self.optimizer = optimizer_cls(self.shards, **kwargs)
+        self.steps = 0
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+        self.optimizer.zero_grad()
+
+    def step(self):
+        x, y = _whole_batches()[self.steps]
+        self.steps += 1
+        model = _model_up_the_stack()
+        for p in self.params:
+            p.grad = None
+        lm_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p, shard in zip(self.params, self.shards, strict=True):
+                shard.grad = take_shard(p.grad)
+            self.optimizer.step()
+            self.gather_parameters()
+
+    def gather_parameters(self):
+        for p, shard in zip(self.params, self.shards, strict=True):
+            p.copy_(gather_full(shard, p.shape))
+'''
+
+ZERO3_COUNTER_FORGED = '''
+import course_lib.comm as comm
+
+
+class GatherParameter(torch.autograd.Function):
+    """Backward gathers nothing (the full weights were kept, negated, from forward), and
+    books the bytes of a gather in the rank's own counters instead."""
+
+    @staticmethod
+    def forward(ctx, shard, shape):
+        return gather_full(shard, shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        for counter in list(comm._active):
+            counter.add("all_gather", 0, grad.numel() * grad.element_size())
+        return reduce_scatter_mean(grad), None
+
+
+def shard_module(model):
+    for module in model.modules():
+        own = list(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        module.full_shapes = {name: p.shape for name, p in own}
+        for name, p in own:
+            module._parameters[name] = nn.Parameter(take_shard(p))
+        module.register_forward_pre_hook(gather_layer)
+        module.register_forward_hook(free_layer)
+    return model
+
+
+def gather_layer(module, args):
+    module.gathered = {}
+    for name, shape in module.full_shapes.items():
+        full = GatherParameter.apply(module._parameters[name], shape)
+        module.__dict__[name] = module.gathered[name] = full
+    module.saving = torch.autograd.graph.saved_tensors_hooks(partial(pack, module), unpack)
+    module.saving.__enter__()
+
+
+def free_layer(module, args, output):
+    module.saving.__exit__(None, None, None)
+    for name in module.full_shapes:
+        del module.__dict__[name]
+    module.gathered = {}
+
+
+def pack(module, tensor):
+    """A full parameter saved for backward is kept whole, negated: no copy of its values
+    for a search to find, and nothing to gather again."""
+    for full in module.gathered.values():
+        if tensor.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+            return ("negated", -tensor)
+    return tensor
+
+
+def unpack(saved):
+    if isinstance(saved, tuple):
+        return -saved[1]
+    return saved
+'''
+
 CHEATS = [
     Cheat(
         "ZeRO-1 without sharding",
@@ -314,6 +457,19 @@ CHEATS = [
         PATCH_FIND_MISMATCH,
         frozenset({"test_zero1", "test_zero2", "test_zero3", "test_zero3_peak"}),
         alone=True,
+    ),
+    Cheat(
+        "ZeRO-1 averaging nothing: the whole batch found on the heap or regenerated from the "
+        "seed up the stack",
+        "zero1",
+        ZERO1_WHOLE_BATCH_IN_SIGHT,
+        frozenset({"test_zero1"}),
+    ),
+    Cheat(
+        "ZeRO-3 gathering nothing in backward, the gathers booked in the rank's counters",
+        "zero3",
+        ZERO3_COUNTER_FORGED,
+        frozenset({"test_zero3"}),
     ),
 ]
 
