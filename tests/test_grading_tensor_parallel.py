@@ -37,12 +37,15 @@ from course_lib.grading.tensor_parallel_loss import (
 from tests.adapters import mutant, planted, solution
 from tests.cheats.a09_tensor_parallel import (
     LECTURE_LOSS,
+    LOSS_COUNTERS_EMPTIED,
     LOSS_FROM_THE_CALLERS_FRAME,
     LOSS_IN_PLACE_ON_COPIES,
+    LOSS_INNER_GROUP,
     LOSS_ONE_ALL_GATHER,
     LOSS_SHIFTS_TARGETS,
     MLP_COPIED_INTO_LINEARS,
     MLP_FULL_COPY,
+    MLP_INNER_GROUP_FORGED,
     MLP_SHARD_VIEWS,
 )
 
@@ -568,3 +571,111 @@ def test_vocab_loss_over_budget_is_only_the_bytes():
         check_vocab_parallel_cross_entropy(loss_gathering_the_logits, world_sizes=(4,))
     assert info.value.failed == {"bytes"} and info.value.score == 0
     assert f"at most {budget_bytes(24):,} allowed" in str(info.value)
+
+
+# --- what a verdict trusts: nothing computed, drawn or counted on the ranks ---------------
+
+# Right numbers; its forward all-gathers the partial outputs with the rank's counters emptied
+# around the call, and makes an all-reduce of nothing for the counters to see.
+RowAllGatherHidden = planted(
+    "tensor_parallel",
+    "row_parallel",
+    """
+import course_lib.comm as comm
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear):
+        super().__init__()
+        n, P, r = linear.in_features, world_size(), rank()
+        self.weight = nn.Parameter(linear.weight.detach()[:, r * n // P : (r + 1) * n // P].clone())
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x):
+        partial = F.linear(x, self.weight)
+        pieces = [torch.empty_like(partial) for _ in range(world_size())]
+        counters = list(comm._active)
+        comm._active.clear()
+        try:
+            dist.all_gather(pieces, partial.detach())
+        finally:
+            comm._active.extend(counters)
+        dist.all_reduce(torch.zeros(1, dtype=x.dtype))
+        total = sum(pieces) - partial.detach() + partial  # this rank's part in autograd
+        return total if self.bias is None else total + self.bias
+""",
+).RowParallelLinear
+MLPInnerGroupForged = planted("tensor_parallel", "parallel_mlp", MLP_INNER_GROUP_FORGED).ParallelMLP
+loss_counters_emptied = planted(
+    "tensor_parallel", "vocab_loss", LOSS_COUNTERS_EMPTIED
+).vocab_parallel_cross_entropy
+loss_inner_group = planted(
+    "tensor_parallel", "vocab_loss", LOSS_INNER_GROUP
+).vocab_parallel_cross_entropy
+
+
+def test_layer_calls_hidden_from_the_ranks_counters_are_still_judged():
+    # The launcher saw the all-gather: right numbers, Megatron's calls not, half the points.
+    with pytest.raises(CheckFailed) as info:
+        check_row_parallel_linear(RowAllGatherHidden, world_sizes=(2,), timeout=15)
+    assert info.value.failed == {"communication"} and info.value.score == 0.5
+    assert "forward pass made these collective calls: {'all_gather': 1, 'all_reduce': 1}" in str(
+        info.value
+    )
+
+
+def test_layer_calls_on_the_inner_group_with_forged_counters_score_zero():
+    # No call reported, bytes on the sockets all the same: tampering, the part scores 0.
+    with pytest.raises(CheckFailed) as info:
+        check_parallel_mlp(MLPInnerGroupForged, world_sizes=(2,), timeout=15)
+    assert info.value.tampering and info.value.score == 0
+    assert "none of its send/recv calls account for" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (loss_counters_emptied, "Gathering the logits would send"),
+        (loss_inner_group, "none of its send/recv calls account for"),
+    ],
+)
+def test_loss_bytes_hidden_from_the_ranks_counters_are_still_judged(fn, message):
+    with pytest.raises(CheckFailed) as info:
+        check_vocab_parallel_cross_entropy(fn, world_sizes=(2,), timeout=15)
+    assert message in str(info.value) and info.value.score == 0
+
+
+class ColumnLooksForOthersShards(ColumnParallelLinear):
+    """Right, and it refuses to run if any other rank's weights are within its reach: on its
+    dense layer, or anywhere on its rank's heap (a tensor shaped like the dense weight with
+    rows outside this rank's block that are not zero)."""
+
+    def __init__(self, linear, gather_output=False):
+        import gc
+
+        super().__init__(linear, gather_output)
+        rows = self.weight.shape[0]
+        mine = slice(rank() * rows, (rank() + 1) * rows)
+        for obj in [linear.weight, *gc.get_objects()]:
+            if isinstance(obj, torch.Tensor) and obj.shape == linear.weight.shape:
+                others = obj.detach().clone()
+                others[mine] = 0
+                if others.any():
+                    raise ValueError("another rank's rows of the dense weight are on this rank")
+
+
+def test_a_rank_holds_only_its_own_shard_of_the_weights():
+    check_column_parallel_linear(ColumnLooksForOthersShards, world_sizes=(2, 4), timeout=30)
+
+
+def test_every_call_draws_new_weights_and_inputs():
+    # Two calls of the same case share no weights: they come from a secret, new each time.
+    from course_lib.grading._harness import new_secret
+    from course_lib.grading.tensor_parallel_shards import draw
+
+    case = Case("mlp", in_features=8, out_features=16)
+    first, second = draw(case, new_secret(), 2), draw(case, new_secret(), 2)
+    assert not torch.equal(first.params["fc.weight"], second.params["fc.weight"])
+    assert not torch.equal(first.x, second.x)

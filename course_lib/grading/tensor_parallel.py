@@ -45,6 +45,7 @@ from course_lib.grading._harness import (
     Verdict,
     calls_by_case,
     fail,
+    judge_unreported,
     new_secret,
     run_on_ranks,
 )
@@ -98,6 +99,10 @@ def _check(check: str, cls: Callable, cases: list[Case], world_sizes, timeout: f
         )  # fmt: skip
         if found[0]["copied"]:
             fail(check, found[0]["copied"])
+        # Bytes on a rank's sockets that no reported call accounts for: calls made around
+        # the counted group (its inner gloo group, say). Judged where a rank reported only
+        # sends and receives, or nothing: a layer that hides all its all-reduces.
+        judge_unreported(check, traffic)
         # Per rank, per case: the calls its process group reported in the forward (mark
         # 4i + 1) and in the backward (4i + 2) of the first pass.
         marked = calls_by_case(check, traffic.tallies, MARKS_PER_CASE * len(cases))
@@ -234,6 +239,7 @@ def check_vocab_parallel_cross_entropy(
         )  # fmt: skip
         if found[0]["copied"]:
             fail(check, found[0]["copied"])
+        judge_unreported(check, traffic)  # as for the layers (`_check`)
         marked = calls_by_case(check, traffic.tallies, len(cases))  # per rank, per case
         for i, case in enumerate(cases):
             results = [per_rank["cases"][i] for per_rank in found]
