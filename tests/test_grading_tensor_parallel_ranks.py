@@ -1,7 +1,8 @@
-"""Assignment 9's checks trust nothing computed, drawn or counted on the ranks: each rank
-holds only its shard, the weights and inputs are new at every call, and the calls and bytes
-are the launcher's (and the kernel's), not counters on the rank that its code can empty or
-forge. Each test here fails on checks that counted on the ranks."""
+"""What Assignment 9's ranks hold and count (grading/tensor_parallel_ranks.py): the checks
+trust nothing computed, drawn or counted on the ranks. Each rank holds only its shard, the
+weights and inputs are new at every call, and the calls and bytes are the launcher's (and
+the kernel's), not counters on the rank that its code can empty or forge. Each test here
+fails on checks that counted on the ranks."""
 
 from __future__ import annotations
 
