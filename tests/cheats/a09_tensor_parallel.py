@@ -40,8 +40,8 @@ LOSS_SHIFTS_TARGETS = _edited(
 
 
 # No messages: the whole logits, wherever a frame of the check holds them, through
-# F.cross_entropy (this rank's block kept in autograd). Each rank's block is drawn from a
-# secret seed of its own, so no frame holds the others'.
+# F.cross_entropy (this rank's block kept in autograd). The checking process draws the
+# logits and sends each rank only its block, so no frame on a rank holds the others'.
 LOSS_FROM_THE_CALLERS_FRAME = """
 import inspect
 
