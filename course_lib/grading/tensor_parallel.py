@@ -6,12 +6,16 @@
     check_parallel_attention(ParallelSelfAttention)      CausalSelfAttention split by heads
     check_vocab_parallel_cross_entropy(fn)               the loss of vocabulary-split logits
 
-Every layer is built on each rank from the same dense layer (`torch.nn.Linear`,
-`course_lib.models.MLPBlock`, `course_lib.models.CausalSelfAttention`, seeded, float64), run
-forward on the same input, and backward with the same upstream gradient. Its output, the
-gradient of its input and the gradients of its weight shards must equal the dense layer's, on
-1, 2 and 4 ranks, to float64 rounding; the layer holds copies, so the dense layer it was built
-from stays as it was (values and no gradients).
+Every layer is built on each rank from a dense layer (`torch.nn.Linear`,
+`course_lib.models.MLPBlock`, `course_lib.models.CausalSelfAttention`, float64) whose weights
+the check draws from a secret, new at every call, in the checking process; rank r's copy
+holds only rank r's shard (zeros elsewhere: a rank holds nothing of the others' shards). It is
+run forward on the input and backward with the upstream gradient as a rank of the layer
+holds them (drawn there too). Its output, the gradient of its input and the gradients of its
+weight shards must equal the dense layer's, computed in the checking process, on 1, 2 and 4
+ranks, to float64 rounding; the layer holds copies, so the dense layer it was built from
+stays as it was (values and no gradients). Its collective calls are judged from the
+launcher's record of what each rank's process group did, forward and backward apart.
 
 Sharding (P ranks, rank r, "block r of n" = rows or columns r*n/P .. (r+1)*n/P - 1):
 - column-parallel: `weight` holds block r of the dense weight's rows (output features),
@@ -25,7 +29,7 @@ Sharding (P ranks, rank r, "block r of n" = rows or columns r*n/P .. (r+1)*n/P -
   then their value rows; `proj` is row-parallel.
 
 The checks stand on their parts:
-    tensor_parallel_shards.py   the cases, the dense layers, where each rank's shard sits
+    tensor_parallel_shards.py   the cases, their secret draws, where each rank's shard sits
     tensor_parallel_ranks.py    what runs on each rank: the layer built, run, nudged, run again
     tensor_parallel_judge.py    each rank's shards, numbers and collective calls judged
     tensor_parallel_loss.py     Part 5: the loss without the full logits, and its byte budget
@@ -35,23 +39,36 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from course_lib.grading._harness import RESULT, Verdict, fail, run_on_ranks
+from course_lib.calls import PerRank
+from course_lib.grading._harness import (
+    RESULT,
+    Verdict,
+    calls_by_case,
+    fail,
+    judge_unreported,
+    new_secret,
+    run_on_ranks,
+)
 from course_lib.grading.tensor_parallel_judge import ATOL, COMMUNICATION, RTOL, judge_case
 from course_lib.grading.tensor_parallel_loss import (
     LOSS_WORLD_SIZES,
     NUMBERS_PER_TOKEN,
     VOCAB,
+    draw_loss,
     judge_loss_case,
     loss_cases,
+    loss_given,
     run_loss_cases,
 )
-from course_lib.grading.tensor_parallel_ranks import run_cases
+from course_lib.grading.tensor_parallel_ranks import MARKS_PER_CASE, run_cases
 from course_lib.grading.tensor_parallel_shards import (
     Case,
     assemble,
     block,
     dense_layer,
+    draw,
     expected_shards,
+    given,
     head_rows,
     shard_index,
 )
@@ -72,12 +89,30 @@ def _check(check: str, cls: Callable, cases: list[Case], world_sizes, timeout: f
     verdict = Verdict(check, TP_WEIGHTS)
     what = f"your {getattr(cls, '__name__', 'layer')}"
     for P in world_sizes:
-        found = run_on_ranks(check, run_cases, cls, cases, world_size=P, timeout=timeout, what=what)
+        drawn = [draw(case, new_secret(), P) for case in cases]
+        shares = PerRank(
+            [[given(case, d, r, P) for case, d in zip(cases, drawn, strict=True)] for r in range(P)]
+        )
+        found, traffic = run_on_ranks(
+            check, run_cases, cls, cases, shares, world_size=P, timeout=timeout, what=what,
+            traffic=True,
+        )  # fmt: skip
         if found[0]["copied"]:
             fail(check, found[0]["copied"])
+        # Bytes on a rank's sockets that no reported call accounts for: calls made around
+        # the counted group (its inner gloo group, say). Judged where a rank reported only
+        # sends and receives, or nothing: a layer that hides all its all-reduces.
+        judge_unreported(check, traffic)
+        # Per rank, per case: the calls its process group reported in the forward (mark
+        # 4i + 1) and in the backward (4i + 2) of the first pass.
+        marked = calls_by_case(check, traffic.tallies, MARKS_PER_CASE * len(cases))
         for i, case in enumerate(cases):
             results = [per_rank["cases"][i] for per_rank in found]
-            judge_case(check, verdict, case, results, P)
+            calls = [
+                {"forward": mine[MARKS_PER_CASE * i + 1], "backward": mine[MARKS_PER_CASE * i + 2]}
+                for mine in marked
+            ]
+            judge_case(check, verdict, case, drawn[i], results, calls, P)
     verdict.conclude(_verified(cases, world_sizes))
 
 
@@ -196,15 +231,20 @@ def check_vocab_parallel_cross_entropy(
     cases = [case for seed in seeds for case in loss_cases(seed)]
     verdict, most = Verdict(check), 0
     for P in world_sizes:
-        found = run_on_ranks(
-            check, run_loss_cases, vocab_parallel_cross_entropy, cases, world_size=P,
-            timeout=timeout, what="your vocab_parallel_cross_entropy",
+        drawn = [draw_loss(case, new_secret(), P) for case in cases]
+        shares = PerRank([[loss_given(*d, r, P) for d in drawn] for r in range(P)])
+        found, traffic = run_on_ranks(
+            check, run_loss_cases, vocab_parallel_cross_entropy, cases, shares, world_size=P,
+            timeout=timeout, what="your vocab_parallel_cross_entropy", traffic=True,
         )  # fmt: skip
         if found[0]["copied"]:
             fail(check, found[0]["copied"])
+        judge_unreported(check, traffic)  # as for the layers (`_check`)
+        marked = calls_by_case(check, traffic.tallies, len(cases))  # per rank, per case
         for i, case in enumerate(cases):
             results = [per_rank["cases"][i] for per_rank in found]
-            most = max(most, judge_loss_case(check, verdict, case, results, P))
+            calls = [mine[i] for mine in marked]
+            most = max(most, judge_loss_case(check, verdict, case, drawn[i], results, calls, P))
     verdict.conclude(
         f"{len(cases)} cases (V = {VOCAB}, float64, logits near 1000 among them, each rank's "
         f"block secret) on {', '.join(str(P) for P in world_sizes)} rank(s): neither "

@@ -1,6 +1,9 @@
 """Assignment 9's layers judged, rank by rank, against the dense layer: the shards each rank
 holds right after construction, its output, the gradients of its input and of its shards, the
-layer computed again after its shards were secretly nudged, and its collective calls.
+layer computed again after its shards were secretly nudged, and its collective calls. The
+dense layer's numbers are computed here, in the checking process, from the check's secret
+draw; the calls are the launcher's record of what each rank's process group did
+(`_harness.calls_by_case`), never a count kept on the rank.
 
 Half a layer's points are for the numbers (`compare_held`, `compare_result`,
 `compare_nudged`, `compare_dense`), half for making Megatron's collective calls
@@ -15,12 +18,14 @@ from course_lib import compare
 from course_lib.grading._harness import Verdict, fail
 from course_lib.grading.tensor_parallel_shards import (
     Case,
-    assemble,
+    Drawn,
     block,
-    dense_layer,
     dense_reference,
     expected_shards,
+    nudged_params,
+    rank_params,
 )
+from course_lib.grading.traffic import Sent
 
 RTOL, ATOL = 1e-10, 1e-10  # float64: a sum split across ranks differs by ~1e-15
 
@@ -58,7 +63,9 @@ def compare_held(check: str, case: Case, ref: dict, result: dict, r: int, P: int
     for name, expected in want.items():
         problem = compare.find_mismatch({name: got[name]}, {name: expected}, rtol=0.0, atol=0.0)
         if problem:
-            hint = _shard_hint(case, name, got[name], ref["params"][name], r, P)
+            # what the student's code saw: the dense layer as this rank was given it
+            seen = rank_params(case, ref["params"], r, P)[name]
+            hint = _shard_hint(case, name, got[name], seen, r, P)
             fail(check, f"{at}: right after construction, {problem}.\nHint: {hint}")
 
 
@@ -89,14 +96,13 @@ def _rank_view(case: Case, ref: dict, r: int, P: int) -> tuple[torch.Tensor, tor
     return want_out, want_x
 
 
-def compare_nudged(check: str, case: Case, results: list[dict], P: int) -> None:
+def compare_nudged(check: str, case: Case, drawn: Drawn, results: list[dict], P: int) -> None:
     """After every rank's shards were nudged, the layer must compute the dense layer that
     those shards form: a layer that kept a copy of the dense weights does not."""
     __tracebackhide__ = True
-    if any(res["nudged"] is None for res in results):
+    if not all(res["nudged"] for res in results):
         return
-    dense = {name: p.detach() for name, p in dense_layer(case).named_parameters()}
-    ref = dense_reference(case, assemble(case, dense, [res["nudged"] for res in results]))
+    ref = dense_reference(case, drawn, nudged_params(case, drawn))
     for r, res in enumerate(results):
         want_out, want_x = _rank_view(case, ref, r, P)
         got = res["after_nudge"]
@@ -196,18 +202,20 @@ _WHY = {
 }
 
 
-def _calls(counted: dict) -> dict:
+def _calls(reported: list[Sent]) -> dict:
     """Collective calls by kind, the all-gather variants as one."""
     out: dict[str, int] = {}
-    for op, n in counted.items():
-        kind = "all_gather" if op.startswith("all_gather") else op
-        out[kind] = out.get(kind, 0) + n
+    for call in reported:
+        kind = "all_gather" if call.op.startswith("all_gather") else call.op
+        out[kind] = out.get(kind, 0) + 1
     return out
 
 
-def compare_communication(check: str, case: Case, result: dict, r: int, P: int) -> None:
-    """The collectives of Megatron's layers, on every route (the grading ranks count them
-    at the process group)."""
+def compare_communication(
+    check: str, case: Case, phases: dict[str, list[Sent]], r: int, P: int
+) -> None:
+    """The collectives of Megatron's layers, on every route: `phases` holds the calls rank
+    r's process group reported to the launcher in the forward and in the backward pass."""
     __tracebackhide__ = True
     if P == 1:
         return
@@ -216,7 +224,7 @@ def compare_communication(check: str, case: Case, result: dict, r: int, P: int) 
     if case.kind == "column" and case.gather_output:
         forward = {"all_gather": 1}
     for phase, want in (("forward", forward), ("backward", backward)):
-        calls = _calls(result[f"{phase}_calls"])
+        calls = _calls(phases[phase])
         if calls != want:
             fail(
                 check,
@@ -227,11 +235,13 @@ def compare_communication(check: str, case: Case, result: dict, r: int, P: int) 
             )
 
 
-def compare_dense(check: str, case: Case, ref: dict, result: dict, r: int, P: int) -> None:
-    """The dense layer the layer was built from is as it was: the layer holds copies."""
+def compare_dense(check: str, case: Case, drawn: Drawn, result: dict, r: int, P: int) -> None:
+    """The dense layer the layer was built from is as rank r was given it: the layer holds
+    copies."""
     __tracebackhide__ = True
     at = f"rank {r} ({case.describe(P)})"
-    problem = compare.find_mismatch(result["dense_after"], ref["params"], rtol=0.0, atol=0.0)
+    was = rank_params(case, drawn.params, r, P)
+    problem = compare.find_mismatch(result["dense_after"], was, rtol=0.0, atol=0.0)
     if problem:
         fail(
             check,
@@ -248,20 +258,29 @@ def compare_dense(check: str, case: Case, ref: dict, result: dict, r: int, P: in
         )
 
 
-def judge_case(check: str, verdict: Verdict, case: Case, results: list[dict], P: int) -> None:
-    """One case on P ranks (results[r] from rank r), as two of the verdict's cases: the result
-    (every rank's shards and numbers against the dense layer's, then the nudged layer, then
-    the dense layer left as it was), then the communication."""
+def judge_case(
+    check: str,
+    verdict: Verdict,
+    case: Case,
+    drawn: Drawn,
+    results: list[dict],
+    calls: list[dict[str, list[Sent]]],
+    P: int,
+) -> None:
+    """One case on P ranks (results[r] from rank r, calls[r] its forward's and backward's
+    calls as the launcher recorded them), as two of the verdict's cases: the result (every
+    rank's shards and numbers against the dense layer's, then the nudged layer, then the
+    dense layer left as it was), then the communication."""
     __tracebackhide__ = True
-    ref = dense_reference(case)
+    ref = dense_reference(case, drawn)
     with verdict.case():
         for r, result in enumerate(results):
             compare_held(check, case, ref, result, r, P)
         for r, result in enumerate(results):
             compare_result(check, case, ref, result, r, P)
-        compare_nudged(check, case, results, P)
+        compare_nudged(check, case, drawn, results, P)
         for r, result in enumerate(results):
-            compare_dense(check, case, ref, result, r, P)
+            compare_dense(check, case, drawn, result, r, P)
     with verdict.case():
-        for r, result in enumerate(results):
-            compare_communication(check, case, result, r, P)
+        for r, phases in enumerate(calls):
+            compare_communication(check, case, phases, r, P)

@@ -3,10 +3,11 @@
 A column-parallel LM head leaves rank r of P with the logits of its block of the vocabulary,
 columns r*V/P .. (r+1)*V/P - 1. The student's `vocab_parallel_cross_entropy(local_logits,
 targets)` returns the mean cross-entropy over the tokens, the same on every rank, and its
-backward gives each rank its block of the full gradient. Each rank draws its block of the
-logits from a secret seed of its own (no rank can know another's block but by messages)
-and sends back the seed, its loss and gradient, and its logits and targets as the call left
-them; the judge rebuilds the whole logits from the ranks' seeds. It judges
+backward gives each rank its block of the full gradient. The checking process draws the whole
+logits and the targets from a secret, new at every call (`draw_loss`), and sends each rank
+only its block of the logits and the targets (`course_lib.calls.PerRank`: no rank can know
+another's block but by messages); a rank sends back its loss and gradient, and its logits and
+targets as the call left them. The reference is computed in the checking process. It judges
 
 - its inputs: the call changes neither its block of the logits nor the targets in place;
 - the numbers: loss and gradient against `F.cross_entropy` on the whole logits in the
@@ -14,7 +15,8 @@ them; the judge rebuilds the whole logits from the ranks' seeds. It judges
   near 1000 (exp overflows float64 above 709: an answer that does not subtract a maximum
   fails there) and with every target in one rank's block;
 - a measurement: the bytes each rank sends and receives, forward and backward together, as
-  the grading ranks' counted group sees every collective, may not exceed
+  the launcher recorded every call of the rank's process group while it happened
+  (`_harness.calls_by_case`; never a count kept on the rank), may not exceed
   `NUMBERS_PER_TOKEN` float64 numbers per token (`budget_bytes`). Gathering the logits costs
   (P-1) V/P numbers per token (`gathered_logits_bytes`), 48 at V = 96 and P = 2.
 
@@ -27,22 +29,20 @@ The budget's two formulas live here, next to the check, rather than in `course_l
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from course_lib import compare
-from course_lib.comm import CommCounter
+from course_lib import compare, counted_group
 from course_lib.costs import all_gather_bytes
 from course_lib.grading._harness import Verdict, fail
 from course_lib.grading.provenance import Provenance
 from course_lib.grading.tensor_parallel_judge import ATOL, RTOL
 from course_lib.grading.tensor_parallel_ranks import LECTURE_TP
 from course_lib.grading.tensor_parallel_shards import block
-from course_lib.runtime import world_size
+from course_lib.grading.traffic import Sent
 
 VOCAB = 96  # divides by 1, 2, 3 and 4
 NUMBERS_PER_TOKEN = 12  # what a rank may send (and receive) per token, forward + backward
@@ -64,10 +64,10 @@ def gathered_logits_bytes(
 
 @dataclass(frozen=True)
 class LossCase:
-    """Logits of `tokens` tokens over the vocabulary: `offset + spread * N(0, 1)`, each rank's
-    block from a secret seed; targets uniform over the vocabulary, or all in the last rank's
-    block, from `seed`; the loss is multiplied by `upstream` before backward (the gradient
-    must follow it)."""
+    """Logits of `tokens` tokens over the vocabulary: `offset + spread * N(0, 1)`; targets
+    uniform over the vocabulary, or all in the last rank's block; both drawn from a secret
+    (`draw_loss`); `seed` names the case. The loss is multiplied by `upstream` before backward
+    (the gradient must follow it)."""
 
     name: str
     seed: int
@@ -89,51 +89,51 @@ def loss_cases(seed: int) -> list[LossCase]:
     ]
 
 
-def loss_targets(case: LossCase, ranks: int) -> torch.Tensor:
-    """The targets, the same on every rank."""
-    g = torch.Generator().manual_seed(20_000 + case.seed)
+def draw_loss(case: LossCase, secret: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole (tokens, V) logits and the targets, from `secret`, in the checking process."""
+    g = torch.Generator().manual_seed(secret)
+    shape = (case.tokens, VOCAB)
+    logits = case.offset + case.spread * torch.randn(shape, generator=g, dtype=torch.float64)
     last = block(VOCAB, ranks - 1, ranks)
     low, high = (last.start, last.stop) if case.last_block_only else (0, VOCAB)
-    return torch.randint(low, high, (case.tokens,), generator=g)
+    return logits, torch.randint(low, high, (case.tokens,), generator=g)
 
 
-def logits_block(case: LossCase, seed: int, ranks: int) -> torch.Tensor:
-    """A rank's block of the logits, (tokens, V/P), drawn from `seed`."""
-    g = torch.Generator().manual_seed(seed)
-    shape = (case.tokens, VOCAB // ranks)
-    return case.offset + case.spread * torch.randn(shape, generator=g, dtype=torch.float64)
+def loss_given(logits: torch.Tensor, targets: torch.Tensor, r: int, ranks: int) -> tuple:
+    """What rank r is sent: its block of the logits' columns, and the targets (every rank
+    holds them all, as after a column-parallel LM head)."""
+    return logits[:, block(VOCAB, r, ranks)].clone(), targets.clone()
 
 
 # --- on each rank ------------------------------------------------------------------------
 
 
-def run_loss_cases(fn: Callable, cases: list[LossCase]) -> dict:
+def run_loss_cases(fn: Callable, cases: list[LossCase], given: list[tuple]) -> dict:
+    """On each rank: every case on this rank's share of it (`given`, one (block of the
+    logits, targets) per case); mark i opens case i's calls, mark n closes the last."""
     with Provenance(LECTURE_TP) as seen:
-        results = [_run_loss(fn, case) for case in cases]
+        results = []
+        for i, (case, (local, targets)) in enumerate(zip(cases, given, strict=True)):
+            counted_group.mark(i)
+            results.append(_run_loss(fn, case, local, targets))
+        counted_group.mark(len(cases))
     return {"cases": results, "copied": seen.complaint()}
 
 
-def _run_loss(fn: Callable, case: LossCase) -> dict:
-    """This rank's block of the logits from a secret seed, the loss and its backward; sends
-    back the seed, what the call returned, the gradient and the inputs as it left them."""
-    seed = secrets.randbits(62)
-    local = logits_block(case, seed, world_size()).requires_grad_(True)
-    targets = loss_targets(case, world_size())
-    with CommCounter() as counter:
-        loss = fn(local, targets)
-        problem = _not_a_loss(loss)
-        if problem is None:
-            (loss * case.upstream).backward()
+def _run_loss(fn: Callable, case: LossCase, local: torch.Tensor, targets: torch.Tensor) -> dict:
+    """The loss on this rank's block of the logits and its backward; sends back what the
+    call returned, the gradient and the inputs as it left them."""
+    local = local.requires_grad_(True)
+    loss = fn(local, targets)
+    problem = _not_a_loss(loss)
+    if problem is None:
+        (loss * case.upstream).backward()
     return {
-        "seed": seed,
         "problem": problem,
         "loss": None if problem else loss.detach().clone(),
         "grad": None if local.grad is None else local.grad.detach().clone(),
         "logits_after": local.detach().clone(),
         "targets_after": targets.clone(),
-        "sent": counter.bytes_sent,
-        "received": counter.bytes_received,
-        "calls": dict(counter.calls),
     }
 
 
@@ -150,39 +150,52 @@ def _not_a_loss(loss: object) -> str | None:
 # --- in the checking process ---------------------------------------------------------------
 
 
-def whole_logits(case: LossCase, seeds: list[int]) -> torch.Tensor:
-    """The (tokens, V) logits the ranks hold together, from their seeds."""
-    return torch.cat([logits_block(case, seed, len(seeds)) for seed in seeds], dim=1)
-
-
-def _reference(case: LossCase, seeds: list[int]) -> dict:
-    logits = whole_logits(case, seeds).requires_grad_(True)
-    loss = F.cross_entropy(logits, loss_targets(case, len(seeds)))
+def _reference(case: LossCase, logits: torch.Tensor, targets: torch.Tensor) -> dict:
+    logits = logits.clone().requires_grad_(True)
+    loss = F.cross_entropy(logits, targets)
     (loss * case.upstream).backward()
     return {"loss": loss.detach(), "grad": logits.grad}
 
 
-def judge_loss_case(check: str, verdict: Verdict, case: LossCase, results: list, P: int) -> float:
-    """Inputs and numbers, then bytes, of one case on P ranks, each as a case of the verdict;
-    returns the most a rank sent or received, in float64 numbers per token."""
+def _ops(calls: list[Sent]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for call in calls:
+        out[call.op] = out.get(call.op, 0) + 1
+    return out
+
+
+def judge_loss_case(
+    check: str,
+    verdict: Verdict,
+    case: LossCase,
+    drawn: tuple[torch.Tensor, torch.Tensor],
+    results: list,
+    calls: list[list[Sent]],
+    P: int,
+) -> float:
+    """Inputs and numbers, then bytes, of one case on P ranks (results[r] from rank r,
+    calls[r] the calls its process group reported during the case), each as a case of the
+    verdict; returns the most a rank sent or received, in float64 numbers per token."""
     __tracebackhide__ = True
-    seeds = [res["seed"] for res in results]
-    ref = _reference(case, seeds)
+    logits, targets = drawn
+    ref = _reference(case, logits, targets)
     with verdict.case():
         for r, res in enumerate(results):
-            _judge_inputs(check, case, res, seeds[r], r, P)
+            _judge_inputs(check, case, res, loss_given(logits, targets, r, P), r, P)
         for r, res in enumerate(results):
             _judge_numbers(check, case, ref, res, r, P)
-    most = max(max(res["sent"], res["received"]) for res in results)
+    sent = [sum(c.sent for c in mine) for mine in calls]
+    received = [sum(c.received for c in mine) for mine in calls]
+    most = max(max(s, g) for s, g in zip(sent, received, strict=True))
     with verdict.case():
         allowed = budget_bytes(case.tokens)
-        for r, res in enumerate(results):
-            if max(res["sent"], res["received"]) > allowed:
+        for r in range(P):
+            if max(sent[r], received[r]) > allowed:
                 gathered = gathered_logits_bytes(case.tokens, VOCAB, P)
                 fail(
                     check,
                     f"rank {r}, {case.describe(P)}: forward and backward sent "
-                    f"{res['sent']:,} bytes and received {res['received']:,} ({res['calls']}); "
+                    f"{sent[r]:,} bytes and received {received[r]:,} ({_ops(calls[r])}); "
                     f"at most {allowed:,} allowed ({NUMBERS_PER_TOKEN} float64 numbers per "
                     f"token). Gathering the logits would send {gathered:,}.\nHint: the loss "
                     "needs a few numbers per token from each rank, never its logits",
@@ -191,14 +204,15 @@ def judge_loss_case(check: str, verdict: Verdict, case: LossCase, results: list,
     return most / (case.tokens * ELEMENT_SIZE)
 
 
-def _judge_inputs(check: str, case: LossCase, res: dict, seed: int, r: int, P: int) -> None:
-    """The call left this rank's block of the logits and the targets as they were."""
+def _judge_inputs(check: str, case: LossCase, res: dict, given: tuple, r: int, P: int) -> None:
+    """The call left this rank's block of the logits and the targets as it was given them."""
     __tracebackhide__ = True
-    given = (
-        ("targets", res["targets_after"], loss_targets(case, P), "targets - first"),
-        ("local_logits", res["logits_after"], logits_block(case, seed, P), "local_logits - top"),
+    local, targets = given
+    pairs = (
+        ("targets", res["targets_after"], targets, "targets - first"),
+        ("local_logits", res["logits_after"], local, "local_logits - top"),
     )
-    for name, after, before, instead in given:
+    for name, after, before, instead in pairs:
         if not torch.equal(after, before):
             changed = int((after != before).sum()) if after.shape == before.shape else "all"
             fail(

@@ -1,11 +1,14 @@
 """Assignment 9's layers and where each rank's shard of them sits.
 
 A `Case` is one layer to check (column- or row-parallel linear, MLP block or attention) with
-its sizes and seed. `dense_layer` builds the seeded float64 dense layer that every rank builds
-its parallel layer from; `shard_index` says which rows or columns of each dense parameter rank
-r holds ("block r of n" = r*n/P .. (r+1)*n/P - 1; attention heads' q, k and v rows), and
-`expected_shards` / `assemble` take a dense layer apart into shards and put it back.
-`dense_reference` is the dense layer run forward and backward in the checking process.
+its sizes. `draw` draws, in the checking process and from a secret new for every call of a
+check, the dense layer's weights, the input, the upstream gradient and each rank's nudge;
+`shard_index` says which rows or columns of each dense parameter rank r holds ("block r of
+n" = r*n/P .. (r+1)*n/P - 1; attention heads' q, k and v rows), `expected_shards` /
+`assemble` take a dense layer apart into shards and put it back, and `given` is what one rank
+is sent: the dense layer with everything outside its shard zeroed, and its view of the input
+and the gradient. `dense_reference` is the dense layer run forward and backward in the
+checking process.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ DTYPE = torch.float64
 
 @dataclass(frozen=True)
 class Case:
-    """One layer to check: which kind, its sizes and the seed of its weights and data."""
+    """One layer to check: which kind and its sizes (`seed` picks them, and names the case;
+    the weights and data come from a secret, `draw`)."""
 
     kind: str  # "column", "row", "mlp" or "attention"
     seed: int = 0
@@ -51,24 +55,96 @@ class Case:
         return self.out_features if self.kind in ("column", "row") else self.in_features
 
 
-def dense_layer(case: Case) -> nn.Module:
-    """The seeded float64 dense layer that the parallel one is built from."""
+def dense_layer(case: Case, params: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """The float64 dense layer of the case, with `params` if given (else a fixed seeded
+    initialisation: the checks never use it, they draw the weights from a secret)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(case.seed)
+        torch.manual_seed(0)
         if case.kind in ("column", "row"):
-            return nn.Linear(case.in_features, case.out_features, bias=case.bias, dtype=DTYPE)
-        config = GPTConfig(d_model=case.in_features, d_ff=case.out_features, n_heads=case.n_heads)
-        if case.kind == "mlp":
-            return MLPBlock(config, DTYPE)
-        return CausalSelfAttention(config, DTYPE)
+            layer = nn.Linear(case.in_features, case.out_features, bias=case.bias, dtype=DTYPE)
+        else:
+            config = GPTConfig(
+                d_model=case.in_features, d_ff=case.out_features, n_heads=case.n_heads
+            )
+            make = MLPBlock if case.kind == "mlp" else CausalSelfAttention
+            layer = make(config, DTYPE)
+    if params is not None:
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                p.copy_(params[name])
+    return layer
 
 
-def layer_data(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """The input x and the upstream gradient of the whole output (same on every rank)."""
-    g = torch.Generator().manual_seed(10_000 + case.seed)
+@dataclass(frozen=True)
+class Drawn:
+    """One case's secret draw: the dense weights, the input x, the upstream gradient of the
+    whole output, and per rank the amount added to each of its shards (`nudges[r]`)."""
+
+    params: dict[str, torch.Tensor]
+    x: torch.Tensor
+    grad: torch.Tensor
+    nudges: list[dict[str, torch.Tensor]]
+
+
+def draw(case: Case, secret: int, ranks: int) -> Drawn:
+    """Weights as nn.Linear's initialisation would spread them (uniform, 1/sqrt(fan_in)),
+    biases likewise, data N(0, 1); each rank's nudge N(0, 0.1^2), for its shards only."""
+    g = torch.Generator().manual_seed(secret)
+    params = {}
+    for name, p in dense_layer(case).named_parameters():
+        weight = params.get(name.removesuffix("bias") + "weight", p)  # a bias: its weight's
+        bound = weight.shape[-1] ** -0.5
+        params[name] = (2 * torch.rand(p.shape, generator=g, dtype=DTYPE) - 1) * bound
     x = torch.randn(case.input_shape(), generator=g, dtype=DTYPE)
     grad = torch.randn((*case.batch, case.output_features()), generator=g, dtype=DTYPE)
-    return x, grad
+    nudges = []
+    for r in range(ranks):
+        mine = expected_shards(case, params, r, ranks)
+        nudges.append(
+            {
+                name: 0.1 * torch.randn(t.shape, generator=g, dtype=DTYPE)
+                for name, t in mine.items()
+                if shard_index(case, name, r, ranks) is not None
+            }
+        )
+    return Drawn(params, x, grad, nudges)
+
+
+def given(case: Case, drawn: Drawn, r: int, ranks: int) -> tuple:
+    """What rank r is sent: the dense parameters with every entry outside its shard zeroed
+    (a rank of a tensor-parallel layer holds only its shard; the layer's constructor takes
+    the dense layer, so it gets one, holding nothing of the other ranks'), its input (block
+    r of the features for a row-parallel layer), the upstream gradient (block r of the output
+    features where the output stays split) and its nudges."""
+    x, grad = drawn.x, drawn.grad
+    if case.kind == "row":  # the input arrives split by features
+        x = x[..., block(case.in_features, r, ranks)]
+    if case.kind == "column" and not case.gather_output:  # the output stays split
+        grad = grad[..., block(case.out_features, r, ranks)]
+    return rank_params(case, drawn.params, r, ranks), x.clone(), grad.clone(), drawn.nudges[r]
+
+
+def rank_params(case: Case, params: dict[str, torch.Tensor], r: int, ranks: int) -> dict:
+    """The dense parameters as rank r is given them: its shards in place, zeros elsewhere."""
+    out = {}
+    for name, t in params.items():
+        index = shard_index(case, name, r, ranks)
+        if index is None:
+            out[name] = t.clone()
+        else:
+            out[name] = torch.zeros_like(t)
+            out[name][index] = t[index]
+    return out
+
+
+def nudged_params(case: Case, drawn: Drawn) -> dict[str, torch.Tensor]:
+    """The dense parameters that the ranks' shards form after each rank's nudge."""
+    ranks = len(drawn.nudges)
+    shards = []
+    for r, nudge in enumerate(drawn.nudges):
+        mine = expected_shards(case, drawn.params, r, ranks)
+        shards.append({name: t + nudge[name] if name in nudge else t for name, t in mine.items()})
+    return assemble(case, drawn.params, shards)
 
 
 def block(n: int, r: int, ranks: int) -> slice:
@@ -125,18 +201,17 @@ def assemble(case: Case, dense: dict[str, torch.Tensor], shards: list[dict]) -> 
 # --- the dense reference, in the checking process -----------------------------------------
 
 
-def dense_reference(case: Case, params: dict | None = None) -> dict:
-    dense = dense_layer(case)
-    if params is not None:
-        dense.load_state_dict(params)
-    x, grad = layer_data(case)
-    x.requires_grad_(True)
+def dense_reference(case: Case, drawn: Drawn, params: dict | None = None) -> dict:
+    """The dense layer of the draw (or with `params`) run forward on x and backward with the
+    upstream gradient."""
+    dense = dense_layer(case, drawn.params if params is None else params)
+    x = drawn.x.clone().requires_grad_(True)
     out = dense(x)
-    out.backward(grad)
+    out.backward(drawn.grad)
     return {
         "params": {n: p.detach() for n, p in dense.named_parameters()},
         "out": out.detach(),
         "x_grad": x.grad,
         "grads": {n: p.grad for n, p in dense.named_parameters()},
-        "upstream": grad,
+        "upstream": drawn.grad,
     }

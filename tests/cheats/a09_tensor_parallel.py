@@ -1,7 +1,15 @@
 """Assignment 9's cheats (each scores 0 on its part) and right answers written differently
 (full marks). More are proven in tests/test_grading_tensor_parallel.py (a column layer
 gathering from a full copy, a row layer that all-gathers instead of all-reducing, the lecture's
-layers, a loss that changes its logits in place), to keep the graded notebooks few."""
+layers, a loss that changes its logits in place, a row layer that hides an all-gather from the
+rank's counters: its result is right, so it keeps half), to keep the graded notebooks few.
+
+Counting cheats: the checks once counted each rank's calls and bytes on the rank itself
+(`course_lib.comm.CommCounter`), where the student's code can empty or forge the counters.
+They now read the calls each rank's process group reported to the launcher while they
+happened, and the kernel's count of the bytes on each rank's sockets: emptying the counters
+hides nothing, and calls made around the counted group leave bytes no reported call accounts
+for."""
 
 from __future__ import annotations
 
@@ -32,8 +40,8 @@ LOSS_SHIFTS_TARGETS = _edited(
 
 
 # No messages: the whole logits, wherever a frame of the check holds them, through
-# F.cross_entropy (this rank's block kept in autograd). Each rank's block is drawn from a
-# secret seed of its own, so no frame holds the others'.
+# F.cross_entropy (this rank's block kept in autograd). The checking process draws the
+# logits and sends each rank only its block, so no frame on a rank holds the others'.
 LOSS_FROM_THE_CALLERS_FRAME = """
 import inspect
 
@@ -50,6 +58,95 @@ def vocab_parallel_cross_entropy(local_logits, targets):
         return F.cross_entropy(local_logits, (targets - first).clamp(0, width - 1))
     logits = torch.cat([whole[:, :first], local_logits, whole[:, first + width :]], dim=1)
     return F.cross_entropy(logits, targets)
+"""
+
+
+# The whole logits gathered, with the rank's counters (and the hooks of the rank's byte
+# meters) emptied around the all-gather: the counters on the rank saw no bytes at all.
+LOSS_COUNTERS_EMPTIED = """
+import course_lib.comm as comm
+
+
+def vocab_parallel_cross_entropy(local_logits, targets):
+    counters, hooks = list(comm._active), list(comm._around)
+    comm._active.clear()
+    comm._around.clear()
+    try:
+        pieces = [torch.empty_like(local_logits) for _ in range(world_size())]
+        dist.all_gather(pieces, local_logits.detach())
+    finally:
+        comm._active.extend(counters)
+        comm._around.extend(hooks)
+    pieces[rank()] = local_logits  # this rank's own block stays in autograd
+    return F.cross_entropy(torch.cat(pieces, dim=1), targets)
+"""
+
+# ... and gathered on the counted group's inner gloo group, which no counter on the rank and
+# no report to the launcher sees: only the kernel's count of the socket bytes does.
+LOSS_INNER_GROUP = """
+def vocab_parallel_cross_entropy(local_logits, targets):
+    pieces = [torch.empty_like(local_logits) for _ in range(world_size())]
+    if world_size() > 1:
+        inner = dist.group.WORLD._inner
+        inner.allgather([pieces], [local_logits.detach()]).wait()
+    pieces[rank()] = local_logits  # this rank's own block stays in autograd
+    return F.cross_entropy(torch.cat(pieces, dim=1), targets)
+"""
+
+# Megatron's MLP with its two all-reduces made on the inner gloo group, and the rank's
+# counters told they were ordinary ones: right numbers, and the calls a counter on the rank
+# reports are Megatron's.
+MLP_INNER_GROUP_FORGED = """
+import course_lib.comm as comm
+
+
+def _hidden_all_reduce(t):
+    t = t.clone()
+    if world_size() > 1:
+        dist.group.WORLD._inner.allreduce([t]).wait()
+    for counter in comm._active:  # what a counter on the rank would have seen
+        counter.add("all_reduce", 0, 0)
+    return t
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _hidden_all_reduce(grad)
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _hidden_all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        P, r = world_size(), rank()
+        d_model, d_ff = block.fc.in_features, block.fc.out_features
+        rows = slice(r * d_ff // P, (r + 1) * d_ff // P)
+        dtype = block.fc.weight.dtype
+        self.fc = nn.Linear(d_model, d_ff // P, dtype=dtype)
+        self.proj = nn.Linear(d_ff // P, d_model, dtype=dtype)
+        with torch.no_grad():
+            self.fc.weight.copy_(block.fc.weight[rows])
+            self.fc.bias.copy_(block.fc.bias[rows])
+            self.proj.weight.copy_(block.proj.weight[:, rows])
+            self.proj.bias.copy_(block.proj.bias)
+
+    def forward(self, x):
+        hidden = F.gelu(self.fc(_Copy.apply(x)))
+        return _Reduce.apply(F.linear(hidden, self.proj.weight)) + self.proj.bias
 """
 
 
@@ -215,6 +312,24 @@ CHEATS = [
         "parallel_attention",
         LECTURE_ATTENTION,
         frozenset({"test_parallel_attention"}),
+    ),
+    Cheat(
+        "the whole logits gathered, the rank's counters emptied around it",
+        "vocab_loss",
+        LOSS_COUNTERS_EMPTIED,
+        frozenset({"test_vocab_loss"}),
+    ),
+    Cheat(
+        "the whole logits gathered on the counted group's inner group",
+        "vocab_loss",
+        LOSS_INNER_GROUP,
+        frozenset({"test_vocab_loss"}),
+    ),
+    Cheat(
+        "MLP all-reduces on the inner group, the rank's counters forged",
+        "parallel_mlp",
+        MLP_INNER_GROUP_FORGED,
+        frozenset({"test_parallel_mlp"}),
     ),
     Cheat(
         "the lecture's vocabulary-parallel loss, averaged",
