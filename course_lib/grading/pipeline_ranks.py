@@ -7,7 +7,15 @@ checking process, and the calls each rank makes are reported to the launcher as 
 (`course_lib.counted_group`), between the marks that say which step of which run they belong
 to: mark i opens step i (counting on through the runs), the last mark closes the last.
 
-    run_runs(pipeline_step, schedule, shares, forbidden)   what every rank runs
+Two records are still kept on the rank, beside the student's code: the stage's log (`watch`:
+which micro-batch each forward and backward ran, told by its input) and the sends not waited
+for (`SendLog`). The tallies cannot replace them: a call carries no micro-batch and no wait,
+and a right answer may post its messages in another order than its stage runs. So the order
+of forwards and backwards is the one verdict still read from the rank (code that rewrote the
+log could pass a schedule it did not run); no number is: the gradients, parameters and loss
+are held to the reference trained in the checking process, the messages to the launcher's.
+
+    run_runs(pipeline_step, schedule, runs, shares, forbidden)   what every rank runs
 """
 
 from __future__ import annotations
