@@ -23,8 +23,6 @@ from course_lib.grading.pipeline_partition import (
     partition_problems,
     partition_time,
 )
-from course_lib.grading.pipeline_trainer import PipelineRun, build_model, run_pipeline
-from course_lib.grading.provenance import Provenance
 from tests.adapters import mutant, planted, solution
 from tests.cheats.a08_pipeline import (
     EXHAUSTIVE_PARTITION,
@@ -194,20 +192,6 @@ def test_schedule_orders_keep_the_documented_number_in_flight():
                     assert [i for k, i in order if k == kind] == list(range(m))
 
 
-def test_the_stages_weights_are_each_ranks_secret():
-    # Two runs of the same seed: each stage's first weights differ from one run to the next
-    # and from the run's seeded model, so no rank can rebuild another stage's weights.
-    def first_weights():
-        return run_pipeline(pipeline_step, "gpipe", PipelineRun(steps=1), Provenance(()))["first"]
-
-    runs = [launch(first_weights, world_size=2, timeout=20) for _ in range(2)]
-    seeded = dict(build_model(PipelineRun()).named_parameters())
-    for r in range(2):
-        assert runs[0][r].keys() == runs[1][r].keys() and runs[0][r]
-        for name, t in runs[0][r].items():
-            assert not torch.equal(t, runs[1][r][name]) and not torch.equal(t, seeded[name])
-
-
 @pytest.mark.parametrize(
     "fn, schedule, message",
     [
@@ -241,8 +225,8 @@ def test_the_stages_weights_are_each_ranks_secret():
             "forward number 1 of the stage got an input that is no micro-batch's activation "
             "from stage 0",
         ),
-        (step_rebuilds_the_model, "gpipe", "got an input that is no micro-batch's activation"),
-        (step_rebuilds_the_model, "1f1b", "got an input that is no micro-batch's activation"),
+        (step_rebuilds_the_model, "gpipe", "sent stage 1 0 bytes, fewer than the"),
+        (step_rebuilds_the_model, "1f1b", "sent stage 1 0 bytes, fewer than the"),
         (not_implemented, "gpipe", "raised NotImplementedError"),
     ],
 )
@@ -262,7 +246,7 @@ def test_pipeline_failure_names_stage_step_and_tolerance():
     with pytest.raises(CheckFailed) as info:
         check_pipeline_trainer(step_unscaled, "1f1b", world_sizes=(2,), n_micro=(2,))
     text = str(info.value)
-    assert "stage 0, step 0 (mlp model, seed 0, batch of 16 in 2 micro-batches, 2 stages" in text
+    assert "stage 0, step 0 (mlp model, batch of 16 in 2 micro-batches, 2 stages" in text
     assert "(allowed atol=1e-10 + rtol=1e-10 * |expected|)" in text
 
 

@@ -11,13 +11,17 @@ of any shape between two ranks) and `InFlightProbe` (a stage that counts its mic
 flight, for trying a schedule out).
 
 `pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule)` runs on every rank with
-that rank's stage of a float64 model (an MLP, or TinyGPT cut by `pipeline_stages`), its
-weights drawn from a secret seed on that rank. The check wraps the stage (`watch`) to log
-which micro-batch each forward and backward of the stage ran, in order, and hands each .grad
-over holding a value that backward must add to. After each step the gradients (and the
-parameters after an SGD step) must equal single-process training on the whole batch, and
-the order of forwards and backwards on each stage, micro-batch by micro-batch, must be the
-schedule's.
+that rank's stage of a float64 model (an MLP, or TinyGPT cut by `pipeline_stages`). The
+check draws the weights and the data from a secret new for every call, in the checking
+process, and gives each rank only its stage, the inputs on stage 0 and the targets on the
+last stage (zeros of their shape elsewhere); it trains the reference there too. The check
+wraps the stage (`watch`) to log which micro-batch each forward and backward of the stage
+ran, in order, and hands each .grad over holding a value that backward must add to. After
+each step the gradients (and the parameters after an SGD step) must equal single-process
+training on the whole batch, and the order of forwards and backwards on each stage,
+micro-batch by micro-batch, must be the schedule's. The calls each rank made are the ones
+the launcher received (`run_on_ranks(..., traffic=True)`), and the kernel's count of the
+bytes on the ranks' sockets must be theirs (`judge_unreported`).
 
 The schedules, for P stages, m micro-batches, stage r (0 = first), each kind of operation
 in micro-batch order:
@@ -27,7 +31,9 @@ in micro-batch order:
 
 The checks stand on their parts:
     pipeline_plumbing.py   the schedules' order, send_tensor / recv_tensor, the stage's log
-    pipeline_trainer.py    the trainer's runs, the single-process reference, each step judged
+    pipeline_cases.py      the trainer's runs drawn, each rank's share, the reference
+    pipeline_ranks.py      what runs on each rank for the trainer check
+    pipeline_trainer.py    each step judged, its calls from the launcher's tallies
     pipeline_timeline.py   a simulated schedule's timeline judged
     pipeline_partition.py  partition problems, brute force, a returned partition judged
     pipeline_schedule.py   split-backward schedules validated, simulated and measured
@@ -36,8 +42,18 @@ The checks stand on their parts:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
-from course_lib.grading._harness import CheckFailed, Verdict, fail, run_on_ranks
+from course_lib.calls import PerRank
+from course_lib.grading._harness import (
+    CheckFailed,
+    Verdict,
+    calls_by_case,
+    fail,
+    judge_unreported,
+    run_on_ranks,
+)
+from course_lib.grading.pipeline_cases import PipelineRun, pipeline_runs, share, stages
 from course_lib.grading.pipeline_partition import (
     PartitionProblem,
     brute_force_partition,
@@ -57,6 +73,7 @@ from course_lib.grading.pipeline_plumbing import (
     schedule_order,
     send_tensor,
 )
+from course_lib.grading.pipeline_ranks import run_runs
 from course_lib.grading.pipeline_schedule import (
     bubble_allowed,
     judge_split,
@@ -64,15 +81,7 @@ from course_lib.grading.pipeline_schedule import (
     simulate_split,
 )
 from course_lib.grading.pipeline_timeline import check_timeline
-from course_lib.grading.pipeline_trainer import (
-    ATOL,
-    RTOL,
-    PipelineRun,
-    judge_run,
-    pipeline_runs,
-    run_pipeline,
-    stages,
-)
+from course_lib.grading.pipeline_trainer import ATOL, RTOL, judge_run
 from course_lib.grading.provenance import Provenance
 
 # The lecture's pipeline module answers parts 5-7 as it stands (its trainer, simulator and
@@ -105,12 +114,6 @@ def _unwatched(check: str, found: dict):
 
 
 # --- what runs on each rank ---------------------------------------------------------------
-
-
-def _pipeline_on_rank(pipeline_step: Callable, schedule: str, runs: list[PipelineRun]) -> dict:
-    seen = Provenance(FORBIDDEN)  # watches the student's calls only, not the check's code
-    results = [run_pipeline(pipeline_step, schedule, run, seen) for run in runs]
-    return {"result": results, "copied": seen.complaint()}
 
 
 def _simulate_cases(simulate_schedule: Callable, cases: list[tuple]) -> dict:
@@ -153,26 +156,34 @@ def check_pipeline_trainer(
     check = "check_pipeline_trainer"
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: use 'gpipe' or '1f1b'")
-    runs = pipeline_runs(models, n_micro, seed, steps)
     for P in world_sizes:
         if not 1 <= P <= 4:
             raise ValueError(f"world sizes must be 1..4 (the models have 4 stages at most): {P}")
+    runs = pipeline_runs(models, n_micro, steps)  # `seed` is kept for the notebooks' calls
     verdict = Verdict(check)
     for P in world_sizes:
-        results = run_on_ranks(
+        # Each rank gets its own stage and data only; the runs it sees carry no secret.
+        shares = PerRank([[share(run, P, r) for run in runs] for r in range(P)])
+        (results, traffic) = run_on_ranks(
             check,
-            _pipeline_on_rank,
+            run_runs,
             pipeline_step,
             schedule,
-            runs,
+            [replace(run, secret=0) for run in runs],
+            shares,
+            FORBIDDEN,
             world_size=P,
             timeout=timeout,
             what=f"your pipeline_step ({schedule}, {P} stages)",
+            traffic=True,
         )
         results = [_unwatched(check, found) for found in results]
+        per_step = calls_by_case(check, traffic.tallies, len(runs) * steps)
+        judge_unreported(check, traffic)  # send/recv only: every byte on the wire accounted
         for i, run in enumerate(runs):
+            calls = [per_rank[i * steps : (i + 1) * steps] for per_rank in per_step]
             with verdict.case():  # a run's first failing step
-                judge_run(check, schedule, run, [found[i] for found in results])
+                judge_run(check, schedule, run, [found[i] for found in results], calls)
     verdict.conclude(
         f"{len(runs) * len(world_sizes)} run(s) of {steps} steps ({', '.join(models)}; "
         f"{', '.join(str(m) for m in n_micro)} micro-batches; "

@@ -33,7 +33,8 @@ GPIPE_BACKWARDS_REVERSED = _edited(
 )
 
 
-# No messages: every stage rebuilds the model from the run's seed, found in the check's frame,
+# No messages: every stage rebuilds the model from the run's seed, found in the check's frame
+# (on main; the runs the ranks see now carry none),
 # computes the stages before and after its own itself and keeps their copies in step with
 # SGD. Each stage's weights are drawn from a secret seed on its own rank, so the rebuilt ones
 # are not theirs.
@@ -43,11 +44,11 @@ import sys
 from course_lib.models import MLP, GPTConfig, TinyGPT
 
 
-def rebuild(run, P):
-    if run.model == "gpt":
-        model = TinyGPT(GPTConfig(n_layers=2), seed=run.seed, dtype=torch.float64)
+def rebuild(kind, seed, P):
+    if kind == "gpt":
+        model = TinyGPT(GPTConfig(n_layers=2), seed=seed, dtype=torch.float64)
         return model.pipeline_stages(P)
-    layers = list(MLP((8, 16, 16, 16, 16, 4), seed=run.seed, dtype=torch.float64).layers)
+    layers = list(MLP((8, 16, 16, 16, 16, 4), seed=seed, dtype=torch.float64).layers)
     bounds = [round(k * len(layers) / P) for k in range(P + 1)]
     return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
 
@@ -55,7 +56,8 @@ def rebuild(run, P):
 def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
     r, P = rank(), world_size()
     if not hasattr(stage, "rebuilt"):  # the run's first step: kept on the stage handed over
-        stage.rebuilt = rebuild(sys._getframe(1).f_locals["run"], P)
+        run = sys._getframe(1).f_locals["run"]
+        stage.rebuilt = rebuild(run.model, getattr(run, "seed", 0), P)
     rebuilt = stage.rebuilt
     before, after = nn.Sequential(*rebuilt[:r]), nn.Sequential(*rebuilt[r + 1 :])
     xs, ys = inputs.tensor_split(n_micro), targets.tensor_split(n_micro)
@@ -77,6 +79,182 @@ def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
             p.grad = None
     return total if r == P - 1 else None
 """
+
+
+# The stages of the model rebuilt on every rank, each given the weights of the rank that holds
+# it, and the whole batch through all of them, this rank's own stage among them: right
+# numbers and the schedule's order with no message between the stages. The cheats below get
+# the other ranks' weights, the inputs and the targets where the check's counts cannot see.
+WHOLE_MODEL = (
+    REBUILT_MODEL.split("def pipeline_step")[0]
+    + """
+
+def every_stage(stage, given, kind, P):
+    rebuilt = rebuild(kind, 0, P)
+    with torch.no_grad():
+        for s, weights in enumerate(given):
+            for p, w in zip(rebuilt[s].parameters(), weights):
+                p.copy_(w)
+    rebuilt[rank()] = stage
+    return rebuilt
+
+
+def run_all(stage, given, inputs, targets, loss_fn, n_micro, schedule):
+    r, P = rank(), world_size()
+    kind = "gpt" if inputs.dtype == torch.int64 else "mlp"
+    rebuilt = every_stage(stage, given, kind, P)
+    before, after = nn.Sequential(*rebuilt[:r]), nn.Sequential(*rebuilt[r + 1 :])
+    xs, ys = inputs.tensor_split(n_micro), targets.tensor_split(n_micro)
+    warmup = n_micro if schedule == "gpipe" else min(P - r - 1, n_micro)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(n_micro - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(n_micro - warmup, n_micro)]
+    losses, total = {}, 0.0
+    for kind, i in order:
+        if kind == "F":
+            with torch.no_grad():
+                x = before(xs[i])
+            losses[i] = loss_fn(after(stage(x)), ys[i]) / n_micro
+            total += losses[i].item()
+        else:
+            losses.pop(i).backward()
+    return total if r == P - 1 else None
+
+
+def mine(stage, inputs, targets):
+    return ([p.detach().clone() for p in stage.parameters()], inputs, targets)
+"""
+)
+
+# (2) The counters on the rank emptied around a built-in all-gather of every stage's weights
+# (and the batch), and put back: every stage then runs the whole model itself. A tally kept
+# on the rank (main's CommCounter) saw no call; the launcher was told of the all-gather as it
+# happened, and a pipeline passes only point-to-point messages.
+COUNTERS_EMPTIED = (
+    WHOLE_MODEL
+    + """
+import course_lib.comm as comm
+
+
+def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
+    counters, hooks = list(comm._active), list(comm._around)
+    comm._active.clear()
+    comm._around.clear()
+    try:
+        everyone = [None] * world_size()
+        dist.all_gather_object(everyone, mine(stage, inputs, targets))
+    finally:
+        comm._active.extend(counters)
+        comm._around.extend(hooks)
+    given = [weights for weights, _, _ in everyone]
+    inputs, targets = everyone[0][1], everyone[-1][2]
+    return run_all(stage, given, inputs, targets, loss_fn, n_micro, schedule)
+"""
+)
+
+# ... and the same weights and batch gathered where no counter on the rank can see them, on
+# the counted group's inner gloo group (padded to one length, as an all-gather needs): the
+# kernel counts the bytes on the rank's sockets, and no reported call accounts for them.
+INNER_GROUP = (
+    WHOLE_MODEL
+    + """
+
+def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
+    P = world_size()
+    weights, x, y = mine(stage, inputs, targets)
+    flat = torch.cat([w.flatten() for w in weights] + [x.double().flatten(), y.double().flatten()])
+    padded = torch.zeros(100_000, dtype=torch.float64)
+    padded[: len(flat)] = flat
+    lengths = [torch.zeros(1, dtype=torch.float64) for _ in range(P)]
+    everyone = [torch.zeros_like(padded) for _ in range(P)]
+    inner = dist.group.WORLD._inner
+    inner.allgather([lengths], [torch.tensor([float(len(flat))], dtype=torch.float64)]).wait()
+    inner.allgather([everyone], [padded]).wait()
+    shapes = [[p.shape for p in s.parameters()] for s in rebuild(
+        "gpt" if x.dtype == torch.int64 else "mlp", 0, P)]
+    given, batch = [], []
+    for s, whole in enumerate(everyone):
+        start, weights = 0, []
+        for shape in shapes[s]:
+            weights.append(whole[start : start + shape.numel()].view(shape))
+            start += shape.numel()
+        given.append(weights)
+        batch.append(whole[start : int(lengths[s])])
+    inputs = batch[0][: x.numel()].view(x.shape).to(x.dtype)
+    targets = batch[-1][x.numel() :].view(y.shape).to(y.dtype)
+    return run_all(stage, given, inputs, targets, loss_fn, n_micro, schedule)
+"""
+)
+
+
+# (1) The first weights the judge trusted, rewritten in the check's frame on the rank: on
+# main each rank drew its stage from a secret of its own and sent its first weights back, and
+# the judge trained its reference from them. Every rank rebuilds the model from a seed of its
+# choosing, puts its stage's weights into the stage and into the check's record of them, and
+# runs every stage itself (keeping the other stages in step with the check's SGD, on the
+# .grad it hands over, drawn again from the run's public seed): right numbers, no message.
+# Now the check draws the weights in its own process and keeps them there.
+FORGED_FIRST = (
+    REBUILT_MODEL.split("def pipeline_step")[0]
+    + """
+import zlib
+
+
+def handed(seed, step, name, shape):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{step}/{name}".encode()))
+    return 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
+    r, P = rank(), world_size()
+    caller = sys._getframe(1).f_locals
+    run, seed = caller["run"], getattr(caller["run"], "seed", 0)
+    if not hasattr(stage, "rebuilt"):  # the run's first step: the weights forged
+        kind = "gpt" if inputs.dtype == torch.int64 else "mlp"
+        if kind == "gpt":
+            model = TinyGPT(GPTConfig(n_layers=2), seed=12345, dtype=torch.float64)
+            stage.rebuilt = model.pipeline_stages(P)
+        else:
+            model = MLP((8, 16, 16, 16, 16, 4), seed=12345, dtype=torch.float64)
+            layers = list(model.layers)
+            bounds = [round(k * len(layers) / P) for k in range(P + 1)]
+            stage.rebuilt = [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+        ids = {id(p): n for n, p in model.named_parameters()}
+        stage.names = [[ids[id(p)] for p in s.parameters()] for s in stage.rebuilt]
+        first = caller.get("first")  # main's record of the stage's first weights
+        first = first if isinstance(first, dict) else {}
+        with torch.no_grad():
+            pairs = zip(stage.parameters(), stage.rebuilt[r].parameters(), stage.names[r])
+            for p, mine, name in pairs:
+                p.copy_(mine)
+                if name in first:
+                    first[name].copy_(mine)
+    rebuilt, step = stage.rebuilt, caller.get("step", 0)
+    before, after = nn.Sequential(*rebuilt[:r]), nn.Sequential(*rebuilt[r + 1 :])
+    xs, ys = inputs.tensor_split(n_micro), targets.tensor_split(n_micro)
+    warmup = n_micro if schedule == "gpipe" else min(P - r - 1, n_micro)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(n_micro - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(n_micro - warmup, n_micro)]
+    losses, total = {}, 0.0
+    for kind, i in order:
+        if kind == "F":
+            losses[i] = loss_fn(after(stage(before(xs[i]))), ys[i]) / n_micro
+            total += losses[i].item()
+        else:
+            losses.pop(i).backward()
+    with torch.no_grad():  # the SGD step the check takes on the real stages, .grad handed over
+        for s, part in enumerate(rebuilt):
+            if s == r:
+                continue
+            for p, name in zip(part.parameters(), stage.names[s]):
+                p -= 0.1 * (p.grad + handed(seed, step, name, p.shape))
+                p.grad = None
+    return total if r == P - 1 else None
+"""
+)
 
 
 # A second right trainer: the stage's operations listed first, then run one by one;
@@ -257,6 +435,24 @@ CHEATS = [
         "no messages: every stage rebuilds the model from the run's seed",
         "pipeline_step",
         REBUILT_MODEL,
+        frozenset({"test_gpipe", "test_1f1b"}),
+    ),
+    Cheat(
+        "the first weights the judge trusts rewritten in the check's frame",
+        "pipeline_step",
+        FORGED_FIRST,
+        frozenset({"test_gpipe", "test_1f1b"}),
+    ),
+    Cheat(
+        "the counters emptied around an all-gather of every stage's weights",
+        "pipeline_step",
+        COUNTERS_EMPTIED,
+        frozenset({"test_gpipe", "test_1f1b"}),
+    ),
+    Cheat(
+        "every stage's weights all-gathered on the counted group's inner group",
+        "pipeline_step",
+        INNER_GROUP,
         frozenset({"test_gpipe", "test_1f1b"}),
     ),
     Cheat(
