@@ -95,7 +95,7 @@ def test_edition_leaves_out_solutions_answer_tests_and_instructor_tools(edition)
     assert not (edition / "solutions").exists()
     assert not [f for f in files if re.match(r"tests/(test_grading_|test_autograde|cheats/)", f)]
     assert not [f for f in files if f.startswith(("bench/", ".ci/", "docs/"))]
-    assert [f for f in files if f.startswith("tools/")] == ["tools/build_site.py"]
+    assert [f for f in files if f.startswith("tools/")] == ["tools/build_site.py", "tools/slurm.sh"]
     # The planted bugs quote lines of the solutions; adapters.py runs the solutions.
     assert not {"tests/grading_course.py", "tests/adapters.py", "CONTRIBUTING.md"} & set(files)
     makefile = (edition / "Makefile").read_text()

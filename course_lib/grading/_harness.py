@@ -8,11 +8,9 @@ says what happened, where, and what to try.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import re
 import secrets
 import textwrap
-import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -414,63 +412,3 @@ def _hint_for(traceback_text: str) -> str:
             "route is not open here. Use the torch.distributed functions the part allows.\n"
         )
     return ""
-
-
-# --- running functions in child processes (inside a launched worker) ----------------------
-
-
-class Child:
-    """A function running in a forked child process, with its outcome reported back.
-
-    Used inside a launched worker, never in the notebook kernel: the worker is a fresh,
-    single-purpose process, so forking it is safe, and whatever the child leaves running is
-    killed when the launched call ends.
-    """
-
-    def __init__(self, fn: Callable, *args: Any, close: list | None = None) -> None:
-        """Start `fn(*args)` in a child that first closes the connections in `close`."""
-        ctx = multiprocessing.get_context("fork")
-        self._outcome, sender = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(
-            target=_report, args=(sender, fn, args, close or []), daemon=True
-        )
-        self.process.start()
-        sender.close()
-
-    def outcome(self, timeout: float) -> tuple[str, Any]:
-        """("ok", value), ("error", traceback text), ("timeout", None) or ("died", code)."""
-        if self._outcome.poll(timeout):
-            try:
-                outcome = self._outcome.recv()
-                self.process.join(timeout)
-                return outcome
-            except EOFError:
-                pass
-        self.process.join(0.1)
-        if self.process.is_alive():
-            return ("timeout", None)
-        return ("died", self.process.exitcode)
-
-
-def _report(sender, fn: Callable, args: tuple, close: list) -> None:
-    for connection in close:
-        connection.close()
-    try:
-        result = fn(*args)
-    except BaseException:  # noqa: BLE001 (reported to the check)
-        sender.send(("error", traceback.format_exc()))
-    else:
-        sender.send(("ok", result))
-
-
-def describe(outcome: tuple[str, Any], who: str, wait: float) -> str:
-    """A sentence about an outcome that is not ("ok", ...)."""
-    kind, detail = outcome
-    if kind == "error":
-        return f"{who} raised an exception:\n\n{student_frames(detail)}"
-    if kind == "timeout":
-        return (
-            f"{who} was still running after {wait:g} s: it is probably waiting in recv() "
-            "for a message that never comes"
-        )
-    return f"{who} ended without returning (exit code {detail})"

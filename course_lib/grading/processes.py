@@ -26,14 +26,13 @@ from collections.abc import Callable
 from course_lib import counted_group
 from course_lib.comm import POINT_TO_POINT
 from course_lib.grading._harness import (
-    Child,
     calls_by_case,
-    describe,
     fail,
     judge_unreported,
     passed,
     run_on_ranks,
 )
+from course_lib.grading.processes_children import Child, describe
 from course_lib.grading.processes_spread import check_spread
 
 # --- ping-pong over a Pipe ----------------------------------------------------------------
