@@ -67,26 +67,6 @@ lab: install
 	$(BIN)/jupyter lab --notebook-dir="$(CURDIR)" --config="$(CURDIR)/jupyter/jupyter_lab_config.py" \
 	    $(ROOT_ARGS) $(LAB_ARGS)
 
-# The course on a local JupyterHub, as a class uses nbgrader (jupyter/hub/jupyterhub_config.py):
-# students log in, fetch and submit in their own JupyterLab; the instructor grades in the
-# course service's formgrader. The hub's proxy, configurable-http-proxy, comes from npm into
-# .hub/ (HUB_DIR, which also holds the hub's database, password and the users' homes).
-# make hub HUB_PORT=8001 to use another port.
-CHP_PIN := configurable-http-proxy@5.3.0
-HUB_DIR ?= $(CURDIR)/.hub
-HUB_PORT ?= 8000
-CHP ?= $(HUB_DIR)/node_modules/.bin/configurable-http-proxy
-
-$(CHP):
-	npm install --prefix "$(HUB_DIR)" --no-audit --no-fund --loglevel=error "$(CHP_PIN)"
-
-hub: install | $(CHP)
-	@test -d "$(EXCHANGE)" || install -d -m 0777 "$(EXCHANGE)"
-	@mkdir -p "$(HUB_DIR)"
-	cd "$(HUB_DIR)" && COURSE_HUB_DIR="$(HUB_DIR)" COURSE_HUB_PROXY="$(CHP)" \
-	    COURSE_HUB_PORT="$(HUB_PORT)" COURSE_EXCHANGE="$(EXCHANGE)" \
-	    exec "$(abspath $(BIN))/jupyterhub" --config="$(CURDIR)/jupyter/hub/jupyterhub_config.py"
-
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -193,6 +173,26 @@ zip-collect: install
 # HTML feedback for every autograded submission, in feedback/<student>/<assignment>/.
 feedback: install
 	@for a in $(SUBMITTED); do $(BIN)/nbgrader generate_feedback "$$a" --force || exit 1; done
+
+# The course on a local JupyterHub, as a class uses nbgrader (jupyter/hub/jupyterhub_config.py):
+# students log in, fetch and submit in their own JupyterLab; the instructor grades in the
+# course service's formgrader. The hub's proxy, configurable-http-proxy, comes from npm into
+# .hub/ (HUB_DIR, which also holds the hub's database, password and the users' homes).
+# make hub HUB_PORT=8001 to use another port.
+CHP_PIN := configurable-http-proxy@5.3.0
+HUB_DIR ?= $(CURDIR)/.hub
+HUB_PORT ?= 8000
+CHP ?= $(HUB_DIR)/node_modules/.bin/configurable-http-proxy
+
+$(CHP):
+	npm install --prefix "$(HUB_DIR)" --no-audit --no-fund --loglevel=error "$(CHP_PIN)"
+
+hub: install | $(CHP)
+	@test -d "$(EXCHANGE)" || install -d -m 0777 "$(EXCHANGE)"
+	@mkdir -p "$(HUB_DIR)"
+	cd "$(HUB_DIR)" && COURSE_HUB_DIR="$(HUB_DIR)" COURSE_HUB_PROXY="$(CHP)" \
+	    COURSE_HUB_PORT="$(HUB_PORT)" COURSE_EXCHANGE="$(EXCHANGE)" \
+	    exec "$(abspath $(BIN))/jupyterhub" --config="$(CURDIR)/jupyter/hub/jupyterhub_config.py"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
