@@ -185,6 +185,8 @@ HUB_PORT ?= 8000
 CHP ?= $(HUB_DIR)/node_modules/.bin/configurable-http-proxy
 
 $(CHP):
+	@command -v npm >/dev/null || { echo "make hub needs npm for configurable-http-proxy \
+	    (Debian: apt-get install npm)"; exit 1; }
 	npm install --prefix "$(HUB_DIR)" --no-audit --no-fund --loglevel=error "$(CHP_PIN)"
 
 hub: install | $(CHP)

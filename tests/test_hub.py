@@ -8,12 +8,17 @@ validates, both submit; the instructor collects, autogrades each submission (in 
 generates and releases feedback, all by the formgrader's buttons (which run nbgrader's collect,
 autograde, generate_feedback and release_feedback in the course service); alice fetches her
 feedback and reads her points. Then, through alice's own server, neither bob's files nor his
-submission nor his feedback can be reached.
+submission nor his feedback can be reached, and she sees only the course her hub groups give
+her.
+
+Every server here runs as the hub's OS user (`make hub` is a try-out, see the README): what
+keeps alice from bob is what the servers' APIs allow, which is what this checks.
 
 Skipped, visibly, without Chromium or bubblewrap (COURSE_REQUIRE_BROWSER=1 and
-COURSE_REQUIRE_SANDBOX=1 make them required, as in CI). About 3 minutes on an idle 2-core
-machine: two servers and the course service start (~7 s each), two sandboxed submissions are
-graded (~20 s each), one validated.
+COURSE_REQUIRE_SANDBOX=1 make it required, as in CI). Measured on a shared 2-core machine:
+2 min 20 s in all (100 s of it in the hub, the rest `make release` and the hub's start), and
+3 min 50 s with a load average near 7; alice's Validate takes about 20 s and each sandboxed
+autograde about 30 s.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class Hub:
     course: Path
     course_id: str
     homes: Path  # the users' home folders
+    exchange: Path
 
     def service(self, path: str = "") -> str:
         return f"{self.base}/services/{self.course_id}/{path}"
@@ -99,7 +105,8 @@ def hub(tmp_path_factory: pytest.TempPathFactory, request) -> Iterator[Hub]:
             if process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"`make hub` did not start within 180 s:\n{_read(log)[-6000:]}")
             time.sleep(0.3)
-        yield Hub(base, password, course, "distributed-training", tmp / "hub" / "home")
+        homes = tmp / "hub" / "home"
+        yield Hub(base, password, course, "distributed-training", homes, exchange)
     finally:
         _stop(process)
         if request.session.testsfailed:
@@ -275,6 +282,13 @@ def test_a_class_on_jupyterhub(hub, browser, tmp_path, shots):
         # quoted whole, so that the URL is not normalized before the server sees the dots
         response = alice.request.get(f"{user}/api/contents/{quote(path, safe='')}")
         assert response.status in (403, 404), (path, response.status, response.text()[:200])
+    # Her courses are her hub groups (nbgrader's JupyterHub plugin): a course released in the
+    # same exchange that she does not take is not hers to see.
+    (hub.exchange / "another-course" / "outbound" / A).mkdir(parents=True)
+    assert alice.request.get(f"{user}/courses").json() == {
+        "success": True,
+        "value": [hub.course_id],
+    }
     listed = alice.request.get(f"{user}/assignments?course_id={hub.course_id}").json()
     assert listed["success"], listed
     owners = {s["student_id"] for a in listed["value"] for s in a.get("submissions", [])}
