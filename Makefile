@@ -28,7 +28,7 @@ LAB_ARGS ?=
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: install lock lab test test-e2e test-all site lint format bench clean release autograde feedback student \
-	roster zip-collect
+	roster zip-collect hub
 
 install: $(STAMP)
 
@@ -173,6 +173,28 @@ zip-collect: install
 # HTML feedback for every autograded submission, in feedback/<student>/<assignment>/.
 feedback: install
 	@for a in $(SUBMITTED); do $(BIN)/nbgrader generate_feedback "$$a" --force || exit 1; done
+
+# The course on a local JupyterHub, as a class uses nbgrader (jupyter/hub/jupyterhub_config.py):
+# students log in, fetch and submit in their own JupyterLab; the instructor grades in the
+# course service's formgrader. The hub's proxy, configurable-http-proxy, comes from npm into
+# .hub/ (HUB_DIR, which also holds the hub's database, password and the users' homes).
+# make hub HUB_PORT=8001 to use another port.
+CHP_PIN := configurable-http-proxy@5.3.0
+HUB_DIR ?= $(CURDIR)/.hub
+HUB_PORT ?= 8000
+CHP ?= $(HUB_DIR)/node_modules/.bin/configurable-http-proxy
+
+$(CHP):
+	@command -v npm >/dev/null || { echo "make hub needs npm for configurable-http-proxy \
+	    (Debian: apt-get install npm)"; exit 1; }
+	npm install --prefix "$(HUB_DIR)" --no-audit --no-fund --loglevel=error "$(CHP_PIN)"
+
+hub: install | $(CHP)
+	@test -d "$(EXCHANGE)" || install -d -m 0777 "$(EXCHANGE)"
+	@mkdir -p "$(HUB_DIR)"
+	cd "$(HUB_DIR)" && COURSE_HUB_DIR="$(HUB_DIR)" COURSE_HUB_PROXY="$(CHP)" \
+	    COURSE_HUB_PORT="$(HUB_PORT)" COURSE_EXCHANGE="$(EXCHANGE)" \
+	    exec "$(abspath $(BIN))/jupyterhub" --config="$(CURDIR)/jupyter/hub/jupyterhub_config.py"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

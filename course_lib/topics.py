@@ -261,6 +261,7 @@ LIBRARY_TESTS = frozenset(
         "exercises",
         "grading_harness",
         "grading_judge",
+        "hub",
         "launch",
         "models_data",
         "network",

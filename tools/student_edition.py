@@ -36,6 +36,8 @@ EXCLUDED = (
     # The instructor's cycle (exchange, roster, schedule, LMS archives): targets students lack.
     re.compile(r"^tests/test_exchange\.py$"),
     re.compile(r"^tests/test_course_admin\.py$"),
+    re.compile(r"^tests/test_hub\.py$"),
+    re.compile(r"^jupyter/hub/"),  # `make hub`: the course on JupyterHub, its formgrader
     # For the course's maintainers.
     re.compile(r"^docs/"),
     re.compile(r"^CONTRIBUTING\.md$"),
@@ -164,6 +166,7 @@ INSTRUCTOR_TARGETS = (
     "student",
     "roster",
     "zip-collect",
+    "hub",
 )
 
 
