@@ -412,7 +412,8 @@ def test_2d_training_failure_names_rank_step_and_tolerance():
     with pytest.raises(CheckFailed) as info:
         check_2d_training(make_groups, GPT2D, train_step_sum)
     text = str(info.value)
-    assert "rank 0, step 0 (DP x TP = 2 x 2, TinyGPT seed 0, float64, SGD, batch of 8)" in text
+    where = "(DP x TP = 2 x 2, TinyGPT of secret weights, float64, SGD, batch of 8)"
+    assert f"rank 0, step 0 {where}" in text
     assert "(allowed atol=1e-10 + rtol=1e-10 * |expected|)" in text
 
 

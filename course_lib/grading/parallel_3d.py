@@ -32,7 +32,8 @@ This module holds the first two checks and everything the notebook imports; the 
     parallel_3d_layout.py          the grid's rule and TinyGPT's TP shards (tp_shard, gather_dense)
     parallel_3d_grid.py            check_process_grid: calling process_grid, judging layouts
     parallel_3d_recording.py       CollectiveLog: collectives with their groups, step phases
-    parallel_3d_rank.py            check_2d_training on each rank: Run2D, secret batches
+    parallel_3d_cases.py           check_2d_training's secret draw, each rank's share of it
+    parallel_3d_rank.py            check_2d_training on each rank: Run2D, training
     parallel_3d_judge.py           check_2d_training judged: reference, groups, batches, ...
     parallel_3d_configurations.py  memory and traffic per configuration, for the notebook
     parallel_3d_zero.py            check_sharded_adamw (Part 4, open): ZeRO-1 in the DP group,
@@ -45,6 +46,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from course_lib.grading import parallel_3d_cases as cases
 from course_lib.grading._harness import Verdict, fail, run_on_ranks
 from course_lib.grading.parallel_3d_configurations import (
     Measured,
@@ -64,7 +66,6 @@ from course_lib.grading.parallel_3d_judge import (
     _check_collectives,
     _check_groups,
     _check_training,
-    _global_batches,
     _revive_calls,
 )
 from course_lib.grading.parallel_3d_layout import gather_dense, tp_shard
@@ -139,6 +140,9 @@ def check_2d_training(
     check = "check_2d_training"
     run = Run2D(tp_size=tp_size, seed=seed, steps=steps, batch_size=batch_size)
     run.validate(world_size)
+    # Weights and batches are drawn here, and each rank is given only its own share of them
+    # (parallel_3d_cases): `seed` names the call but no longer chooses the numbers.
+    drawn = cases.draw()
     results = run_on_ranks(
         check,
         _train_on_rank,
@@ -146,6 +150,7 @@ def check_2d_training(
         model_2d,
         train_step,
         run,
+        cases.given(run, drawn, world_size),
         world_size=world_size,
         timeout=timeout,
         what="your make_groups, GPT2D and train_step",
@@ -154,7 +159,7 @@ def check_2d_training(
     for r, result in enumerate(results):
         if result["copied"]:
             fail(check, f"make_groups, GPT2D or train_step on rank {r}: {result['copied']}")
-    where, batches = run.describe(world_size), _global_batches(run, results)
+    where, batches = run.describe(world_size, secret=True), cases.global_batches(run, drawn)
     verdict = Verdict(check)
     with verdict.case():
         _check_groups(check, run, results, where)
@@ -164,7 +169,7 @@ def check_2d_training(
     with verdict.case():
         _check_collectives(check, run, results, where)
     with verdict.case():
-        _check_training(check, run, results, where, batches)
+        _check_training(check, run, results, where, batches, cases.initial(drawn))
     verdict.conclude(
         f"{where}: the groups, the samples each rank's model saw (its DP group's share of "
         "every batch), the groups of every collective, and every rank's parameters after "

@@ -1,6 +1,6 @@
 """Judging check_2d_training, in the checking process.
 
-The single-process reference on the real global batches (every DP replica's secret shard),
+The single-process reference on the real global batches (drawn here, parallel_3d_cases),
 then every rank's groups, the batches its model saw, the groups of its collectives, and its
 parameters after every step against its shard of the reference, with a hint for each
 mistake the numbers reveal.
@@ -25,20 +25,11 @@ def _revive_calls(results: list[dict]) -> None:
             step["calls"] = [Collective(**{**c, "ranks": tuple(c["ranks"])}) for c in step["calls"]]
 
 
-def _global_batches(run: Run2D, results: list[dict]) -> list[tuple[torch.Tensor, ...]]:
-    """The real global batches: every DP replica's shard, in DP order (from the first rank
-    of each TP group)."""
-    tp = run.tp_size
-    replicas = [results[first]["shards"] for first in range(0, len(results), tp)]
-    return [
-        tuple(torch.cat([shards[s][i] for shards in replicas]) for i in (0, 1))
-        for s in range(run.steps)
-    ]
-
-
-def _reference(run: Run2D, batches: list) -> dict:
-    """Single-process training on whole batches: parameters before and after each step."""
-    model = models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE)
+def _reference(start: dict, batches: list) -> dict:
+    """Single-process training on whole batches from the dense state `start` (the check's
+    secret draw, parallel_3d_cases): parameters before and after each step."""
+    model = models.TinyGPT(CONFIG, seed=0, dtype=DTYPE)
+    model.load_state_dict(start, strict=False)
     optimizer = make_optimizer("sgd", model.parameters())
     steps = []
     for x, y in batches:
@@ -49,10 +40,7 @@ def _reference(run: Run2D, batches: list) -> dict:
         steps.append(
             {"before": before, "after": snapshot(model.named_parameters()), "batch": (x, y)}
         )
-    return {
-        "initial": snapshot(models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE).named_parameters()),
-        "steps": steps,
-    }
+    return {"initial": dict(start), "steps": steps}
 
 
 def _check_groups(check: str, run: Run2D, results: list[dict], where: str) -> None:
@@ -161,7 +149,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def _local_delta(run: Run2D, step: dict, name: str, dp_rank: int, dp: int) -> torch.Tensor:
     """The SGD update of dense parameter `name` from DP shard `dp_rank`'s gradient alone."""
-    model = models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE)
+    model = models.TinyGPT(CONFIG, seed=0, dtype=DTYPE)
     model.load_state_dict(step["before"])
     x, y = (data.shard(t, dp_rank, dp) for t in step["batch"])
     models.lm_loss(model(x), y).backward()
@@ -196,10 +184,14 @@ def _training_hint(run: Run2D, ref_step: dict, name: str, r: int, world: int, go
     return "the 2-D model must compute the dense TinyGPT's loss and gradients exactly"
 
 
-def _check_training(check: str, run: Run2D, results: list[dict], where: str, batches) -> None:
+def _check_training(
+    check: str, run: Run2D, results: list[dict], where: str, batches, start: dict
+) -> None:
+    """Every rank's parameters against its shard of the reference, trained here from the
+    drawn `start` on the drawn `batches`."""
     __tracebackhide__ = True
     world, tp = len(results), run.tp_size
-    ref = _reference(run, batches)
+    ref = _reference(start, batches)
     for r, result in enumerate(results):
         want = tp_shards(ref["initial"], r % tp, tp)
         problem = compare.find_mismatch(result["initial"], want, rtol=0.0, atol=0.0)
