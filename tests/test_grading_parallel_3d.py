@@ -422,3 +422,14 @@ def test_bad_arguments_are_refused_before_anything_runs():
         check_2d_training(make_groups, GPT2D, train_step, tp_size=3)
     with pytest.raises(ValueError, match="must divide evenly over the DP groups"):
         check_2d_training(make_groups, GPT2D, train_step, batch_size=5)
+
+
+def test_2d_training_trusts_no_batch_kept_on_a_rank():
+    """The batches are drawn, and the reference trained, in the checking process: a rank
+    that zeroes every batch it can find in its callers' frames (so that every DP group would
+    train on the same rows and the DP all-reduce could go) changes only its own copy."""
+    thief = planted("parallel_3d", "train_step", cheats.SAME_ROWS_EVERYWHERE).train_step
+    with pytest.raises(CheckFailed) as info:
+        check_2d_training(make_groups, GPT2D, thief)
+    assert "rank 0, step 0 " in str(info.value)
+    assert "after train_step" in str(info.value)
