@@ -46,8 +46,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from course_lib.grading import parallel_3d_cases as cases
 from course_lib.grading._harness import Verdict, fail, run_on_ranks
+from course_lib.grading.parallel_3d_cases import draw, given, global_batches, initial
 from course_lib.grading.parallel_3d_configurations import (
     Measured,
     configuration_table,
@@ -142,7 +142,7 @@ def check_2d_training(
     run.validate(world_size)
     # Weights and batches are drawn here, and each rank is given only its own share of them
     # (parallel_3d_cases): `seed` names the call but no longer chooses the numbers.
-    drawn = cases.draw()
+    drawn = draw()
     results = run_on_ranks(
         check,
         _train_on_rank,
@@ -150,7 +150,7 @@ def check_2d_training(
         model_2d,
         train_step,
         run,
-        cases.given(run, drawn, world_size),
+        given(run, drawn, world_size),
         world_size=world_size,
         timeout=timeout,
         what="your make_groups, GPT2D and train_step",
@@ -159,7 +159,7 @@ def check_2d_training(
     for r, result in enumerate(results):
         if result["copied"]:
             fail(check, f"make_groups, GPT2D or train_step on rank {r}: {result['copied']}")
-    where, batches = run.describe(world_size, secret=True), cases.global_batches(run, drawn)
+    where, batches = run.describe(world_size, secret=True), global_batches(run, drawn)
     verdict = Verdict(check)
     with verdict.case():
         _check_groups(check, run, results, where)
@@ -169,7 +169,7 @@ def check_2d_training(
     with verdict.case():
         _check_collectives(check, run, results, where)
     with verdict.case():
-        _check_training(check, run, results, where, batches, cases.initial(drawn))
+        _check_training(check, run, results, where, batches, initial(drawn))
     verdict.conclude(
         f"{where}: the groups, the samples each rank's model saw (its DP group's share of "
         "every batch), the groups of every collective, and every rank's parameters after "
