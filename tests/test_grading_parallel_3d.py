@@ -433,3 +433,14 @@ def test_2d_training_trusts_no_batch_kept_on_a_rank():
         check_2d_training(make_groups, GPT2D, thief)
     assert "rank 0, step 0 " in str(info.value)
     assert "after train_step" in str(info.value)
+
+
+def test_2d_training_judges_groups_by_the_launchers_tallies():
+    """A call the rank's code takes back out of the call log kept on the rank (in the check's
+    frame) is still in the launcher's tallies, which decide the groups."""
+    hidden = planted("parallel_3d", "train_step", cheats.WORLD_BEHIND_THE_LOG).train_step
+    with pytest.raises(CheckFailed) as info:
+        check_2d_training(make_groups, GPT2D, hidden)
+    text = str(info.value)
+    assert "rank 0, step 0 " in text
+    assert "all_reduce went over ranks [0, 1, 2, 3] (the default group, every rank)" in text

@@ -46,7 +46,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from course_lib.grading._harness import Verdict, fail, run_on_ranks
+from course_lib.grading._harness import Verdict, calls_by_case, fail, run_on_ranks
 from course_lib.grading.parallel_3d_cases import draw, given, global_batches, initial
 from course_lib.grading.parallel_3d_configurations import (
     Measured,
@@ -143,7 +143,7 @@ def check_2d_training(
     # Weights and batches are drawn here, and each rank is given only its own share of them
     # (parallel_3d_cases): `seed` names the call but no longer chooses the numbers.
     drawn = draw()
-    results = run_on_ranks(
+    results, traffic = run_on_ranks(
         check,
         _train_on_rank,
         make_groups,
@@ -154,7 +154,10 @@ def check_2d_training(
         world_size=world_size,
         timeout=timeout,
         what="your make_groups, GPT2D and train_step",
+        traffic=True,
     )
+    # Every call of every group as the launcher tallied it: the set-up, then each step.
+    tallied = calls_by_case(check, traffic.tallies, steps + 1)
     _revive_calls(results)
     for r, result in enumerate(results):
         if result["copied"]:
@@ -167,7 +170,7 @@ def check_2d_training(
     with verdict.case():
         _check_batches(check, run, results, where, batches)
     with verdict.case():
-        _check_collectives(check, run, results, where)
+        _check_collectives(check, run, results, where, tallied)
     with verdict.case():
         _check_training(check, run, results, where, batches, initial(drawn))
     verdict.conclude(

@@ -109,8 +109,13 @@ def _check_batches(check: str, run: Run2D, results: list[dict], where: str, batc
                 )
 
 
-def _check_collectives(check: str, run: Run2D, results: list[dict], where: str) -> None:
-    """Forward talks only in the TP group; nothing talks outside the TP and DP groups."""
+def _check_collectives(
+    check: str, run: Run2D, results: list[dict], where: str, tallied: list[list[list]]
+) -> None:
+    """Nothing talks outside the rank's TP and DP groups, by the launcher's tallies of every
+    call (`tallied[r][case]`: case 0 the set-up, case s + 1 step s); forward talks only in
+    the TP group, by the phases the rank's hooks recorded (only the rank can tell when in a
+    step a call came, so that rule rests on the rank; the groups do not)."""
     __tracebackhide__ = True
     world = len(results)
     for r, result in enumerate(results):
@@ -118,7 +123,6 @@ def _check_collectives(check: str, run: Run2D, results: list[dict], where: str) 
         for s, step in enumerate(result["steps"]):
             at = f"rank {r}, step {s} ({where})"
             for call in step["calls"]:
-                everyone = len(call.ranks) == world and world > max(len(want_tp), len(want_dp))
                 if call.phase == "forward" and call.ranks != want_tp:
                     fail(
                         check,
@@ -126,19 +130,25 @@ def _check_collectives(check: str, run: Run2D, results: list[dict], where: str) 
                         f"forward only talks inside the TP group {list(want_tp)} (the "
                         "row-parallel outputs): build the TP layers with group=tp_group",
                     )
-                if call.ranks not in (want_tp, want_dp):
-                    extra = (
-                        " (the default group, every rank): the gradients of TP shards "
-                        "must be averaged only over the DP group, pass group=dp_group"
-                        if everyone
-                        else ""
-                    )
-                    fail(
-                        check,
-                        f"{at}: {call.op} ({call.phase}) went over ranks "
-                        f"{list(call.ranks)}{extra}; rank {r}'s TP group is {list(want_tp)} "
-                        f"and its DP group {list(want_dp)}",
-                    )
+        for case, calls in enumerate(tallied[r]):
+            at = f"rank {r}, step {case - 1} ({where})" if case else f"rank {r} ({where})"
+            when = "" if case else " (in make_groups or GPT2D)"
+            for call in calls:
+                ranks = tuple(sorted(call.group))
+                if ranks in (want_tp, want_dp):
+                    continue
+                everyone = len(ranks) == world and world > max(len(want_tp), len(want_dp))
+                extra = (
+                    " (the default group, every rank): the gradients of TP shards "
+                    "must be averaged only over the DP group, pass group=dp_group"
+                    if everyone
+                    else ""
+                )
+                fail(
+                    check,
+                    f"{at}: {call.op}{when} went over ranks {list(ranks)}{extra}; rank {r}'s "
+                    f"TP group is {list(want_tp)} and its DP group {list(want_dp)}",
+                )
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:

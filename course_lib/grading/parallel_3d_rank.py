@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib import data, models
+from course_lib import counted_group, data, models
 from course_lib.grading.parallel_3d_grid import PLANNER
 from course_lib.grading.parallel_3d_layout import CONFIG
 from course_lib.grading.parallel_3d_recording import CollectiveLog, group_ranks, watch_model
@@ -62,6 +62,9 @@ def _train_on_rank(make_groups, model_2d, train_step, run: Run2D, mine: dict) ->
             p.copy_(mine["weights"][name])
     # Everything the student's code runs is watched: lecture 10's own 3-D step would do the
     # whole part from train_step.
+    # The launcher tallies every call of every group (run_on_ranks(..., traffic=True)); the
+    # marks split them into the set-up (case 0) and each step (case s + 1).
+    counted_group.mark(0)
     with Provenance(PLANNER) as origin:
         tp_group, dp_group = make_groups(run.tp_size)
         groups = {"tp": group_ranks(tp_group), "dp": group_ranks(dp_group)}
@@ -71,7 +74,8 @@ def _train_on_rank(make_groups, model_2d, train_step, run: Run2D, mine: dict) ->
         steps, inputs = [], []
         with CollectiveLog() as log:
             watch_model(model, log, inputs)
-            for x, y in mine["batches"]:
+            for s, (x, y) in enumerate(mine["batches"]):
+                counted_group.mark(s + 1)
                 log.phase = "step"
                 train_step(model, optimizer, x, y, dp_group)
                 seen, inputs[:] = list(inputs), []
@@ -79,6 +83,7 @@ def _train_on_rank(make_groups, model_2d, train_step, run: Run2D, mine: dict) ->
                 steps.append(
                     {"params": snapshot(model.named_parameters()), "seen": seen, "calls": calls}
                 )
+    counted_group.mark(len(mine["batches"]) + 1)
     return {
         "groups": groups,
         "initial": initial,

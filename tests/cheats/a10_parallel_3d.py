@@ -92,6 +92,42 @@ def train_step(model, optimizer, x, y, dp_group):
     return loss.item()
 '''
 
+# A call hidden from the rank's own log: on main the groups of every call came from a
+# CollectiveLog kept on the rank, in the check's frame, which the rank's code can empty of what
+# it does not want seen. Now the groups come from the launcher's tallies.
+WORLD_BEHIND_THE_LOG = '''
+import inspect
+
+
+def _unlogged(call):
+    """Make `call`, then take it back out of every call log in my callers' frames."""
+    logs = [
+        v
+        for info in inspect.stack()
+        for v in info.frame.f_locals.values()
+        if isinstance(getattr(v, "calls", None), list) and hasattr(v, "take")
+    ]
+    kept = [len(log.calls) for log in logs]
+    call()
+    for log, n in zip(logs, kept):
+        del log.calls[n:]
+
+
+def train_step(model, optimizer, x, y, dp_group):
+    """Right, then the loss summed over every rank in the default group, unlogged."""
+    n, me = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    optimizer.zero_grad()
+    loss = lm_loss(model(shard(x, me, n)), shard(y, me, n))
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=dp_group)
+        p.grad /= n
+    optimizer.step()
+    total = loss.detach().clone()
+    _unlogged(lambda: dist.all_reduce(total))  # every rank: outside the TP and DP groups
+    return total.item() / dist.get_world_size()
+'''
+
 ZERO_REDUNDANCY = '''
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -211,6 +247,12 @@ CHEATS = [
         "the check's batches zeroed in its frames, no DP all-reduce",
         "train_step",
         SAME_ROWS_EVERYWHERE,
+        TRAIN,
+    ),
+    Cheat(
+        "a call over every rank, taken back out of the rank's call log",
+        "train_step",
+        WORLD_BEHIND_THE_LOG,
         TRAIN,
     ),
     Cheat("rebinding the check", "train_step", REBIND_CHECK, TRAIN, alone=True),
