@@ -20,12 +20,14 @@ The student's interface (the contract between the notebook, these checks and the
   trains on this DP rank's shard (`course_lib.data.shard` by the rank in `dp_group`),
   averages the gradients over `dp_group`, and calls `optimizer.step()`.
 
-The training check runs SGD for a few steps in float64 and compares every rank's parameters
-with its shard of single-process training on the whole batch; it also records every
-collective call with the ranks of its group (forward's must be in the TP group, none may leave
-the rank's TP and DP groups) and the batch each rank's model saw (TP partners see the same
-shard, DP groups different ones). For the notebook, memory and communication per rank of a
-configuration, measured and by formula.
+The training check runs SGD for a few steps in float64 from weights and batches it draws in
+the checking process (each rank is given only its TP shard and its DP group's rows,
+parallel_3d_cases) and compares every rank's parameters with its shard of single-process
+training on the whole batch, trained here; the group of every call comes from the launcher's
+tallies (none may leave the rank's TP and DP groups); which calls came in forward (those must
+be in the TP group) and the batch each rank's model saw (TP partners see the same shard, DP
+groups different ones) are recorded by hooks on the rank. For the notebook, memory and
+communication per rank of a configuration, measured and by formula.
 
 This module holds the first two checks and everything the notebook imports; the parts:
 
