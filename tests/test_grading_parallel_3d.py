@@ -412,7 +412,8 @@ def test_2d_training_failure_names_rank_step_and_tolerance():
     with pytest.raises(CheckFailed) as info:
         check_2d_training(make_groups, GPT2D, train_step_sum)
     text = str(info.value)
-    assert "rank 0, step 0 (DP x TP = 2 x 2, TinyGPT seed 0, float64, SGD, batch of 8)" in text
+    where = "(DP x TP = 2 x 2, TinyGPT of secret weights, float64, SGD, batch of 8)"
+    assert f"rank 0, step 0 {where}" in text
     assert "(allowed atol=1e-10 + rtol=1e-10 * |expected|)" in text
 
 
@@ -421,3 +422,25 @@ def test_bad_arguments_are_refused_before_anything_runs():
         check_2d_training(make_groups, GPT2D, train_step, tp_size=3)
     with pytest.raises(ValueError, match="must divide evenly over the DP groups"):
         check_2d_training(make_groups, GPT2D, train_step, batch_size=5)
+
+
+def test_2d_training_trusts_no_batch_kept_on_a_rank():
+    """The batches are drawn, and the reference trained, in the checking process: a rank
+    that zeroes every batch it can find in its callers' frames (so that every DP group would
+    train on the same rows and the DP all-reduce could go) changes only its own copy."""
+    thief = planted("parallel_3d", "train_step", cheats.SAME_ROWS_EVERYWHERE).train_step
+    with pytest.raises(CheckFailed) as info:
+        check_2d_training(make_groups, GPT2D, thief)
+    assert "rank 0, step 0 " in str(info.value)
+    assert "after train_step" in str(info.value)
+
+
+def test_2d_training_judges_groups_by_the_launchers_tallies():
+    """A call the rank's code takes back out of the call log kept on the rank (in the check's
+    frame) is still in the launcher's tallies, which decide the groups."""
+    hidden = planted("parallel_3d", "train_step", cheats.WORLD_BEHIND_THE_LOG).train_step
+    with pytest.raises(CheckFailed) as info:
+        check_2d_training(make_groups, GPT2D, hidden)
+    text = str(info.value)
+    assert "rank 0, step 0 " in text
+    assert "all_reduce went over ranks [0, 1, 2, 3] (the default group, every rank)" in text

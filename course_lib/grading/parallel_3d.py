@@ -20,19 +20,22 @@ The student's interface (the contract between the notebook, these checks and the
   trains on this DP rank's shard (`course_lib.data.shard` by the rank in `dp_group`),
   averages the gradients over `dp_group`, and calls `optimizer.step()`.
 
-The training check runs SGD for a few steps in float64 and compares every rank's parameters
-with its shard of single-process training on the whole batch; it also records every
-collective call with the ranks of its group (forward's must be in the TP group, none may leave
-the rank's TP and DP groups) and the batch each rank's model saw (TP partners see the same
-shard, DP groups different ones). For the notebook, memory and communication per rank of a
-configuration, measured and by formula.
+The training check runs SGD for a few steps in float64 from weights and batches it draws in
+the checking process (each rank is given only its TP shard and its DP group's rows,
+parallel_3d_cases) and compares every rank's parameters with its shard of single-process
+training on the whole batch, trained here; the group of every call comes from the launcher's
+tallies (none may leave the rank's TP and DP groups); which calls came in forward (those must
+be in the TP group) and the batch each rank's model saw (TP partners see the same shard, DP
+groups different ones) are recorded by hooks on the rank. For the notebook, memory and
+communication per rank of a configuration, measured and by formula.
 
 This module holds the first two checks and everything the notebook imports; the parts:
 
     parallel_3d_layout.py          the grid's rule and TinyGPT's TP shards (tp_shard, gather_dense)
     parallel_3d_grid.py            check_process_grid: calling process_grid, judging layouts
     parallel_3d_recording.py       CollectiveLog: collectives with their groups, step phases
-    parallel_3d_rank.py            check_2d_training on each rank: Run2D, secret batches
+    parallel_3d_cases.py           check_2d_training's secret draw, each rank's share of it
+    parallel_3d_rank.py            check_2d_training on each rank: Run2D, training
     parallel_3d_judge.py           check_2d_training judged: reference, groups, batches, ...
     parallel_3d_configurations.py  memory and traffic per configuration, for the notebook
     parallel_3d_zero.py            check_sharded_adamw (Part 4, open): ZeRO-1 in the DP group,
@@ -45,7 +48,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from course_lib.grading._harness import Verdict, fail, run_on_ranks
+from course_lib.grading._harness import Verdict, calls_by_case, fail, run_on_ranks
+from course_lib.grading.parallel_3d_cases import draw, given, global_batches, initial
 from course_lib.grading.parallel_3d_configurations import (
     Measured,
     configuration_table,
@@ -64,7 +68,6 @@ from course_lib.grading.parallel_3d_judge import (
     _check_collectives,
     _check_groups,
     _check_training,
-    _global_batches,
     _revive_calls,
 )
 from course_lib.grading.parallel_3d_layout import gather_dense, tp_shard
@@ -139,22 +142,29 @@ def check_2d_training(
     check = "check_2d_training"
     run = Run2D(tp_size=tp_size, seed=seed, steps=steps, batch_size=batch_size)
     run.validate(world_size)
-    results = run_on_ranks(
+    # Weights and batches are drawn here, and each rank is given only its own share of them
+    # (parallel_3d_cases): `seed` names the call but no longer chooses the numbers.
+    drawn = draw()
+    results, traffic = run_on_ranks(
         check,
         _train_on_rank,
         make_groups,
         model_2d,
         train_step,
         run,
+        given(run, drawn, world_size),
         world_size=world_size,
         timeout=timeout,
         what="your make_groups, GPT2D and train_step",
+        traffic=True,
     )
+    # Every call of every group as the launcher tallied it: the set-up, then each step.
+    tallied = calls_by_case(check, traffic.tallies, steps + 1)
     _revive_calls(results)
     for r, result in enumerate(results):
         if result["copied"]:
             fail(check, f"make_groups, GPT2D or train_step on rank {r}: {result['copied']}")
-    where, batches = run.describe(world_size), _global_batches(run, results)
+    where, batches = run.describe(world_size, secret=True), global_batches(run, drawn)
     verdict = Verdict(check)
     with verdict.case():
         _check_groups(check, run, results, where)
@@ -162,9 +172,9 @@ def check_2d_training(
     with verdict.case():
         _check_batches(check, run, results, where, batches)
     with verdict.case():
-        _check_collectives(check, run, results, where)
+        _check_collectives(check, run, results, where, tallied)
     with verdict.case():
-        _check_training(check, run, results, where, batches)
+        _check_training(check, run, results, where, batches, initial(drawn))
     verdict.conclude(
         f"{where}: the groups, the samples each rank's model saw (its DP group's share of "
         "every batch), the groups of every collective, and every rank's parameters after "

@@ -1,6 +1,6 @@
 """Judging check_2d_training, in the checking process.
 
-The single-process reference on the real global batches (every DP replica's secret shard),
+The single-process reference on the real global batches (drawn here, parallel_3d_cases),
 then every rank's groups, the batches its model saw, the groups of its collectives, and its
 parameters after every step against its shard of the reference, with a hint for each
 mistake the numbers reveal.
@@ -25,20 +25,11 @@ def _revive_calls(results: list[dict]) -> None:
             step["calls"] = [Collective(**{**c, "ranks": tuple(c["ranks"])}) for c in step["calls"]]
 
 
-def _global_batches(run: Run2D, results: list[dict]) -> list[tuple[torch.Tensor, ...]]:
-    """The real global batches: every DP replica's shard, in DP order (from the first rank
-    of each TP group)."""
-    tp = run.tp_size
-    replicas = [results[first]["shards"] for first in range(0, len(results), tp)]
-    return [
-        tuple(torch.cat([shards[s][i] for shards in replicas]) for i in (0, 1))
-        for s in range(run.steps)
-    ]
-
-
-def _reference(run: Run2D, batches: list) -> dict:
-    """Single-process training on whole batches: parameters before and after each step."""
-    model = models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE)
+def _reference(start: dict, batches: list) -> dict:
+    """Single-process training on whole batches from the dense state `start` (the check's
+    secret draw, parallel_3d_cases): parameters before and after each step."""
+    model = models.TinyGPT(CONFIG, seed=0, dtype=DTYPE)
+    model.load_state_dict(start, strict=False)
     optimizer = make_optimizer("sgd", model.parameters())
     steps = []
     for x, y in batches:
@@ -49,10 +40,7 @@ def _reference(run: Run2D, batches: list) -> dict:
         steps.append(
             {"before": before, "after": snapshot(model.named_parameters()), "batch": (x, y)}
         )
-    return {
-        "initial": snapshot(models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE).named_parameters()),
-        "steps": steps,
-    }
+    return {"initial": dict(start), "steps": steps}
 
 
 def _check_groups(check: str, run: Run2D, results: list[dict], where: str) -> None:
@@ -121,8 +109,13 @@ def _check_batches(check: str, run: Run2D, results: list[dict], where: str, batc
                 )
 
 
-def _check_collectives(check: str, run: Run2D, results: list[dict], where: str) -> None:
-    """Forward talks only in the TP group; nothing talks outside the TP and DP groups."""
+def _check_collectives(
+    check: str, run: Run2D, results: list[dict], where: str, tallied: list[list[list]]
+) -> None:
+    """Nothing talks outside the rank's TP and DP groups, by the launcher's tallies of every
+    call (`tallied[r][case]`: case 0 the set-up, case s + 1 step s); forward talks only in
+    the TP group, by the phases the rank's hooks recorded (only the rank can tell when in a
+    step a call came, so that rule rests on the rank; the groups do not)."""
     __tracebackhide__ = True
     world = len(results)
     for r, result in enumerate(results):
@@ -130,7 +123,6 @@ def _check_collectives(check: str, run: Run2D, results: list[dict], where: str) 
         for s, step in enumerate(result["steps"]):
             at = f"rank {r}, step {s} ({where})"
             for call in step["calls"]:
-                everyone = len(call.ranks) == world and world > max(len(want_tp), len(want_dp))
                 if call.phase == "forward" and call.ranks != want_tp:
                     fail(
                         check,
@@ -138,19 +130,25 @@ def _check_collectives(check: str, run: Run2D, results: list[dict], where: str) 
                         f"forward only talks inside the TP group {list(want_tp)} (the "
                         "row-parallel outputs): build the TP layers with group=tp_group",
                     )
-                if call.ranks not in (want_tp, want_dp):
-                    extra = (
-                        " (the default group, every rank): the gradients of TP shards "
-                        "must be averaged only over the DP group, pass group=dp_group"
-                        if everyone
-                        else ""
-                    )
-                    fail(
-                        check,
-                        f"{at}: {call.op} ({call.phase}) went over ranks "
-                        f"{list(call.ranks)}{extra}; rank {r}'s TP group is {list(want_tp)} "
-                        f"and its DP group {list(want_dp)}",
-                    )
+        for case, calls in enumerate(tallied[r]):
+            at = f"rank {r}, step {case - 1} ({where})" if case else f"rank {r} ({where})"
+            when = "" if case else " (in make_groups or GPT2D)"
+            for call in calls:
+                ranks = tuple(sorted(call.group))
+                if ranks in (want_tp, want_dp):
+                    continue
+                everyone = len(ranks) == world and world > max(len(want_tp), len(want_dp))
+                extra = (
+                    " (the default group, every rank): the gradients of TP shards "
+                    "must be averaged only over the DP group, pass group=dp_group"
+                    if everyone
+                    else ""
+                )
+                fail(
+                    check,
+                    f"{at}: {call.op}{when} went over ranks {list(ranks)}{extra}; rank {r}'s "
+                    f"TP group is {list(want_tp)} and its DP group {list(want_dp)}",
+                )
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -161,7 +159,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def _local_delta(run: Run2D, step: dict, name: str, dp_rank: int, dp: int) -> torch.Tensor:
     """The SGD update of dense parameter `name` from DP shard `dp_rank`'s gradient alone."""
-    model = models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE)
+    model = models.TinyGPT(CONFIG, seed=0, dtype=DTYPE)
     model.load_state_dict(step["before"])
     x, y = (data.shard(t, dp_rank, dp) for t in step["batch"])
     models.lm_loss(model(x), y).backward()
@@ -196,10 +194,14 @@ def _training_hint(run: Run2D, ref_step: dict, name: str, r: int, world: int, go
     return "the 2-D model must compute the dense TinyGPT's loss and gradients exactly"
 
 
-def _check_training(check: str, run: Run2D, results: list[dict], where: str, batches) -> None:
+def _check_training(
+    check: str, run: Run2D, results: list[dict], where: str, batches, start: dict
+) -> None:
+    """Every rank's parameters against its shard of the reference, trained here from the
+    drawn `start` on the drawn `batches`."""
     __tracebackhide__ = True
     world, tp = len(results), run.tp_size
-    ref = _reference(run, batches)
+    ref = _reference(start, batches)
     for r, result in enumerate(results):
         want = tp_shards(ref["initial"], r % tp, tp)
         problem = compare.find_mismatch(result["initial"], want, rtol=0.0, atol=0.0)

@@ -1,16 +1,14 @@
-"""What runs on each rank in check_2d_training: the run, the secret batches, and
+"""What runs on each rank in check_2d_training: the run, and
 training with the student's make_groups, GPT2D and train_step.
 """
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from course_lib import data, models
+from course_lib import counted_group, data, models
 from course_lib.grading.parallel_3d_grid import PLANNER
 from course_lib.grading.parallel_3d_layout import CONFIG
 from course_lib.grading.parallel_3d_recording import CollectiveLog, group_ranks, watch_model
@@ -30,12 +28,11 @@ class Run2D:
     steps: int = 3
     batch_size: int = 8
 
-    def describe(self, world: int) -> str:
+    def describe(self, world: int, secret: bool = False) -> str:
+        """The run in a verdict; `secret` when weights and batches are a check's own draw."""
         dp = world // self.tp_size
-        return (
-            f"DP x TP = {dp} x {self.tp_size}, TinyGPT seed {self.seed}, float64, SGD, "
-            f"batch of {self.batch_size}"
-        )
+        model = "TinyGPT of secret weights" if secret else f"TinyGPT seed {self.seed}"
+        return f"DP x TP = {dp} x {self.tp_size}, {model}, float64, SGD, batch of {self.batch_size}"
 
     def validate(self, world: int) -> None:
         """Refuse a grid that cannot be built before any rank starts."""
@@ -53,56 +50,43 @@ class Run2D:
         return data.batches(x, y, self.batch_size, self.steps, seed=self.seed)
 
 
-def _secret_batches(run: Run2D) -> list[dict]:
-    """This rank's global batches: its DP replica's shard is real, drawn from a secret that
-    only its TP partners share; the other replicas' rows are noise drawn by this rank alone.
-    Right code trains on its shard only and never notices; code that trains every rank on
-    the whole batch, to skip the DP all-reduce, trains on noise."""
-    world, me, tp = dist.get_world_size(), dist.get_rank(), run.tp_size
-    dp, first = world // tp, me - me % tp
-    mine = None
-    for start in range(0, world, tp):  # the check's own TP groups; every rank makes each one
-        group = dist.new_group(list(range(start, start + tp)))
-        mine = group if start == first else mine
-    seed = torch.tensor([secrets.randbits(62)])
-    dist.broadcast(seed, src=first, group=mine)
-    n, c = run.batch_size // dp, CONFIG
-    rows = slice((me // tp) * n, (me // tp + 1) * n)
-    out = []
-    for s in range(run.steps):
-        xs, ys = data.tokens(n, c.seq_len, c.vocab_size, seed=int(seed) + s)
-        x, y = data.tokens(run.batch_size, c.seq_len, c.vocab_size, seed=secrets.randbits(62))
-        x[rows], y[rows] = xs, ys
-        out.append({"x": x, "y": y, "shard": (xs, ys)})
-    return out
-
-
-def _train_on_rank(make_groups, model_2d, train_step, run: Run2D) -> dict:
-    """Train with the student's code on this rank; record groups, inputs, calls, params."""
-    batches = _secret_batches(run)
+def _train_on_rank(make_groups, model_2d, train_step, run: Run2D, mine: dict) -> dict:
+    """Train with the student's code on this rank, on what it is given (`mine`, from
+    parallel_3d_cases.given: its TP shard of the weights, the rest zeroed, and per step a
+    global batch whose only real rows are its DP group's); record groups, inputs, calls and
+    parameters. Nothing here is secret: the weights and batches are drawn, and the reference
+    trained, in the checking process."""
+    dense = models.TinyGPT(CONFIG, seed=0, dtype=DTYPE)
+    with torch.no_grad():
+        for name, p in dense.named_parameters():
+            p.copy_(mine["weights"][name])
     # Everything the student's code runs is watched: lecture 10's own 3-D step would do the
     # whole part from train_step.
+    # The launcher tallies every call of every group (run_on_ranks(..., traffic=True)); the
+    # marks split them into the set-up (case 0) and each step (case s + 1).
+    counted_group.mark(0)
     with Provenance(PLANNER) as origin:
         tp_group, dp_group = make_groups(run.tp_size)
         groups = {"tp": group_ranks(tp_group), "dp": group_ranks(dp_group)}
-        model = model_2d(models.TinyGPT(CONFIG, seed=run.seed, dtype=DTYPE), tp_group, dp_group)
+        model = model_2d(dense, tp_group, dp_group)
         initial = snapshot(model.named_parameters())
         optimizer = make_optimizer("sgd", model.parameters())
         steps, inputs = [], []
         with CollectiveLog() as log:
             watch_model(model, log, inputs)
-            for batch in batches:
+            for s, (x, y) in enumerate(mine["batches"]):
+                counted_group.mark(s + 1)
                 log.phase = "step"
-                train_step(model, optimizer, batch["x"], batch["y"], dp_group)
+                train_step(model, optimizer, x, y, dp_group)
                 seen, inputs[:] = list(inputs), []
                 calls = [vars(call) for call in log.take()]  # plain data for the trip back
                 steps.append(
                     {"params": snapshot(model.named_parameters()), "seen": seen, "calls": calls}
                 )
+    counted_group.mark(len(mine["batches"]) + 1)
     return {
         "groups": groups,
         "initial": initial,
         "steps": steps,
-        "shards": [batch["shard"] for batch in batches],
         "copied": origin.complaint(),
     }

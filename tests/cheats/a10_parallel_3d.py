@@ -57,6 +57,77 @@ def train_step(model, optimizer, x, y, dp_group):
     return loss.item()
 '''
 
+# A thief in its callers' frames: on main every rank's global batches, with its DP group's real
+# rows, were a list in the check's own frame, and the judge rebuilt the global batch from what
+# the ranks sent back. Zeroing them everywhere made every DP group's rows the same, so a rank's
+# own gradient was the full-batch one and the DP all-reduce could go. Now the judge draws the
+# batches in the checking process; what a rank holds is only its copy.
+SAME_ROWS_EVERYWHERE = '''
+import inspect
+
+
+def _same_rows_everywhere():
+    """Every tensor of the check's batches in my callers' frames, zeroed in place."""
+    for info in inspect.stack():
+        for name in ("batches", "mine"):
+            todo = [info.frame.f_locals.get(name)]
+            while todo:
+                item = todo.pop()
+                if isinstance(item, torch.Tensor):
+                    item.zero_()
+                elif isinstance(item, dict):
+                    todo.extend(item.values())
+                elif isinstance(item, (list, tuple)):
+                    todo.extend(item)
+
+
+def train_step(model, optimizer, x, y, dp_group):
+    """Every DP group's rows made the same, then no DP all-reduce at all."""
+    _same_rows_everywhere()
+    dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    optimizer.zero_grad()
+    loss = lm_loss(model(shard(x, dp_rank, dp_size)), shard(y, dp_rank, dp_size))
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+'''
+
+# A call hidden from the rank's own log: on main the groups of every call came from a
+# CollectiveLog kept on the rank, in the check's frame, which the rank's code can empty of what
+# it does not want seen. Now the groups come from the launcher's tallies.
+WORLD_BEHIND_THE_LOG = '''
+import inspect
+
+
+def _unlogged(call):
+    """Make `call`, then take it back out of every call log in my callers' frames."""
+    logs = [
+        v
+        for info in inspect.stack()
+        for v in info.frame.f_locals.values()
+        if isinstance(getattr(v, "calls", None), list) and hasattr(v, "take")
+    ]
+    kept = [len(log.calls) for log in logs]
+    call()
+    for log, n in zip(logs, kept):
+        del log.calls[n:]
+
+
+def train_step(model, optimizer, x, y, dp_group):
+    """Right, then the loss summed over every rank in the default group, unlogged."""
+    n, me = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    optimizer.zero_grad()
+    loss = lm_loss(model(shard(x, me, n)), shard(y, me, n))
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=dp_group)
+        p.grad /= n
+    optimizer.step()
+    total = loss.detach().clone()
+    _unlogged(lambda: dist.all_reduce(total))  # every rank: outside the TP and DP groups
+    return total.item() / dist.get_world_size()
+'''
+
 ZERO_REDUNDANCY = '''
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -172,6 +243,18 @@ CHEATS = [
         GRID | TRAIN | SHARDED,
     ),
     Cheat("every rank trains on the whole batch", "train_step", WHOLE_BATCH_EVERYWHERE, TRAIN),
+    Cheat(
+        "the check's batches zeroed in its frames, no DP all-reduce",
+        "train_step",
+        SAME_ROWS_EVERYWHERE,
+        TRAIN,
+    ),
+    Cheat(
+        "a call over every rank, taken back out of the rank's call log",
+        "train_step",
+        WORLD_BEHIND_THE_LOG,
+        TRAIN,
+    ),
     Cheat("rebinding the check", "train_step", REBIND_CHECK, TRAIN, alone=True),
     Cheat("torch's ZeroRedundancyOptimizer", "sharded_adamw", ZERO_REDUNDANCY, SHARDED),
 ]
