@@ -95,18 +95,19 @@ def attempt_store() -> dict:
 
 def slurm_environment(env: Mapping[str, str]) -> dict[str, str]:
     """What torchrun would have set, from what `srun` sets for each task, when srun started
-    this process directly (one task per process) and torchrun did not: {} otherwise. Rank 0's
-    node, the first of the step's nodes, holds the rendezvous, on MASTER_PORT if set, else on a
-    port taken from the job and step ids, so every task of a step finds the same one and two
-    steps of one job do not meet."""
-    if "RANK" in env or "SLURM_PROCID" not in env:
+    this process directly (one task per process) and torchrun did not: {} otherwise, and in a
+    batch script's own process, which Slurm gives SLURM_PROCID and SLURM_NTASKS too but no
+    step: it runs alone. Rank 0's node, the first of the step's nodes, holds the rendezvous,
+    on MASTER_PORT if set, else on a port taken from the job and step ids, so every task of a
+    step finds the same one and two steps of one job do not meet."""
+    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
         return {}
     per_node = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", env["SLURM_TASKS_PER_NODE"]))
     job, step = int(env.get("SLURM_JOB_ID", 0)), int(env.get("SLURM_STEP_ID", 0))
     nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "localhost"))
     return {
         "RANK": env["SLURM_PROCID"],
-        "WORLD_SIZE": env.get("SLURM_STEP_NUM_TASKS", env["SLURM_NTASKS"]),
+        "WORLD_SIZE": env["SLURM_STEP_NUM_TASKS"],
         "LOCAL_RANK": env["SLURM_LOCALID"],
         "LOCAL_WORLD_SIZE": str(per_node[int(env.get("SLURM_NODEID", 0))]),
         "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodes),

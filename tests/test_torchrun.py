@@ -106,6 +106,9 @@ def test_srun_variables_become_torchruns():
     # torchrun inside an srun task (examples/slurm.sbatch) set RANK itself: nothing changes.
     assert slurm_environment({**SRUN_TASK_1_OF_4, "RANK": "5"}) == {}
     assert slurm_environment({"RANK": "0"}) == {} and slurm_environment({}) == {}
+    # A batch script's own process (sbatch --ntasks 2, no srun): Slurm sets SLURM_PROCID and
+    # SLURM_NTASKS there too, but it is one process, not a task of a step.
+    assert slurm_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}) == {}
 
 
 def test_slurm_lists_are_read_as_slurm_writes_them():
