@@ -25,3 +25,8 @@ c.ServerApp.jpserver_extensions = {
     "nbgrader.server_extensions.validate_assignment": False,
     "course_validate": True,
 }
+
+# Kernels talk to the server over local socket files, not TCP ports on localhost: no other user
+# of the machine can connect to them, and ipykernel does not print its warning about plain-text
+# TCP in the terminal on every kernel start.
+c.KernelManager.transport = "ipc"

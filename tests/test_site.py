@@ -62,6 +62,7 @@ def test_a_page_embeds_its_figures_and_the_index_links_it(tmp_path):
     index = (tmp_path / "site" / "index.html").read_text()
     assert 'href="06_memory.html"' in index
     assert "00_getting_started.html" not in index  # not built: listed, but not linked
+    assert "IPKernelApp" not in done.stdout + done.stderr  # no kernel warning in the log
 
 
 def test_a_failing_cell_names_its_lecture_and_cell_and_leaves_no_page(tmp_path):

@@ -17,10 +17,12 @@ import argparse
 import re
 import sys
 import time
+import uuid
 from pathlib import Path
 from queue import Empty
 
 import nbformat
+from jupyter_core.paths import jupyter_runtime_dir
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
@@ -65,7 +67,19 @@ def sliced(get_msg, slice_seconds: float = POLL_SLICE):
 
 
 class Client(NotebookClient):
-    """nbclient's runner, its shell channel polled in slices (see `sliced`)."""
+    """nbclient's runner, its shell channel polled in slices (see `sliced`), talking to its
+    kernel over local socket files: over TCP, ipykernel warns on every start that the
+    traffic is unencrypted, a line that would sit in every build's log."""
+
+    def create_kernel_manager(self):
+        km = super().create_kernel_manager()
+        km.transport = "ipc"
+        # The sockets' names derive from the connection file's, which must be absolute: the
+        # kernel runs in the notebook's folder, this client elsewhere.
+        runtime = Path(jupyter_runtime_dir())
+        runtime.mkdir(parents=True, exist_ok=True)
+        km.connection_file = str(runtime / f"kernel-{uuid.uuid4()}.json")
+        return km
 
     async def async_start_new_kernel_client(self):
         kc = await super().async_start_new_kernel_client()
