@@ -7,6 +7,8 @@ starts: the Assignment List, Course List and Formgrader panels read it.
 import sys
 from pathlib import Path
 
+from jupyter_core.paths import jupyter_runtime_dir
+
 c = get_config()  # noqa: F821 (Jupyter provides get_config)
 
 HERE = Path(__file__).resolve().parent
@@ -21,6 +23,8 @@ c.LabApp.news_url = None
 # course_validate.py next to this file instead of nbgrader's own handler: on a lecture it says
 # there is nothing to validate rather than running the whole lecture.
 sys.path.insert(0, str(HERE))
+from kernel_sockets import ipc_fits  # noqa: E402 (found through the line above)
+
 c.ServerApp.jpserver_extensions = {
     "nbgrader.server_extensions.validate_assignment": False,
     "course_validate": True,
@@ -28,5 +32,7 @@ c.ServerApp.jpserver_extensions = {
 
 # Kernels talk to the server over local socket files, not TCP ports on localhost: no other user
 # of the machine can connect to them, and ipykernel does not print its warning about plain-text
-# TCP in the terminal on every kernel start.
-c.KernelManager.transport = "ipc"
+# TCP in the terminal on every kernel start. The files go in the runtime folder; where their
+# paths would be too long for a socket's (kernel_sockets.py), kernels keep TCP.
+if ipc_fits(jupyter_runtime_dir()):
+    c.KernelManager.transport = "ipc"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from queue import Empty
 
 import nbformat
 import pytest
+from traitlets.config.loader import PyFileConfigLoader
 
 from course_lib.topics import TOPICS
 from tests.conftest import ROOT, SITE
@@ -37,12 +39,13 @@ def notebook(path, *sources: str) -> None:
     nbformat.write(nb, path)
 
 
-def build(tmp_path, *notebooks):
+def build(tmp_path, *notebooks, env=None):
     return subprocess.run(
         [sys.executable, BUILDER, *notebooks, "--out", tmp_path / "site"],
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
 
 
@@ -63,6 +66,26 @@ def test_a_page_embeds_its_figures_and_the_index_links_it(tmp_path):
     assert 'href="06_memory.html"' in index
     assert "00_getting_started.html" not in index  # not built: listed, but not linked
     assert "IPKernelApp" not in done.stdout + done.stderr  # no kernel warning in the log
+
+
+def test_a_runtime_folder_too_deep_for_socket_files_still_runs_the_kernel(tmp_path):
+    """A kernel's socket files live beside its connection file; a path longer than a socket's
+    (107 bytes on Linux) kills the kernel at its start, unless the builder moves them."""
+    deep = tmp_path / ("d" * 60) / "runtime"
+    path = tmp_path / "00_getting_started.ipynb"
+    notebook(path, "print('ran')")
+    done = build(tmp_path, path, env={**os.environ, "JUPYTER_RUNTIME_DIR": str(deep)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ran" in (tmp_path / "site" / "00_getting_started.html").read_text()
+    assert "IPKernelApp" not in done.stdout + done.stderr  # still over socket files
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_make_labs_kernels_use_socket_files_where_they_fit(tmp_path, monkeypatch, deep):
+    runtime = tmp_path / ("d" * 60) if deep else "/tmp/r"  # only its name is read
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+    config = PyFileConfigLoader("jupyter_lab_config.py", str(ROOT / "jupyter")).load_config()
+    assert config.KernelManager.get("transport", "tcp") == ("tcp" if deep else "ipc")
 
 
 def test_a_failing_cell_names_its_lecture_and_cell_and_leaves_no_page(tmp_path):

@@ -14,8 +14,11 @@ are embedded in the pages as PNG; widgets keep the state they had when the lectu
 from __future__ import annotations
 
 import argparse
+import atexit
 import re
+import shutil
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -28,6 +31,9 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "jupyter"))
+from kernel_sockets import ipc_fits  # noqa: E402
+
 from course_lib.topics import TOPICS  # noqa: E402
 
 CELL_TIMEOUT = 300  # seconds, as `make test`'s nbval run allowed
@@ -75,9 +81,14 @@ class Client(NotebookClient):
         km = super().create_kernel_manager()
         km.transport = "ipc"
         # The sockets' names derive from the connection file's, which must be absolute: the
-        # kernel runs in the notebook's folder, this client elsewhere.
+        # kernel runs in the notebook's folder, this client elsewhere. A runtime folder too deep
+        # for a socket's path gives way to a private one in /tmp.
         runtime = Path(jupyter_runtime_dir())
-        runtime.mkdir(parents=True, exist_ok=True)
+        if ipc_fits(str(runtime)):
+            runtime.mkdir(parents=True, exist_ok=True)
+        else:
+            runtime = Path(tempfile.mkdtemp(prefix="kernel-sockets-"))
+            atexit.register(shutil.rmtree, runtime, ignore_errors=True)
         km.connection_file = str(runtime / f"kernel-{uuid.uuid4()}.json")
         return km
 
