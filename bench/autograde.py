@@ -108,7 +108,7 @@ def main() -> None:
     students, count = CLASS
     # Assignments not measured count at the mean of those measured.
     per_class = core_s + [mean] * max(0, count - len(core_s))
-    print(f"class of S students x A assignments on C cores: S * sum(core-s) / C / 3600 h")
+    print("class of S students x A assignments on C cores: S * sum(core-s) / C / 3600 h")
     for cores in CORES:
         hours = class_hours(students, per_class, cores)
         print(f"  {students} x {count} on {cores} cores: {hours:.2f} h")

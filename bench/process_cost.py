@@ -168,4 +168,5 @@ def run_costed(argv: list[str], **popen: object) -> Cost:
         out, err = process.communicate()
         wall = time.perf_counter() - start
         left = reap_orphans()
-    return Cost(wall, children_cpu() - before, sampler.by_kind(), process.returncode, out, err, left)
+    core_s = children_cpu() - before
+    return Cost(wall, core_s, sampler.by_kind(), process.returncode, out, err, left)
