@@ -86,16 +86,21 @@ def import_torch_cost() -> Cost:
     return run_costed([sys.executable, "-c", "import torch"])
 
 
+def _or_dash(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}"
+
+
 def main() -> None:
     names = sys.argv[1:] or sorted(p.name for p in (ROOT / "solutions").iterdir() if p.is_dir())
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start")
-    print(f"{'assignment':<24}{'wall s':>8}{'core-s':>8}{'sampled':>9}{'wall/60s':>10}")
+    columns = ("wall s", 8), ("core-s", 8), ("cgroup", 8), ("sampled", 9), ("wall/60s", 10)
+    print(f"{'assignment':<24}" + "".join(f"{name:>{width}}" for name, width in columns))
     costs = {}
     for assignment in names:
         cost, rows, slowest = autograde(assignment)
         costs[assignment] = (cost, rows, slowest)
         print(
-            f"{assignment:<24}{cost.wall_s:>8.1f}{cost.core_s:>8.1f}"
+            f"{assignment:<24}{cost.wall_s:>8.1f}{cost.core_s:>8.1f}{_or_dash(cost.cgroup_s):>8}"
             f"{sum(cost.by_kind.values()):>9.1f}{cost.wall_s / TARGET_S:>10.2f}"
             + (f"  ({cost.orphans_left} processes outlived it)" if cost.orphans_left else "")
         )
