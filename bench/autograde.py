@@ -6,8 +6,9 @@ For each assignment a temporary course folder gets a release and one correct sub
 `nbgrader autograde` runs once (kernel start, the notebook's own cells, the judge and every
 test cell, hidden tests included). Printed per assignment: wall seconds and core-seconds, the
 user + system CPU of the whole process tree of `nbgrader autograde`, sandboxes, kernels,
-judges, fork servers and ranks included (`process_cost.run_costed`, which says how they are
-all counted), with a sampler's sum from /proc as a check. Then the mean, and the projection
+judges, fork servers and ranks included (`process_cost.run_costed`: the kernel's count for a
+cgroup of the run where one can be made, else getrusage's), with getrusage's and a sampler's
+sums as checks. Then the mean, and the projection
 
     wall hours of a class = S * sum over assignments of core-s / C / 3600
 
@@ -86,21 +87,19 @@ def import_torch_cost() -> Cost:
     return run_costed([sys.executable, "-c", "import torch"])
 
 
-def _or_dash(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:.1f}"
-
-
 def main() -> None:
     names = sys.argv[1:] or sorted(p.name for p in (ROOT / "solutions").iterdir() if p.is_dir())
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start")
-    columns = ("wall s", 8), ("core-s", 8), ("cgroup", 8), ("sampled", 9), ("wall/60s", 10)
+    print("core-s: the kernel's count for the run's cgroup where one can be made, else rusage; "
+          "rusage: getrusage's; sampled: /proc, by process (process_cost)")  # fmt: skip
+    columns = ("wall s", 8), ("core-s", 8), ("rusage", 8), ("sampled", 9), ("wall/60s", 10)
     print(f"{'assignment':<24}" + "".join(f"{name:>{width}}" for name, width in columns))
     costs = {}
     for assignment in names:
         cost, rows, slowest = autograde(assignment)
         costs[assignment] = (cost, rows, slowest)
         print(
-            f"{assignment:<24}{cost.wall_s:>8.1f}{cost.core_s:>8.1f}{_or_dash(cost.cgroup_s):>8}"
+            f"{assignment:<24}{cost.wall_s:>8.1f}{cost.core_s:>8.1f}{cost.rusage_s:>8.1f}"
             f"{sum(cost.by_kind.values()):>9.1f}{cost.wall_s / TARGET_S:>10.2f}"
             + (f"  ({cost.orphans_left} processes outlived it)" if cost.orphans_left else "")
         )

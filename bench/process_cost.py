@@ -3,21 +3,21 @@
     from process_cost import run_costed, class_hours
 
 `run_costed(argv)` runs a command and returns its wall seconds and its core-seconds: user +
-system CPU of every process it started, down to the last grandchild. Those come from
-`getrusage(RUSAGE_CHILDREN)` before and after, which counts a process once it has been waited
-for, and with it every descendant it waited for. A descendant whose parent died first would be
-lost (reparented to init, which waits for it on nobody's account), so this process makes itself
-the tree's subreaper (`PR_SET_CHILD_SUBREAPER`): orphans are reparented here instead, and
-`run_costed` waits for them too. A sandbox's processes are counted the same way: bubblewrap's
-init waits for everything in its PID namespace before it exits.
+system CPU of every process it started, down to the last grandchild. Three counts:
 
-Two checks on that total. Where this process may make a cgroup in cgroup v1's `cpuacct`
-hierarchy (as root; the sandbox makes its cgroups in the `pids` and `memory` hierarchies
-only, so every descendant stays in this one), the kernel's own count of the CPU every task in
-it ever used (`cpuacct.usage`), however it ended and whoever reaped it. And a sampler that
-reads every descendant's CPU from /proc as it runs, to say which processes it went to (`kind`):
-it misses what a process uses after its last sample and processes that live less than one
-period, so its sum is a little below the true total.
+- the kernel's: where this process may make a cgroup in cgroup v1's `cpuacct` hierarchy (as
+  root), the command runs in one, and `cpuacct.usage` is the CPU every task in it ever used,
+  however it ended and whoever reaped it. (The sandbox makes its cgroups in the `pids` and
+  `memory` hierarchies only, so every descendant stays in this one.) `Cost.core_s` is this
+  count where there is one.
+- getrusage's: `RUSAGE_CHILDREN` before and after, which counts a process once it has been
+  waited for, with every descendant it waited for. This process makes itself the tree's
+  subreaper (`PR_SET_CHILD_SUBREAPER`), so that orphans are reparented here rather than to
+  init, and waits for them too. Measured on `nbgrader autograde`, it still came out about a
+  fifth below the kernel's count: some descendants' CPU never reaches it through a wait.
+- a sampler's, reading every descendant's CPU from /proc as it runs, to say which processes
+  it went to (`kind`). It misses what a process uses after its last sample and processes
+  that live less than one period, so its sum is a little below the true total.
 """
 
 from __future__ import annotations
@@ -165,17 +165,22 @@ class CpuAccount:
 
 @dataclass
 class Cost:
-    """What one command took: wall seconds, core-seconds of its tree (from getrusage), the
-    kernel's count for its cgroup where there is one, the sampler's view."""
+    """What one command took: wall seconds, core-seconds of its tree (getrusage's count, and
+    the kernel's for its cgroup where there is one), the sampler's view."""
 
     wall_s: float
-    core_s: float
+    rusage_s: float
     cgroup_s: float | None
     by_kind: dict[str, float]
     returncode: int
     stdout: str
     stderr: str
     orphans_left: int  # descendants still running after ORPHAN_WAIT_S (not counted)
+
+    @property
+    def core_s(self) -> float:
+        """The kernel's count where there is one, else getrusage's."""
+        return self.rusage_s if self.cgroup_s is None else self.cgroup_s
 
 
 def reap_orphans(wait_s: float = ORPHAN_WAIT_S) -> int:
@@ -213,7 +218,7 @@ def run_costed(argv: list[str], **popen: object) -> Cost:
             out, err = process.communicate()
             wall = time.perf_counter() - start
             left = reap_orphans()
-        core_s, cgroup_s = children_cpu() - before, account.seconds()
+        rusage_s, cgroup_s = children_cpu() - before, account.seconds()
     finally:
         account.close()
-    return Cost(wall, core_s, cgroup_s, sampler.by_kind(), process.returncode, out, err, left)
+    return Cost(wall, rusage_s, cgroup_s, sampler.by_kind(), process.returncode, out, err, left)
