@@ -252,6 +252,7 @@ LIBRARY_TESTS = frozenset(
     {
         "autograde",
         "batch",
+        "bench_cost",
         "browser",
         "cheats",
         "comm",

@@ -121,6 +121,7 @@ class SandboxedKernelManager(AsyncKernelManager):
         kw["preexec_fn"] = self.guard.preexec
         await super()._async_launch_kernel(kernel_cmd, **kw)
         self.guard.watch(self.provisioner.process.pid)
+        sandbox.phase("kernel-launched")
 
     def why_it_died(self) -> str:
         """Why the kernel ended, as far as is known: a limit, or its exit status."""
@@ -178,6 +179,7 @@ class GradeInSandbox(Execute):
                 judged.update(
                     run_judge(cells, sandboxed=self._sandboxed, timeout=self.judge_timeout)
                 )
+                sandbox.phase("judge-returned")
             except Exception as error:  # noqa: BLE001 (the grader's failure, raised below)
                 if not isinstance(error, GraderFailed):
                     error = GraderFailed(f"the judge's driver failed: {error!r}")
@@ -199,7 +201,9 @@ class GradeInSandbox(Execute):
                     {"folder": folder, "limits": self.limits},
                 )
             try:
+                sandbox.phase("notebook-run-start")
                 nb, resources = super().preprocess(nb, resources)
+                sandbox.phase("notebook-run-done")
             except Exception as error:
                 if not self._judge_failed.is_set():
                     raise GraderFailed(

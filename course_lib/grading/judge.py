@@ -31,6 +31,7 @@ import contextlib
 import ctypes
 import io
 import json
+import os
 import sys
 import time
 import traceback
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 
 from course_lib.grading._harness import RESULT, CheckFailed, close_pool, grading_pool, share
 from course_lib.grading.answers import Answer, defined_names
+from course_lib.grading.sandbox import PROFILE_ENV, phase
 
 PR_SET_DUMPABLE = 4
 START_RANKS = 2  # the world size of the grading ranks started before any student code runs
@@ -173,7 +175,19 @@ def _start_ranks() -> None:
         raise RuntimeError(f"grading ranks answered {answers!r} to int()")
 
 
+def _started_at() -> float:
+    """When this process started, in Unix time to the clock tick (psutil's `create_time` is
+    off by up to a second: it adds the boot time, which /proc/stat gives in whole seconds)."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - age
+
+
 def main() -> None:
+    if os.environ.get(PROFILE_ENV):  # when the sandbox started it, then what it imported
+        phase("judge-process", at=_started_at())
+        phase("judge-imported")  # its interpreter, torch and every check
     _not_dumpable()
     request = json.loads(sys.stdin.read())
     sys.stdin.close()
@@ -187,7 +201,9 @@ def main() -> None:
     # limit reached), the cells graded so far keep their scores.
     try:
         _start_ranks()
+        phase("judge-ranks-started")  # the fork server (torch and the checks again), 2 ranks
         for v in grade(request["cells"], lambda cell_id: say({"judging": cell_id})):
+            phase(f"judge-cell {v.id}")
             say(
                 {
                     "id": v.id,
@@ -198,6 +214,7 @@ def main() -> None:
                 }
             )
         close_pool()
+        phase("judge-done")
     except Exception as error:  # noqa: BLE001 (a test cell's own errors are caught in it)
         lines = traceback.format_exception(type(error), error, error.__traceback__)
         say({"broken": f"{type(error).__name__}: {error}\n" + "".join(lines[-12:])})

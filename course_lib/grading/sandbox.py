@@ -150,7 +150,35 @@ def environment(extra: dict[str, str] | None = None) -> dict[str, str]:
         # c10d warns on every rank that a sandbox's loopback has no host name: harmless.
         "TORCH_CPP_LOG_LEVEL": "ERROR",
     }
+    if os.environ.get(PROFILE_ENV):
+        env[PROFILE_ENV] = "1"  # the judge inside says when each phase ends (`phase`)
     return {**env, **(extra or {})}
+
+
+# --- profiling ------------------------------------------------------------------------------
+
+# With COURSE_GRADE_PROFILE=1, the grader and the judge write a line to stderr as each phase of
+# grading a submission ends (bench/autograde_cost.py reads them to say where the time goes).
+# The sandbox passes the variable in, and `run` echoes the judge's lines, which it would
+# otherwise keep to itself, to the grader's stderr. Wall-clock times: comparable across
+# processes, since the sandbox shares the host's clock.
+PROFILE_ENV = "COURSE_GRADE_PROFILE"
+PROFILE_PREFIX = "course-grade-profile"
+
+
+def phase(what: str, at: float | None = None) -> None:
+    """When profiling, say on stderr that `what` happened at `at` (default: now)."""
+    if os.environ.get(PROFILE_ENV):
+        when = time.time() if at is None else at
+        print(f"{PROFILE_PREFIX} {when:.3f} {os.getpid()} {what}", file=sys.stderr, flush=True)
+
+
+def _echo_profile(err: str) -> None:
+    """Pass a sandboxed process's profiling lines on to this process's stderr."""
+    if os.environ.get(PROFILE_ENV):
+        for line in err.splitlines():
+            if line.startswith(PROFILE_PREFIX):
+                print(line, file=sys.stderr, flush=True)
 
 
 # --- limits ---------------------------------------------------------------------------------
@@ -432,6 +460,7 @@ def run(
     (exit code, stdout, stderr, why a limit stopped it or None: `Guard.reason`)."""
     guard = Guard(limits, [folder] if folder else [])
     shared, chdir = ([folder.path], folder.path) if folder else ([], "/tmp")
+    phase("sandbox-start")
     try:
         process = subprocess.Popen(
             command(argv, limits=limits, env=environment(env), shared=shared, chdir=chdir),
@@ -447,6 +476,7 @@ def run(
         except subprocess.TimeoutExpired:
             guard.kill(f"ran longer than {limits.seconds:g} s")
             out, err = process.communicate()
+        _echo_profile(err)
         return process.returncode, out, err, guard.reason()
     finally:
         guard.close()
