@@ -137,6 +137,30 @@ def passed(check: str, verified: str) -> None:
     print(f"{check}: passed. Verified {verified}.")
 
 
+# What the open parts measured in this process, for the judge to carry out of the sandbox
+# with the verdict (`measured`, `take_measurements`): the class leaderboard ranks by them.
+_measured: list[dict] = []
+
+
+def measured(check: str, name: str, value: float, unit: str, better: str = "lower") -> None:
+    """Record what an open part measured, once its check passed: `value` (in `unit`; `better`
+    "lower" or "higher") must be the checking process's own measurement (tallies, its own
+    count), never a number the student's code reported. The judge stores it in the gradebook
+    with the cell's score (`course_lib.grading.measurements`)."""
+    if better not in ("lower", "higher"):
+        raise ValueError(f"better must be 'lower' or 'higher', not {better!r}")
+    _measured.append(
+        {"check": check, "name": name, "value": float(value), "unit": unit, "better": better}
+    )
+
+
+def take_measurements() -> list[dict]:
+    """What `measured` recorded since the last call (the judge calls it after each test cell)."""
+    taken = list(_measured)
+    _measured.clear()
+    return taken
+
+
 def fail(check: str, message: str, prop: str = RESULT) -> NoReturn:
     __tracebackhide__ = True
     raise CheckFailed(f"{check}: {message}", prop=prop)

@@ -1,0 +1,255 @@
+"""The leaderboard of the open parts: what a check measures reaches the gradebook (judge,
+verdicts, `measurements`), a parallel grading merges it, and `make leaderboard` ranks the
+passing submissions under a chosen display name or an anonymous id, escaped.
+
+The unit tests need no nbgrader run; the last test (e2e) reads the page `make leaderboard`
+writes for the class tests/grading_course.py grades.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbgrader.api import Gradebook
+
+from course_lib.grading import leaderboard, measurements
+from course_lib.grading.batch import NOT_GRADED, STATUS, merge, scratch_course
+from course_lib.grading.judge import grade
+from course_lib.grading.verdicts import apply_verdicts
+
+MEASURE = (
+    "from course_lib.grading._harness import measured\n"
+    "measured('check_x', 'rounds', {value}, 'rounds', better='lower')\n"
+)
+
+
+def cell(cell_id: str, role: str, source: str, points: float = 0) -> dict:
+    return {"id": cell_id, "role": role, "source": source, "points": points}
+
+
+def test_what_a_check_measured_comes_out_with_its_cells_verdict_only():
+    """The judge hands each test cell's verdict what its checks measured in the judge's own
+    process, and nothing of another cell's."""
+    verdicts = list(
+        grade(
+            [
+                cell("test_open", "test", MEASURE.format(value=3), points=2),
+                cell("test_other", "test", "x = 1", points=1),
+            ]
+        )
+    )
+    assert verdicts[0].measurements == [
+        {"check": "check_x", "name": "rounds", "value": 3.0, "unit": "rounds", "better": "lower"}
+    ]
+    assert verdicts[0].score == 2 and verdicts[1].measurements == []
+
+
+def test_a_measure_must_say_which_way_is_better():
+    from course_lib.grading._harness import measured, take_measurements
+
+    with pytest.raises(ValueError, match="better"):
+        measured("check_x", "bytes", 1, "B", better="smaller")
+    assert take_measurements() == []
+
+
+def notebook(name_source: str | None, measured_value: float, score: float):
+    """A graded notebook as `apply_verdicts` leaves it: one open test cell worth 2 points that
+    measured `measured_value` and scored `score`, and the display-name cell."""
+    test = nbformat.v4.new_code_cell("check_x(answer)")
+    test.metadata["nbgrader"] = {"grade": True, "solution": False, "grade_id": "test_open"}
+    test.metadata["nbgrader"]["points"] = 2
+    cells = [test]
+    if name_source is not None:
+        name = nbformat.v4.new_code_cell(name_source)
+        name.metadata["nbgrader"] = {"grade": False, "solution": True, "grade_id": "name"}
+        cells.insert(0, name)
+    nb = nbformat.v4.new_notebook(cells=cells)
+    measure = {"check": "check_x", "name": "rounds", "value": measured_value}
+    measure |= {"unit": "rounds", "better": "lower"}
+    verdict = {"id": "test_open", "score": score, "points": 2, "outputs": []}
+    apply_verdicts(nb, {"test_open": verdict | {"measurements": [measure]}}, logging.getLogger())
+    return nb
+
+
+def resources(db: Path, student: str) -> dict:
+    info = {"db_url": f"sqlite:///{db}", "student": student, "assignment": "a01"}
+    return {"nbgrader": info | {"notebook": "a01"}}
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ('LEADERBOARD_NAME = "Ada"', "Ada"),
+        ('LEADERBOARD_NAME = ""', ""),
+        ('LEADERBOARD_NAME = "  two\\n lines\\x00 "', "two lines"),
+        ('LEADERBOARD_NAME = "a"\nLEADERBOARD_NAME = "b"', "b"),
+        ("LEADERBOARD_NAME = open('/etc/passwd').read()", ""),  # never run: a literal only
+        ("LEADERBOARD_NAME = 'x' * 100", ""),
+        (f'LEADERBOARD_NAME = "{"x" * 100}"', "x" * measurements.MAX_NAME),
+        ("this is not python (", ""),
+    ],
+)
+def test_the_display_name_is_the_string_literal_the_notebook_assigns(source, expected):
+    assert measurements.display_name(notebook(source, 1, 2)) == expected
+
+
+def test_autograde_stores_the_measurement_and_a_regrade_replaces_it(tmp_path):
+    db = tmp_path / "gradebook.db"
+    measurements.save(notebook('LEADERBOARD_NAME = "Ada"', 5, 2), resources(db, "s1"))
+    measurements.save(notebook(None, 7, 1), resources(db, "s2"))
+    measurements.save(notebook('LEADERBOARD_NAME = "Ada L."', 4, 2), resources(db, "s1"))
+    rows = {r["student"]: r for r in measurements.rows(db)}
+    assert {s: (r["value"], r["score"], r["display_name"]) for s, r in rows.items()} == {
+        "s1": (4.0, 2.0, "Ada L."),
+        "s2": (7.0, 1.0, ""),
+    }
+    assert rows["s1"]["part"] == "test_open" and rows["s1"]["points"] == 2
+
+
+def test_merge_copies_a_submissions_measurements_and_drops_an_ungraded_ones(tmp_path, monkeypatch):
+    """`batch.merge` (JOBS=N) copies each scratch gradebook's rows of its submission into the
+    course's, replacing older ones, and a submission the grader failed on loses its rows."""
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    course_db = tmp_path / "gradebook.db"
+    with Gradebook(f"sqlite:///{course_db}") as gradebook:
+        gradebook.add_assignment("a01")
+        gradebook.add_notebook("a01", "a01")
+        gradebook.add_grade_cell("test_open", "a01", "a01", max_score=2, cell_type="code")
+        for student in ("ok", "broken", "other"):
+            gradebook.add_student(student)
+            gradebook.add_submission("a01", student)
+    for student, value in (("ok", 9), ("broken", 9), ("other", 6)):  # an older grading's
+        measurements.save(notebook(None, value, 2), resources(course_db, student))
+    for student in ("ok", "broken"):
+        scratch = scratch_course(tmp_path, student, "a01")
+        scratch.mkdir(parents=True)
+        (scratch / "gradebook.db").write_bytes(course_db.read_bytes())
+        (scratch / STATUS).write_text('{"exit_code": 0}')
+    ok_db = scratch_course(tmp_path, "ok", "a01") / "gradebook.db"
+    measurements.save(notebook('LEADERBOARD_NAME = "Okay"', 3, 2), resources(ok_db, "ok"))
+    cause = {"student": "broken", "assignment": "a01", "notebook": "a01", "cause": "no judge"}
+    (scratch_course(tmp_path, "broken", "a01") / NOT_GRADED).write_text(json.dumps(cause))
+
+    merge(tmp_path)
+
+    rows = {r["student"]: (r["value"], r["display_name"]) for r in measurements.rows(course_db)}
+    assert rows == {"ok": (3.0, "Okay"), "other": (6.0, "")}
+
+
+def row(student: str, value: float, score: float = 2, name: str = "", **kw) -> dict:
+    base = {"assignment": "a01", "notebook": "a01", "part": "test_open", "check_name": "check_x"}
+    base |= {"name": "rounds", "unit": "rounds", "better": "lower", "points": 2}
+    return base | {"student": student, "value": value, "score": score, "display_name": name} | kw
+
+
+def test_only_passing_parts_are_ranked_best_first_ties_sharing_a_rank():
+    rows = [
+        row("s1", 5, name="Five"),
+        row("s2", 3, name="Three"),
+        row("s3", 5, name="Also five"),
+        row("s4", 1, score=1.5, name="Partial"),  # the part did not pass: not ranked
+        row("s5", 9, better="higher", part="test_other", name="Up"),
+        row("s6", 12, better="higher", part="test_other", name="Higher"),
+    ]
+    boards = leaderboard.boards(rows, b"key")
+    ranked = {b.part: [(e.rank, e.name, e.value) for e in b.entries] for b in boards}
+    assert ranked == {
+        "test_open": [(1, "Three", 3.0), (2, "Also five", 5.0), (2, "Five", 5.0)],
+        "test_other": [(1, "Higher", 12.0), (2, "Up", 9.0)],
+    }
+
+
+def test_the_anonymous_id_is_stable_keyed_and_not_the_student_id(tmp_path):
+    secret = leaderboard.course_secret(tmp_path)
+    assert leaderboard.course_secret(tmp_path) == secret  # kept in the course folder
+    assert (tmp_path / leaderboard.SECRET).stat().st_mode & 0o077 == 0
+    ids = {s: leaderboard.anonymous_id(secret, s) for s in ("jdoe42", "asmith7")}
+    assert len(set(ids.values())) == 2
+    assert all(s not in i for s, i in ids.items())
+    assert leaderboard.anonymous_id(secret, "jdoe42") == ids["jdoe42"]
+    assert leaderboard.anonymous_id(b"another course", "jdoe42") != ids["jdoe42"]
+    (board,) = leaderboard.boards([row("jdoe42", 4)], secret)
+    assert [(e.name, e.chosen) for e in board.entries] == [(ids["jdoe42"], False)]
+
+
+class Text(HTMLParser):
+    """The text of a page and the tags it has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text, self.tags = [], []
+
+    def handle_starttag(self, tag, attrs) -> None:
+        self.tags.append(tag)
+
+    def handle_data(self, data) -> None:
+        self.text.append(data)
+
+
+def read_page(html: str) -> Text:
+    parser = Text()
+    parser.feed(html)
+    return parser
+
+
+def test_a_display_name_shows_as_text_never_as_markup():
+    evil = '<script>alert("x")</script><img src=x onerror=alert(1)>'
+    html = leaderboard.page(leaderboard.boards([row("s1", 2, name=evil)], b"key"))
+    page = read_page(html)
+    assert "script" not in page.tags and "img" not in page.tags
+    assert evil in "".join(page.text)
+    assert "<link" not in html and "http" not in html  # static, no external assets
+
+
+def test_the_page_names_no_student_id_unless_chosen():
+    rows = [row("jdoe42", 2), row("asmith7", 3, name="Alice")]
+    text = "".join(read_page(leaderboard.page(leaderboard.boards(rows, b"key"))).text)
+    assert "jdoe42" not in text and "asmith7" not in text and "Alice" in text
+
+
+# --- end to end: the graded class ----------------------------------------------------------
+
+
+def table_rows(html: str) -> list[list[str]]:
+    """Every table row's cells' text."""
+    rows: list[list[str]] = []
+
+    class Rows(HTMLParser):
+        def handle_starttag(self, tag, attrs) -> None:
+            if tag == "tr":
+                rows.append([])
+            elif tag in ("td", "th"):
+                rows[-1].append("")
+
+        def handle_data(self, data) -> None:
+            if rows and rows[-1]:
+                rows[-1][-1] += data
+
+    Rows().feed(html)
+    return rows
+
+
+def test_make_leaderboard_ranks_the_graded_class(graded_course):
+    """The class of tests/grading_course.py: "solver" chose no display name, "named" chose
+    `grading_course.LEADERBOARD[2]` (markup, which must show as text). Both passed the open
+    part of a01 and are ranked there; the blank release and the cheats are not."""
+    from tests.grading_course import LEADERBOARD, make
+
+    course, _ = graded_course
+    make(course, "leaderboard")
+    html = (course / "leaderboard" / "index.html").read_text()
+    secret = leaderboard.course_secret(course)
+    assignment, student, chosen = LEADERBOARD
+    spread = html.split(f"<h2>{assignment}: test_spread</h2>")[1].split("</table>")[0]
+    names = [cells[1] for cells in table_rows(spread)[1:]]
+    assert sorted(names) == sorted([chosen, leaderboard.anonymous_id(secret, "solver")])
+    assert chosen.replace("<", "&lt;") in html and "<script" not in html.lower()
+    page = "".join(read_page(html).text)
+    assert "solver" not in page and student not in page and "blank" not in page
