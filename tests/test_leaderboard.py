@@ -51,6 +51,17 @@ def test_what_a_check_measured_comes_out_with_its_cells_verdict_only():
     assert verdicts[0].score == 2 and verdicts[1].measurements == []
 
 
+def test_a_cell_that_calls_a_check_twice_measures_the_sum_or_the_worst():
+    """Hidden tests call the check again: bytes add up, a ratio keeps its worst."""
+    twice = MEASURE.format(value=3) + MEASURE.format(value=4)
+    ratio = "measured('check_y', 'balance', {v}, 'x', better='{b}', combine='worst')\n"
+    imported = MEASURE.splitlines()[0] + "\n"
+    worst = imported + "".join(ratio.format(v=v, b="lower") for v in (1.5, 1.2))
+    best = imported + "".join(ratio.format(v=v, b="higher") for v in (0.9, 0.7))
+    found = [v.measurements for v in grade([cell("t", "test", s) for s in (twice, worst, best)])]
+    assert [[m["value"] for m in ms] for ms in found] == [[7.0], [1.5], [0.7]]
+
+
 def test_a_measure_must_say_which_way_is_better():
     from course_lib.grading._harness import measured, take_measurements
 
@@ -253,3 +264,57 @@ def test_make_leaderboard_ranks_the_graded_class(graded_course):
     assert chosen.replace("<", "&lt;") in html and "<script" not in html.lower()
     page = "".join(read_page(html).text)
     assert "solver" not in page and student not in page and "blank" not in page
+
+
+# --- the open checks report what they measured ---------------------------------------------
+
+CHAIN = '''
+def spread(tensor):
+    """Rank r passes the message on to rank r + 1: P - 1 rounds, too many."""
+    import torch.distributed as dist
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    if r:
+        dist.recv(tensor, src=r - 1)
+    if r + 1 < p:
+        dist.send(tensor, dst=r + 1)
+'''
+
+
+def defined(source: str) -> dict:
+    """What `source` defines, in a namespace no rank can import: shipped by value."""
+    namespace = {"__name__": "leaderboard_answers"}
+    exec(compile(source, "<answer>", "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+def test_spread_reports_its_rounds_and_a_failing_spread_reports_nothing():
+    """a01's open part measures the rounds (1 on 2 ranks, 2 on 3), from the launcher's
+    tallies; a chain, too slow on 5 ranks, fails and measures nothing."""
+    from course_lib.grading import CheckFailed, check_spread
+    from course_lib.grading._harness import take_measurements
+    from tests.adapters import solution
+
+    take_measurements()
+    check_spread(solution("processes").spread, world_sizes=(2, 3))
+    (m,) = take_measurements()
+    assert (m["check"], m["value"], m["unit"]) == ("check_spread", 3, "rounds")
+    with pytest.raises(CheckFailed, match="rounds allowed"):
+        check_spread(defined(CHAIN)["spread"], world_sizes=(5,))
+    assert take_measurements() == []
+
+
+def test_all_reduce_fast_reports_the_busiest_ranks_bytes():
+    """a02's open part: on 2 ranks a float32 tensor of 4 elements, each rank sends its half
+    to be summed and its summed half back: 16 bytes, as the launcher counted them."""
+    import torch
+
+    from course_lib.grading import check_all_reduce_fast
+    from course_lib.grading._harness import take_measurements
+    from tests.adapters import solution
+
+    take_measurements()
+    fast = solution("collectives").all_reduce_fast
+    check_all_reduce_fast(fast, world_sizes=(2,), shapes=((4,),), dtypes=(torch.float32,))
+    (m,) = take_measurements()
+    assert (m["check"], m["value"], m["unit"]) == ("check_all_reduce_fast", 16, "B")
