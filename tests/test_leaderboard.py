@@ -225,6 +225,34 @@ def test_the_page_names_no_student_id_unless_chosen():
     assert "jdoe42" not in text and "asmith7" not in text and "Alice" in text
 
 
+OPEN_PARTS = {  # the assignments whose open part reports a measurement, and its test cell
+    "a01_processes": "test_spread",
+    "a02_collectives": "test_all_reduce_fast",
+    "a03_data_parallel": "test_communicate_less",
+    "a04_gossip": "test_schedule",
+    "a05_compression": "test_compressed_training",
+    "a09_tensor_parallel": "test_vocab_loss",
+    "a11_sequence_parallel": "test_balanced",
+    "a12_expert_parallel": "test_dedup",
+}
+
+
+@pytest.mark.parametrize("folder", ["solutions", "assignments"])
+@pytest.mark.parametrize("assignment", sorted(OPEN_PARTS))
+def test_the_notebook_says_what_is_published_and_offers_the_name_cell(assignment, folder):
+    """After the open part's test cell: what the leaderboard publishes, then the name cell,
+    anonymous until the student writes a name (a plain cell: nbgrader keeps what they wrote)."""
+    from tests.conftest import ROOT
+
+    nb = nbformat.read(ROOT / folder / assignment / f"{assignment}.ipynb", as_version=4)
+    ids = [c.id for c in nb.cells]
+    at = ids.index(OPEN_PARTS[assignment])
+    assert ids[at + 1 : at + 3] == ["leaderboard_md", "leaderboard_name"]
+    text = " ".join(nb.cells[at + 1].source.split())
+    assert all(w in text for w in ("leaderboard", "anonymous", "student id", "never your code"))
+    assert measurements.display_name(nb) == "" and "nbgrader" not in nb.cells[at + 2].metadata
+
+
 # --- end to end: the graded class ----------------------------------------------------------
 
 
@@ -248,9 +276,10 @@ def table_rows(html: str) -> list[list[str]]:
 
 
 def test_make_leaderboard_ranks_the_graded_class(graded_course):
-    """The class of tests/grading_course.py: "solver" chose no display name, "named" chose
-    `grading_course.LEADERBOARD[2]` (markup, which must show as text). Both passed the open
-    part of a01 and are ranked there; the blank release and the cheats are not."""
+    """The class of tests/grading_course.py: "solver" chose no display name, "ada" chose
+    `grading_course.LEADERBOARD[2]` (markup, which must show as text). Both passed a01's open
+    part with the same solution, so they share a rank and a value; the blank release failed
+    it and is not ranked. No student id appears on the page."""
     from tests.grading_course import LEADERBOARD, make
 
     course, _ = graded_course
@@ -259,11 +288,15 @@ def test_make_leaderboard_ranks_the_graded_class(graded_course):
     secret = leaderboard.course_secret(course)
     assignment, student, chosen = LEADERBOARD
     spread = html.split(f"<h2>{assignment}: test_spread</h2>")[1].split("</table>")[0]
-    names = [cells[1] for cells in table_rows(spread)[1:]]
-    assert sorted(names) == sorted([chosen, leaderboard.anonymous_id(secret, "solver")])
-    assert chosen.replace("<", "&lt;") in html and "<script" not in html.lower()
+    ranked = {cells[1]: cells for cells in table_rows(spread)[1:]}
+    solver = leaderboard.anonymous_id(secret, "solver")
+    assert ranked[chosen][0] == ranked[solver][0] and ranked[chosen][2] == ranked[solver][2]
+    assert ranked[solver][3] == "2"  # the part's points, all earned
+    assert leaderboard.anonymous_id(secret, "blank") not in ranked
+    assert all(name == chosen or name.startswith("anonymous-") for name in ranked)
+    assert "<script" not in html.lower()
     page = "".join(read_page(html).text)
-    assert "solver" not in page and student not in page and "blank" not in page
+    assert not {"solver", "blank", student} & set(page.replace("-", " ").split())
 
 
 # --- the open checks report what they measured ---------------------------------------------
