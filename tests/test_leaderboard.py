@@ -351,3 +351,69 @@ def test_all_reduce_fast_reports_the_busiest_ranks_bytes():
     check_all_reduce_fast(fast, world_sizes=(2,), shapes=((4,),), dtypes=(torch.float32,))
     (m,) = take_measurements()
     assert (m["check"], m["value"], m["unit"]) == ("check_all_reduce_fast", 16, "B")
+
+
+def _budgets() -> dict:
+    """topic -> (check, the solution's answers, keyword arguments, its measure's limit)."""
+    from course_lib import grading
+    from course_lib.grading import (
+        data_parallel_budget,
+        expert_parallel_dedup,
+        gossip_schedule,
+        sequence_parallel_balance,
+        tensor_parallel_loss,
+    )
+    from course_lib.grading.compression_budget import byte_budget
+    from course_lib.grading.compression_cases import TrainRun
+
+    return {
+        "data_parallel": (
+            grading.check_communicate_less, ("communicate_less",), {"world_sizes": (2,)},
+            100 * data_parallel_budget.BYTES_FRACTION,
+        ),
+        "gossip": (
+            grading.check_one_peer_schedule, ("peer", "push_sum_step"), {"world_sizes": (4,)},
+            gossip_schedule.THRESHOLD,
+        ),
+        "compression": (
+            grading.check_compressed_training, ("Compressor",), {}, byte_budget(TrainRun(4, 0, 60)),
+        ),
+        "tensor_parallel": (
+            grading.check_vocab_parallel_cross_entropy, ("vocab_parallel_cross_entropy",),
+            {"world_sizes": (2,)}, tensor_parallel_loss.NUMBERS_PER_TOKEN,
+        ),
+        "sequence_parallel": (
+            grading.check_balanced_backward, ("layout", "balanced_attention_backward"),
+            {"world_sizes": (2, 3)}, sequence_parallel_balance.BALANCE,
+        ),
+        "expert_parallel": (
+            grading.check_moe_dedup, ("dedup_moe",), {"world_sizes": (2,)},
+            100 * expert_parallel_dedup.DEDUP_FRACTION,
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "topic",
+    [
+        "data_parallel",
+        "gossip",
+        "compression",
+        "tensor_parallel",
+        "sequence_parallel",
+        "expert_parallel",
+    ],
+)
+def test_an_open_check_reports_the_value_it_judged_within_its_limit(topic):
+    """The solution passes the open part and reports one measurement: the value the check
+    held to the part's limit (lower is better), so at most that limit."""
+    from course_lib.grading._harness import take_measurements
+    from tests.adapters import solution
+
+    check, names, kwargs, limit = _budgets()[topic]
+    answers = solution(topic)
+    take_measurements()
+    check(*(getattr(answers, n) for n in names), **kwargs)
+    (m,) = take_measurements()
+    assert m["check"] == check.__name__ and m["better"] == "lower"
+    assert 0 <= m["value"] <= limit, m
