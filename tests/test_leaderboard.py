@@ -23,6 +23,7 @@ from course_lib.grading import leaderboard, measurements
 from course_lib.grading.batch import NOT_GRADED, STATUS, merge, scratch_course
 from course_lib.grading.judge import grade
 from course_lib.grading.verdicts import apply_verdicts
+from tests.conftest import require_sandbox
 
 MEASURE = (
     "from course_lib.grading._harness import measured\n"
@@ -272,9 +273,11 @@ def table_rows(html: str) -> list[list[str]]:
                 rows[-1][-1] += data
 
     Rows().feed(html)
-    return rows
+    return [[cell.strip() for cell in row] for row in rows]
 
 
+@pytest.mark.timeout(3600)  # the class is graded first, as for test_autograde.py
+@require_sandbox
 def test_make_leaderboard_ranks_the_graded_class(graded_course):
     """The class of tests/grading_course.py: "solver" chose no display name, "ada" chose
     `grading_course.LEADERBOARD[2]` (markup, which must show as text). Both passed a01's open

@@ -133,8 +133,8 @@ def page(boards_: list[Board], title: str = "Leaderboard of the open parts") -> 
     for b in boards_:
         parts += [
             f"<h2>{e(b.assignment)}: {e(b.part)}</h2>",
-            f"<p>{e(b.check)} measures {e(b.name)} in {e(b.unit)}, {e(b.better)} is better; "
-            f"the part is worth {number(b.points)} point(s).</p>",
+            f"<p>Measured by {e(b.check)}: {e(b.name)}, in {e(b.unit)} ({e(b.better)} is "
+            f"better). The part is worth {number(b.points)} point(s).</p>",
             "<table><thead><tr><th>rank</th><th>name</th>"
             f"<th>{e(b.name)} ({e(b.unit)})</th><th>points</th></tr></thead><tbody>",
         ]
