@@ -106,6 +106,7 @@ def resources(db: Path, student: str) -> dict:
         ("LEADERBOARD_NAME = 'x' * 100", ""),
         (f'LEADERBOARD_NAME = "{"x" * 100}"', "x" * measurements.MAX_NAME),
         ("this is not python (", ""),
+        ('LEADERBOARD_NAME = "Anonymous-1234abcd"', ""),  # would pass for someone else's id
     ],
 )
 def test_the_display_name_is_the_string_literal_the_notebook_assigns(source, expected):

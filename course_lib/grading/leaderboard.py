@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from course_lib.grading.measurements import ANONYMOUS
 from course_lib.grading.measurements import rows as stored_rows
 
 SECRET = ".leaderboard-secret"  # in the course folder, beside gradebook.db
@@ -47,7 +48,7 @@ def anonymous_id(secret: bytes, student: str) -> str:
     every assignment and every run), and not the student id nor derivable from it without
     the secret."""
     digest = hmac.new(secret, student.encode(), hashlib.sha256).hexdigest()
-    return f"anonymous-{digest[:8]}"
+    return f"{ANONYMOUS}-{digest[:8]}"
 
 
 @dataclass(frozen=True)

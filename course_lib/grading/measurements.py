@@ -28,6 +28,7 @@ from pathlib import Path
 
 NAME_VARIABLE = "LEADERBOARD_NAME"
 MAX_NAME = 40  # characters of a display name shown
+ANONYMOUS = "anonymous"  # how the leaderboard's ids for students who chose no name begin
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS course_measurement ("
     " student TEXT NOT NULL, assignment TEXT NOT NULL, notebook TEXT NOT NULL,"
@@ -61,8 +62,9 @@ def connect(db: Path | str) -> Iterator[sqlite3.Connection]:
 def display_name(nb) -> str:
     """The display name the student chose in the notebook: the string last assigned to
     `LEADERBOARD_NAME` in a code cell, read from the source without running it; "" (anonymous)
-    if there is none or it is not a plain string. Control characters go and spaces collapse,
-    so that a name fits on one line of the page; it is cut at MAX_NAME characters."""
+    if there is none, it is not a plain string or it looks like an anonymous id. Control
+    characters go and spaces collapse, so that a name fits on one line of the page; it is cut
+    at MAX_NAME characters."""
     chosen = ""
     for cell in nb.cells:
         if cell.cell_type != "code":
@@ -80,7 +82,9 @@ def display_name(nb) -> str:
             ):
                 chosen = node.value.value
     printable = "".join(c for c in chosen if unicodedata.category(c)[0] != "C" or c == " ")
-    return " ".join(printable.split())[:MAX_NAME]
+    name = " ".join(printable.split())[:MAX_NAME]
+    # the leaderboard's anonymous ids start so: a chosen name may not pass for someone's
+    return "" if name.lower().startswith(ANONYMOUS) else name
 
 
 def measured_cells(nb) -> list[tuple[str, dict]]:
