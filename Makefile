@@ -28,7 +28,7 @@ LAB_ARGS ?=
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: install lock lab test test-e2e test-all site lint format bench clean release autograde feedback student \
-	roster zip-collect hub
+	roster zip-collect hub leaderboard
 
 install: $(STAMP)
 
@@ -147,6 +147,12 @@ endif
 	$(BIN)/nbgrader export --to grades.csv
 	@echo "Grades written to grades.csv"
 	@$(BIN)/python -m course_lib.grading.report autograded
+
+# The class leaderboard of the open parts, leaderboard/index.html: the submissions whose open
+# part passed, ranked by what the grader measured (course_lib/grading/leaderboard.py), each
+# under the display name its student chose in the notebook, or an anonymous id.
+leaderboard: install
+	$(BIN)/python -m course_lib.grading.leaderboard
 
 # The student edition: the folder to give students instead of this repository (no solutions,
 # no hidden tests, no tests that hold answers; see tools/student_edition.py).

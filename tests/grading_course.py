@@ -156,6 +156,11 @@ HOSTILE = ("a01_processes", "ping_pong")
 OVERWRITTEN = "overwritten by a hostile submission"
 
 
+# A solved submission whose student chose a display name for the leaderboard, markup
+# included: the page must show it as text (tests/test_leaderboard.py). "solver" chose none.
+LEADERBOARD = ("a01_processes", "ada", '<script>alert("Ada")</script> & co')
+
+
 def targets(course: Path) -> list[Path]:
     a = HOSTILE[0]
     return [
@@ -447,6 +452,11 @@ def build(course: Path) -> float:
             if assignment == CRASHED[0]:
                 nb = crashing(solved(release, solution))
                 submit(course, CRASHED[1], assignment, nb, release.name)
+            if assignment == LEADERBOARD[0]:
+                nb = solved(release, solution)
+                chosen = f"LEADERBOARD_NAME = {LEADERBOARD[2]!r}"
+                edit(nb, "leaderboard_name", 'LEADERBOARD_NAME = ""', chosen)
+                submit(course, LEADERBOARD[1], assignment, nb, release.name)
             for student, nb, whole in cheats.submissions(release, solution, assignment):
                 if whole:
                     submit(course, student, assignment, nb, release.name)

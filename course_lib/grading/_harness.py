@@ -137,6 +137,49 @@ def passed(check: str, verified: str) -> None:
     print(f"{check}: passed. Verified {verified}.")
 
 
+# What the open parts measured in this process, for the judge to carry out of the sandbox
+# with the verdict (`measured`, `take_measurements`): the class leaderboard ranks by them.
+_measured: list[dict] = []
+
+
+def measured(
+    check: str, name: str, value: float, unit: str, better: str = "lower", combine: str = "sum"
+) -> None:
+    """Record what an open part measured, once its check passed: `value` (in `unit`; `better`
+    "lower" or "higher") must be the checking process's own measurement (tallies, its own
+    count), never a number the student's code reported. Where a test cell calls the check
+    more than once (hidden tests), the cell's value is the calls' sum (`combine="sum"`: bytes,
+    rounds) or the worst of them ("worst": a ratio, a peak). The judge stores it in the
+    gradebook with the cell's score (`course_lib.grading.measurements`)."""
+    if better not in ("lower", "higher") or combine not in ("sum", "worst"):
+        raise ValueError(
+            f"better must be 'lower' or 'higher' ({better!r}), combine 'sum' or 'worst' "
+            f"({combine!r})"
+        )
+    _measured.append(
+        {"check": check, "name": name, "value": float(value), "unit": unit, "better": better}
+        | {"combine": combine}
+    )
+
+
+def take_measurements() -> list[dict]:
+    """What `measured` recorded since the last call, one value per check and measure (the
+    judge calls it after each test cell)."""
+    combined: dict[tuple[str, str], dict] = {}
+    for m in _measured:
+        key = (m["check"], m["name"])
+        if key not in combined:
+            combined[key] = dict(m)
+            continue
+        into = combined[key]
+        if m["combine"] == "sum":
+            into["value"] += m["value"]
+        else:
+            into["value"] = (max if m["better"] == "lower" else min)(into["value"], m["value"])
+    _measured.clear()
+    return [{k: v for k, v in m.items() if k != "combine"} for m in combined.values()]
+
+
 def fail(check: str, message: str, prop: str = RESULT) -> NoReturn:
     __tracebackhide__ = True
     raise CheckFailed(f"{check}: {message}", prop=prop)

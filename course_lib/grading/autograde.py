@@ -58,7 +58,7 @@ from nbgrader.coursedir import CourseDirectory
 from nbgrader.preprocessors import Execute
 from traitlets import Bool, Float
 
-from course_lib.grading import sandbox
+from course_lib.grading import measurements, sandbox
 from course_lib.grading.batch import NOT_GRADED
 from course_lib.grading.verdicts import (
     GraderFailed,
@@ -214,6 +214,7 @@ class GradeInSandbox(Execute):
             raise failed[0]
         apply_verdicts(nb, judged, self.log)
         save_extra_credit(nb, resources, bonus)
+        measurements.save(nb, resources)  # for the leaderboard (`make leaderboard`)
         return nb, resources
 
     def _leave_ungraded(self, resources, cause: str) -> None:
@@ -227,6 +228,7 @@ class GradeInSandbox(Execute):
             return
         with Gradebook(info["db_url"]) as gradebook, contextlib.suppress(MissingEntry):
             gradebook.remove_submission(info["assignment"], info["student"])
+        measurements.forget(info["db_url"], info["student"], info["assignment"])  # no rank
         record = {key: info.get(key) for key in ("student", "assignment", "notebook")}
         with open(os.path.join(self._coursedir().root, NOT_GRADED), "a") as f:
             f.write(json.dumps({**record, "cause": cause}) + "\n")

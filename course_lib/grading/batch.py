@@ -43,6 +43,8 @@ from pathlib import Path
 
 from nbgrader.api import Gradebook, MissingEntry
 
+from course_lib.grading import measurements
+
 SCRATCH = "grading-scratch"
 GRADEBOOK = "gradebook.db"
 STATUS = "status.json"  # written in a scratch course once its grading is over
@@ -131,7 +133,8 @@ def grade_all(
 
 def merge_gradebook(scratch_db: Path, course_db: Path, student: str, assignment: str) -> None:
     """Copy what `nbgrader autograde` wrote for one submission (student, submission time,
-    scores, comments, flags, late penalty) from a scratch gradebook into the course's."""
+    scores, comments, flags, late penalty; the open parts' measurements and display name,
+    `measurements`) from a scratch gradebook into the course's."""
     with (
         Gradebook(f"sqlite:///{scratch_db}") as source,
         Gradebook(f"sqlite:///{course_db}") as target,
@@ -159,6 +162,7 @@ def merge_gradebook(scratch_db: Path, course_db: Path, student: str, assignment:
                 to = target.find_comment(c.name, notebook.name, assignment, student)
                 to.auto_comment, to.manual_comment = c.auto_comment, c.manual_comment
         target.db.commit()
+    measurements.copy(scratch_db, course_db, student, assignment)
 
 
 def merge(course: Path) -> list[str]:
@@ -209,6 +213,7 @@ def _record_not_graded(course: Path, student: str, assignment: str, cause: str) 
     with Gradebook(f"sqlite:///{course / GRADEBOOK}") as gradebook:
         with contextlib.suppress(MissingEntry):
             gradebook.remove_submission(assignment, student)
+    measurements.forget(course / GRADEBOOK, student, assignment)
     shutil.rmtree(course / "autograded" / student / assignment, ignore_errors=True)
     with open(course / NOT_GRADED, "a") as f:
         f.write(json.dumps({"student": student, "assignment": assignment, "cause": cause}) + "\n")

@@ -36,6 +36,7 @@ from course_lib.grading._harness import (
     calls_by_case,
     fail,
     judge_unreported,
+    measured,
     new_secret,
     run_on_ranks,
 )
@@ -84,6 +85,7 @@ def _check(
     name = getattr(fn, "__name__", "function")
     verdict = Verdict(spec.check, RING_WEIGHTS if spec.bandwidth_optimal else None)
     tally = Tally()
+    busiest = 0  # Part 7's measure: the busiest rank's bytes, summed over the cases
     secret = new_secret()
     for p in sorted(set(world_sizes)):
         roots = range(p) if spec.root else [None]
@@ -123,12 +125,15 @@ def _check(
                 with verdict.case():
                     judge_bytes(spec, case, records)
             if spec.fewest_messages:
+                busiest += max(record["sent"] for record in records)
                 with verdict.case():
                     judge_messages(spec, case, records)
                 with verdict.case():
                     judge_bytes(spec, case, records)
             tally.add(spec, case, records)
     verdict.conclude(tally.summary(spec, point_to_point_only))
+    if spec.fewest_messages:
+        measured(spec.check, "bytes sent by the busiest rank, summed over the cases", busiest, "B")
 
 
 def _records(spec: Spec, case: Case, inputs: list[dict], found: list[dict]) -> list[dict]:

@@ -40,6 +40,7 @@ from course_lib.costs import all_reduce_bytes
 from course_lib.grading._harness import (
     fail,
     judge_unreported,
+    measured,
     new_secret,
     passed,
     run_on_ranks,
@@ -183,4 +184,6 @@ def check_compressed_training(
         traffic=True,
     )
     judge_unreported(check, traffic)
-    passed(check, judge_training(check, run, problem, results, bytes_sent(traffic)))
+    sent = bytes_sent(traffic)
+    passed(check, judge_training(check, run, problem, results, sent))
+    measured(check, "bytes sent by the busiest rank", max(sent), "B")

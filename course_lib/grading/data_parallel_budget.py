@@ -48,6 +48,7 @@ from course_lib.grading._harness import (
     calls_by_case,
     fail,
     judge_unreported,
+    measured,
     new_secret,
     run_on_ranks,
 )
@@ -222,9 +223,9 @@ def check_communicate_less(
             per_case = calls_by_case(check, traffic.tallies, 1)
             judge_unreported(check, traffic)
             sent = [sum(call.sent for call in calls[0]) for calls in per_case]
-            measured = _judge(check, results, sent, batches, seed, steps, verdict)
-            if measured:
-                seen.append((ranks, measured))
+            found = _judge(check, results, sent, batches, seed, steps, verdict)
+            if found:
+                seen.append((ranks, found))
     verdict.conclude(
         f"{steps} steps of Adam on P = {', '.join(str(p) for p in world_sizes)} ranks (seed "
         f"{seed}), each rank's own region of inputs: "
@@ -236,6 +237,9 @@ def check_communicate_less(
         + f" (at most {BYTES_FRACTION:.0%} and {LOSS_FACTOR:g}x), the ranks' final parameters "
         f"equal within {SAME_PARAMETERS:g}"
     )
+    worst = max(m["sent"] for _, m in seen)
+    what = "the busiest rank's bytes, as a share of per-step all-reduce's"
+    measured(check, what, 100 * worst, "%", combine="worst")
 
 
 __all__ = ["BYTES_FRACTION", "LOSS_FACTOR", "SAME_PARAMETERS", "check_communicate_less"]

@@ -42,6 +42,7 @@ from course_lib.grading._harness import (
     calls_by_case,
     fail,
     judge_unreported,
+    measured,
     new_secret,
     run_on_ranks,
 )
@@ -305,6 +306,8 @@ def check_moe_dedup(
         f"{max(shares, default=0):.0%} of the bytes of one token row per (token, expert) "
         f"(allowed {DEDUP_FRACTION:.0%})"
     )
+    what = "bytes sent, as a share of one token row per (token, expert), worst case"
+    measured(check, what, 100 * max(shares, default=0), "%", combine="worst")
 
 
 __all__ = [

@@ -38,6 +38,7 @@ from course_lib.grading._harness import (
     calls_by_case,
     fail,
     judge_unreported,
+    measured,
     new_secret,
     run_on_ranks,
 )
@@ -261,6 +262,8 @@ def check_one_peer_schedule(
         f"exact on every rank, and after {ROUNDS_PER_DOUBLING} log2(P) rounds a consensus "
         f"error of at most {worst:.2g} (allowed {THRESHOLD})"
     )
+    what = "consensus error after 4 log2(P) rounds, worst case"
+    measured(check, what, worst, "of the starting spread", combine="worst")
 
 
 __all__ = ["THRESHOLD", "check_one_peer_schedule", "consensus_error", "mix", "rounds_for"]

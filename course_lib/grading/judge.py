@@ -38,7 +38,14 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from course_lib.grading._harness import RESULT, CheckFailed, close_pool, grading_pool, share
+from course_lib.grading._harness import (
+    RESULT,
+    CheckFailed,
+    close_pool,
+    grading_pool,
+    share,
+    take_measurements,
+)
 from course_lib.grading.answers import Answer, defined_names
 from course_lib.grading.sandbox import PROFILE_ENV, phase
 
@@ -58,6 +65,8 @@ class CellVerdict:
     tampering: list[str] = field(default_factory=list)
     output: str = ""
     seconds: float = 0.0  # how long the cell took to judge
+    # what an open part's check measured here (`_harness.measured`), for the leaderboard
+    measurements: list[dict] = field(default_factory=list)
 
     @property
     def score(self) -> float:
@@ -124,7 +133,16 @@ def grade(
     for cell in cells:
         if cell["role"] == "test":
             judging(cell["id"])
-            yield _run_test(cell, dict(namespace), rebound)
+            yield _measured(_run_test, cell, dict(namespace), rebound)
+
+
+def _measured(run: Callable[..., CellVerdict], *args) -> CellVerdict:
+    """`run(*args)`'s verdict with what its checks measured in this process (and nothing left
+    over from an earlier cell)."""
+    take_measurements()
+    verdict = run(*args)
+    verdict.measurements = take_measurements()
+    return verdict
 
 
 def _run_test(cell: dict, namespace: dict, rebound: dict[str, str]) -> CellVerdict:
@@ -211,6 +229,8 @@ def main() -> None:
                     "outputs": v.outputs(),
                     "tampering": v.tampering,
                     "seconds": round(v.seconds, 3),
+                    "points": v.points,
+                    "measurements": v.measurements,
                 }
             )
         close_pool()

@@ -35,6 +35,7 @@ from course_lib.grading._harness import (
     close_pool,
     fail,
     judge_unreported,
+    measured,
     new_secret,
     run_on_ranks,
 )
@@ -241,3 +242,4 @@ def check_spread(
         + ", ".join(f"{t} round(s) for P = {p}" for p, t in taken.items())
         + " (at most ceil(log2 P))"
     )
+    measured(check, "rounds, summed over the world sizes", sum(taken.values()), "rounds")

@@ -35,6 +35,7 @@ from course_lib.grading._harness import (
     calls_by_case,
     fail,
     judge_unreported,
+    measured,
     new_secret,
     run_on_ranks,
 )
@@ -353,6 +354,8 @@ def check_balanced_backward(
         f"ranks' mean work (allowed {BALANCE:g}) and the ranks {worst[1]:.2f} x the causal "
         f"minimum in all (allowed {WORK:g})"
     )
+    what = "the busiest rank's work over the ranks' mean, worst case"
+    measured(check, what, worst[0], "x the mean", combine="worst")
 
 
 __all__ = [

@@ -46,6 +46,7 @@ from course_lib.grading._harness import (
     calls_by_case,
     fail,
     judge_unreported,
+    measured,
     new_secret,
     run_on_ranks,
 )
@@ -253,6 +254,8 @@ def check_vocab_parallel_cross_entropy(
         f"gradient (rtol {RTOL:g}, atol {ATOL:g}); a rank sent or received at most "
         f"{most:g} numbers per token (budget {NUMBERS_PER_TOKEN})"
     )
+    what = "numbers per token the busiest rank sent or received"
+    measured(check, what, most, "float64 numbers / token", combine="worst")
 
 
 __all__ = [

@@ -63,6 +63,10 @@ def apply_verdicts(nb, verdicts: dict, log) -> None:
             "score": verdict.get("score", 0),
             "tampering": verdict.get("tampering", []),
             "seconds": verdict.get("seconds"),
+            # what the open part's check measured (`_harness.measured`), with the points it
+            # was judged out of: `measurements.save` stores them for the leaderboard
+            "points": verdict.get("points"),
+            "measurements": verdict.get("measurements", []),
         }
         for what in verdict.get("tampering", []):
             log.warning("TAMPERING in test cell %s: %s", cell_id, what)
