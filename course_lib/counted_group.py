@@ -15,7 +15,7 @@ student's code really called. Underneath, each call runs on an ordinary gloo gro
 
 from __future__ import annotations
 
-import functools
+import types
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -52,13 +52,15 @@ def mark(label: str | int, *, _kind: str = "mark") -> None:
         _reporter((_kind, label))
 
 
-# A note is `mark` under another kind rather than a function of its own: whatever refuses the
-# student's code calling `mark` (the grader's provenance names `mark`'s code) refuses a note
-# from it too, and the check's own notes, sent from the check's code, pass.
-note = functools.partial(mark, _kind="note")
-note.__doc__ = """note(label): put ("note", label) between the reported calls, in the order things
-happen: an event of the check's that is no call (a stage's forward, say), whose place among
-the calls the judge reads. Unlike marks, notes do not split the calls into cases. Code on the
+# A note is `mark` under another kind: the same code in a function of its own, not a wrapper
+# around it. Whatever refuses the student's code calling `mark` (the grader's provenance
+# names `mark`'s code) refuses a note from it too, while the check's own notes, sent from the
+# check's code, pass; and being a function, its name is watched like mark's (`_integrity`).
+note = types.FunctionType(mark.__code__, mark.__globals__, "note")
+note.__qualname__, note.__kwdefaults__ = "note", {"_kind": "note"}
+note.__doc__ = """Put ("note", label) between the reported calls, in the order things happen: an
+event of the check's that is no call (a stage's forward, say), whose place among the calls
+the judge reads. Unlike marks, notes do not split the calls into cases. Code on the
 rank can add notes; it cannot remove what was sent."""
 
 
