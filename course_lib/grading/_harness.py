@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from course_lib.grading.provenance import Provenance
-from course_lib.grading.traffic import Sent, Traffic, split_by_marks, unreported_bytes
+from course_lib.grading.traffic import (
+    Note,
+    Sent,
+    Traffic,
+    split_by_marks,
+    split_with_notes,
+    unreported_bytes,
+)
 from course_lib.launch import LaunchTimeout, RankError, WorkerDied, WorkerPool
 from course_lib.rank_process import preload_in_fork_server
 from course_lib.topics import TOPICS
@@ -423,6 +430,27 @@ def calls_by_case(check: str, tallies: list[list[tuple]], cases: int) -> list[li
                 f"{marks[:8]}{'...' if len(marks) > 8 else ''}, expected 0 to {cases}, or "
                 "calls made outside any case): code on the rank changed what the launcher "
                 "records. That is tampering with the grading: this part scores 0.",
+                tampering=True,
+            )
+        out.append(per_case)
+    return out
+
+
+def events_by_case(
+    check: str, tallies: list[list[tuple]], cases: int
+) -> list[list[list[Sent | Note]]]:
+    """As `calls_by_case`, with the notes the check's code reported in their places among the
+    calls (`traffic.split_with_notes`); a note outside the cases fails as tampering too."""
+    __tracebackhide__ = True
+    calls_by_case(check, tallies, cases)  # the marks are the check's own, or this fails
+    out = []
+    for r, entries in enumerate(tallies):
+        per_case = split_with_notes(entries, cases)
+        if per_case is None:
+            raise CheckFailed(
+                f"{check}: on rank {r}, notes were reported outside any case: code on the rank "
+                "changed what the launcher records. That is tampering with the grading: this "
+                "part scores 0.",
                 tampering=True,
             )
         out.append(per_case)

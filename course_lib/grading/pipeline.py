@@ -15,13 +15,16 @@ that rank's stage of a float64 model (an MLP, or TinyGPT cut by `pipeline_stages
 check draws the weights and the data from a secret new for every call, in the checking
 process, and gives each rank only its stage, the inputs on stage 0 and the targets on the
 last stage (zeros of their shape elsewhere); it trains the reference there too. The check
-wraps the stage (`watch`) to log which micro-batch each forward and backward of the stage
-ran, in order, and hands each .grad over holding a value that backward must add to. After
-each step the gradients (and the parameters after an SGD step) must equal single-process
-training on the whole batch, and the order of forwards and backwards on each stage,
-micro-batch by micro-batch, must be the schedule's. The calls each rank made are the ones
-the launcher received (`run_on_ranks(..., traffic=True)`), and the kernel's count of the
-bytes on the ranks' sockets must be theirs (`judge_unreported`).
+wraps the stage (`watch`) so that each forward and backward of the stage is reported to the
+launcher as it runs, with a fingerprint of the forward's input that tells its micro-batch,
+and hands each .grad over holding a value that backward must add to. After each step the
+gradients (and the parameters after an SGD step) must equal single-process training on the
+whole batch, and the order of forwards and backwards on each stage, micro-batch by
+micro-batch, read from what the launcher received, must be the schedule's, and fit the
+stage's messages (no activation sent before its forward, no gradient before its backward).
+The calls each rank made are the ones the launcher received (`run_on_ranks(...,
+traffic=True)`), and the kernel's count of the bytes on the ranks' sockets must be theirs
+(`judge_unreported`).
 
 The schedules, for P stages, m micro-batches, stage r (0 = first), each kind of operation
 in micro-batch order:
@@ -30,10 +33,11 @@ in micro-batch order:
   backward, then the last w backwards; so at most min(m, P - r) micro-batches are in flight.
 
 The checks stand on their parts:
-    pipeline_plumbing.py   the schedules' order, send_tensor / recv_tensor, the stage's log
+    pipeline_plumbing.py   the schedules' order, send_tensor / recv_tensor, the stage's notes
     pipeline_cases.py      the trainer's runs drawn, each rank's share, the reference
     pipeline_ranks.py      what runs on each rank for the trainer check
     pipeline_trainer.py    each step judged, its calls from the launcher's tallies
+    pipeline_notes.py      the order of forwards and backwards, from the launcher's notes
     pipeline_timeline.py   a simulated schedule's timeline judged
     pipeline_partition.py  partition problems, brute force, a returned partition judged
     pipeline_schedule.py   split-backward schedules validated, simulated and measured
@@ -48,7 +52,7 @@ from course_lib.calls import PerRank
 from course_lib.grading._harness import (
     CheckFailed,
     Verdict,
-    calls_by_case,
+    events_by_case,
     fail,
     judge_unreported,
     run_on_ranks,
@@ -178,12 +182,13 @@ def check_pipeline_trainer(
             traffic=True,
         )
         results = [_unwatched(check, found) for found in results]
-        per_step = calls_by_case(check, traffic.tallies, len(runs) * steps)
+        # Per rank, per step: its calls, and the notes of its stage's forwards and backwards.
+        per_step = events_by_case(check, traffic.tallies, len(runs) * steps)
         judge_unreported(check, traffic)  # send/recv only: every byte on the wire accounted
         for i, run in enumerate(runs):
-            calls = [per_rank[i * steps : (i + 1) * steps] for per_rank in per_step]
+            events = [per_rank[i * steps : (i + 1) * steps] for per_rank in per_step]
             with verdict.case():  # a run's first failing step
-                judge_run(check, schedule, run, [found[i] for found in results], calls)
+                judge_run(check, schedule, run, [found[i] for found in results], events)
     verdict.conclude(
         f"{len(runs) * len(world_sizes)} run(s) of {steps} steps ({', '.join(models)}; "
         f"{', '.join(str(m) for m in n_micro)} micro-batches; "

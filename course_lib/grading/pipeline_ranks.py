@@ -7,13 +7,14 @@ checking process, and the calls each rank makes are reported to the launcher as 
 (`course_lib.counted_group`), between the marks that say which step of which run they belong
 to: mark i opens step i (counting on through the runs), the last mark closes the last.
 
-Two records are still kept on the rank, beside the student's code: the stage's log (`watch`:
-which micro-batch each forward and backward ran, told by its input) and the sends not waited
-for (`SendLog`). The tallies cannot replace them: a call carries no micro-batch and no wait,
-and a right answer may post its messages in another order than its stage runs. So the order
-of forwards and backwards is the one verdict still read from the rank (code that rewrote the
-log could pass a schedule it did not run); no number is: the gradients, parameters and loss
-are held to the reference trained in the checking process, the messages to the launcher's.
+Each forward and backward of the stage is reported too, the moment it runs, as a note among
+the calls (`watch`: ("F", a fingerprint of its input), ("B", the same)): the judge reads the
+order of forwards and backwards, micro-batch by micro-batch, from what the launcher received,
+never from a list on the rank. One record is still kept on the rank, beside the student's
+code: the sends of `send_tensor` not waited for (`SendLog`), which no call shows. No number
+the verdict reads comes from the rank's own records: the gradients, parameters and loss are
+held to the reference trained in the checking process, the messages and the order of the
+stage's work to the launcher's.
 
     run_runs(pipeline_step, schedule, runs, shares, forbidden)   what every rank runs
 """
@@ -41,7 +42,7 @@ def _run(
     """One run on this rank: per step, what its stage did and computed. Step s is case
     `first + s` of the marks."""
     stage, names = given["stage"], given["names"]
-    watched, events, inputs = watch(stage)
+    watched = watch(stage)
     optimizer = make_optimizer("sgd", stage.parameters())
     steps = []
     for s, batch in enumerate(given["steps"]):
@@ -67,13 +68,9 @@ def _run(
                 "params": {
                     n: p.detach().clone() for n, p in zip(names, stage.parameters(), strict=True)
                 },
-                "events": list(events),
-                "inputs": list(inputs),
                 "unwaited": sends.unwaited(),
             }
         )
-        events.clear()
-        inputs.clear()
     return steps
 
 

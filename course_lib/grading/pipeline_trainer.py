@@ -1,15 +1,16 @@
 """Assignment 8's trainer check, judged in the checking process: each step of each run,
-stage by stage, against the single-process reference (`pipeline_cases`), and its calls from
-the launcher's tallies.
+stage by stage, against the single-process reference (`pipeline_cases`), and its calls and
+the order of its forwards and backwards from what the launcher received.
 
 The ranks ran `pipeline_step` on their own stage and data (`pipeline_ranks`) and sent back,
 as plain data, per step: the stage's gradients, its parameters after an SGD step, what it
-returned, its unwaited sends and the stage's log (which forward, and the input it got, and
-which backward ran, in order). The judge tells each forward's micro-batch by its input,
-holds every stage's order of ("F", i) and ("B", i) to the schedule's, every step's
-gradients, parameters and loss to the reference, and every step's calls, as the launcher
-received them (`_harness.calls_by_case`), to point-to-point messages between neighbouring
-stages carrying at least the activations and their gradients.
+returned and its unwaited sends. The launcher received, as they happened, every call of each
+rank and, among them, the notes of the check's wrapper of the stage: which forward and which
+backward ran, with a fingerprint of the forward's input (`pipeline_notes`). The judge holds
+every stage's order of ("F", i) and ("B", i), read from those notes, to the schedule's and
+to the stage's messages, every step's gradients, parameters and loss to the reference, and
+every step's calls (`_harness.events_by_case`) to point-to-point messages between
+neighbouring stages carrying at least the activations and their gradients.
 """
 
 from __future__ import annotations
@@ -20,27 +21,25 @@ import torch
 
 from course_lib import compare
 from course_lib.grading._harness import fail
-from course_lib.grading.pipeline_cases import DTYPE, PipelineRun, reference_steps
+from course_lib.grading.pipeline_cases import PipelineRun, reference_steps
+from course_lib.grading.pipeline_notes import judge_sends_follow, stage_order
 from course_lib.grading.pipeline_plumbing import in_flight_bound, peak_in_flight, schedule_order
-from course_lib.grading.traffic import Sent
+from course_lib.grading.traffic import Note, Sent
 
 RTOL, ATOL = 1e-10, 1e-10  # float64; micro-batch sums differ from the whole batch by ~1e-16
-# A stage's input is the micro-batch's activation within float64 rounding (~1e-15): far
-# closer than to any other micro-batch's.
-SAME_INPUT = {"rtol": 1e-8, "atol": 1e-10}
 
 # --- judging, in the checking process -------------------------------------------------------
 
 
 def judge_run(
-    check: str, schedule: str, run: PipelineRun, results: list[list], calls: list[list]
+    check: str, schedule: str, run: PipelineRun, results: list[list], events: list[list]
 ) -> None:
     """Every step of a run, stage by stage, against single-process training of the run's
-    model (trained here); results[r] and calls[r] are rank r's, one entry per step. Stops at
-    the first failing step."""
+    model (trained here); results[r] and events[r] are rank r's, one entry per step (events:
+    its calls and the notes among them). Stops at the first failing step."""
     __tracebackhide__ = True
     for s, ref in enumerate(reference_steps(run, len(results))):
-        compare_step(check, schedule, run, s, ref, results, [per_rank[s] for per_rank in calls])
+        compare_step(check, schedule, run, s, ref, results, [per_rank[s] for per_rank in events])
 
 
 def compare_step(
@@ -50,20 +49,22 @@ def compare_step(
     s: int,
     ref: dict,
     results: list[list],
-    calls: list[list[Sent]],
+    events: list[list[Sent | Note]],
 ) -> None:
-    """Step s of a run on every stage (results[r] is rank r's list of steps, calls[r] the
-    calls the launcher saw rank r make in this step): the calls, the schedule and what it
-    returned, stage by stage; then the numbers, stage by stage; then the loss the last stage
-    returned."""
+    """Step s of a run on every stage (results[r] is rank r's list of steps, events[r] the
+    calls the launcher saw rank r make in this step, and the notes of its forwards and
+    backwards among them): the calls, the schedule and what it returned, stage by stage;
+    then the numbers, stage by stage; then the loss the last stage returned."""
     __tracebackhide__ = True
     P, m = len(results), run.n_micro
     where = run.describe(P)
     at = [f"stage {r}, step {s} ({where}, {schedule})" for r in range(P)]
     for r, per_rank in enumerate(results):  # what each stage did, then what it computed
         step = per_rank[s]
-        _judge_calls(check, at[r], calls[r], step["unwaited"], r, ref["inputs"])
-        order = _micro_batches(check, at[r], step, ref["inputs"][r], r, m)
+        calls = [event for event in events[r] if isinstance(event, Sent)]
+        _judge_calls(check, at[r], calls, step["unwaited"], r, ref["inputs"])
+        order = stage_order(check, at[r], events[r], ref["inputs"][r], r, m)
+        judge_sends_follow(check, at[r], events[r], order, ref["inputs"], r)
         _judge_schedule(check, at[r], order, schedule, P, m, r)
         _judge_returned(check, at[r], step["returned"], last=r == P - 1)
     for r, per_rank in enumerate(results):
@@ -127,41 +128,6 @@ def _judge_calls(
             ".wait()-ed before pipeline_step returned; call .wait() on every send it returns "
             "(until then the message may still be under way)",
         )
-
-
-def _micro_batches(
-    check: str, at: str, step: dict, micro: tuple, r: int, m: int
-) -> list[tuple[str, int]]:
-    """The stage's log as ("F", i) and ("B", i), i the micro-batch whose input its forward
-    got (the rows of the batch on stage 0, their activation from the stage before after)."""
-    __tracebackhide__ = True
-    kinds = [kind for kind, _ in step["events"]]
-    forwards, backwards = kinds.count("F"), kinds.count("B")
-    if (forwards, backwards) != (m, m):
-        fail(
-            check,
-            f"{at}: the stage ran {forwards} forwards and {backwards} backwards; expected "
-            f"one of each per micro-batch ({m}). Call the stage once per micro-batch, and "
-            "run backward through each output exactly once",
-        )
-    which = []
-    for k, x in enumerate(step["inputs"]):
-        same = [i for i, want in enumerate(micro) if _same(x, want)]
-        if not same:
-            what = "rows of the batch" if r == 0 else f"activation from stage {r - 1}"
-            fail(
-                check,
-                f"{at}: forward number {k + 1} of the stage got an input that is no "
-                f"micro-batch's {what}; hand the stage one micro-batch at a time "
-                "(inputs.tensor_split(n_micro)[i] on stage 0, what the stage before sent "
-                "on the others)",
-            )
-        which.append(same[0])
-    return [(kind, which[k]) for kind, k in step["events"]]
-
-
-def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return got.shape == want.shape and torch.allclose(got.to(DTYPE), want.to(DTYPE), **SAME_INPUT)
 
 
 def _said(order: list[tuple[str, int]]) -> str:

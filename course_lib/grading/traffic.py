@@ -5,7 +5,9 @@ communication by these, never by counters kept on the ranks, which the student's
 
     Traffic(tallies, wire)          one run's record (`run_on_ranks(..., traffic=True)`)
     Sent                            one reported call
+    Note                            an event the check reported among the calls
     split_by_marks(entries, n)      one rank's calls, case by case
+    split_with_notes(entries, n)    ... with the check's notes in their places among them
     unreported_bytes(traffic)       bytes on the wire that no reported call accounts for
 """
 
@@ -18,8 +20,9 @@ from dataclasses import dataclass
 class Traffic:
     """What the launcher saw of a run's communication, outside the ranks: `tallies`, per rank,
     every call its process group reported as it happened (("call", op, peer, sent, received,
-    group, dtypes) and ("mark", label) entries); `wire`, per rank, the bytes it wrote to each other
-    rank's sockets, as the kernel counted them (None where they cannot be read)."""
+    group, dtypes), ("mark", label) and ("note", label) entries); `wire`, per rank, the bytes
+    it wrote to each other rank's sockets, as the kernel counted them (None where they cannot
+    be read)."""
 
     tallies: list[list[tuple]]
     wire: list[dict[int, int]] | None
@@ -40,19 +43,37 @@ class Sent:
     dtypes: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Note:
+    """An event the check's code on a rank reported between the calls (`counted_group.note`),
+    in its place among them: `label` is what it said."""
+
+    label: object
+
+
 def split_by_marks(entries: list[tuple], cases: int) -> list[list[Sent]] | None:
     """One rank's calls, per case, from a run whose rank function put `counted_group.mark(i)`
     before case i and `mark(cases)` after the last; None if the marks are not exactly those,
-    in that order, or calls came outside the cases (before the first mark, after the last)."""
+    in that order, or calls came outside the cases (before the first mark, after the last).
+    Notes are left out (`split_with_notes` keeps them)."""
+    per_case = split_with_notes([e for e in entries if e[0] != "note"], cases)
+    return None if per_case is None else [list(case) for case in per_case]
+
+
+def split_with_notes(entries: list[tuple], cases: int) -> list[list[Sent | Note]] | None:
+    """As `split_by_marks`, with the notes kept among the calls, in the order they were
+    reported; None also if a note came outside the cases."""
     marks = [e[1] for e in entries if e[0] == "mark"]
-    if marks != list(range(cases + 1)) or not entries or entries[0][0] == "call":
+    if marks != list(range(cases + 1)) or not entries or entries[0][0] != "mark":
         return None
     if entries[-1][0] != "mark":
         return None
-    per_case: list[list[Sent]] = []
+    per_case: list[list[Sent | Note]] = []
     for entry in entries:
         if entry[0] == "mark":
             per_case.append([])
+        elif entry[0] == "note":
+            per_case[-1].append(Note(entry[1]))
         else:
             per_case[-1].append(Sent(*entry[1:]))
     return per_case[:cases]

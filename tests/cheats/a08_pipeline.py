@@ -257,6 +257,184 @@ def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
 )
 
 
+# The solution's trainer under another name, for the cheats below that run it as it is.
+HONEST_STEP = _edited("pipeline_step", "def pipeline_step(", "def honest_step(")
+
+# The 1F1B order of stage r, written out (the check's own schedule_order may not be called).
+ONE_F_ONE_B = """
+
+def one_f_one_b(P, m, r):
+    warmup = min(P - r - 1, m)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", i) for i in range(m - warmup, m)]
+"""
+
+# (3) GPipe run for 1F1B, and the stage's log of its forwards and backwards rewritten into
+# 1F1B's order afterwards: on main the wrapper appended ("F", k) and ("B", k) to a list on the
+# rank, which the judge read, and the check's frame held it (`events`). Same numbers; the
+# memory 1F1B saves is not saved. Now each forward and backward is reported to the launcher as
+# it runs, and no list on the rank is read.
+LOG_REWRITTEN = (
+    HONEST_STEP
+    + ONE_F_ONE_B
+    + """
+import sys
+
+
+def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
+    loss = honest_step(stage, inputs, targets, loss_fn, n_micro, "gpipe")
+    events = sys._getframe(1).f_locals.get("events")  # main's log, in the check's frame
+    if schedule == "1f1b" and isinstance(events, list):
+        events[:] = one_f_one_b(world_size(), n_micro, rank())  # forward k ran micro-batch k
+    return loss
+"""
+)
+
+# ... and the same log found on the heap (gc.get_objects), wherever it is kept: every list
+# of 2 * n_micro ("F" | "B", int) pairs.
+LOG_REWRITTEN_ON_HEAP = (
+    HONEST_STEP
+    + ONE_F_ONE_B
+    + """
+import gc
+
+
+def is_log(obj, m):
+    return (
+        type(obj) is list
+        and len(obj) == 2 * m
+        and all(type(e) is tuple and len(e) == 2 and e[0] in ("F", "B") for e in obj)
+    )
+
+
+def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
+    loss = honest_step(stage, inputs, targets, loss_fn, n_micro, "gpipe")
+    if schedule == "1f1b":
+        for obj in gc.get_objects():
+            if is_log(obj, n_micro):
+                obj[:] = one_f_one_b(world_size(), n_micro, rank())
+    return loss
+"""
+)
+
+# (4) GPipe run for 1F1B on the module inside the check's wrapper (which reports nothing
+# then), with notes of 1F1B's order reported in its place through `counted_group.note`, each
+# forward's before its activation is sent, with the fingerprint the wrapper would send: the
+# grader's provenance refuses a note from the student's code, as it refuses a mark.
+NOTES_FORGED = (
+    ONE_F_ONE_B
+    + """
+from course_lib import counted_group
+
+
+def fingerprint(x):
+    v = x.detach().flatten().to(torch.float64)
+    weights = torch.linspace(1.0, 2.0, len(v), dtype=torch.float64)
+    sums = (v.sum(), (v * weights).sum(), v.abs().sum())
+    return (tuple(x.shape), *(float(s) for s in sums))
+
+
+def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
+    r, P = rank(), world_size()
+    first, last = r == 0, r == P - 1
+    inner = getattr(stage, "stage", stage)  # around the wrapper: no note of its own
+    order = one_f_one_b(P, n_micro, r) if schedule == "1f1b" else None
+    xs, ys = inputs.tensor_split(n_micro), targets.tensor_split(n_micro)
+    kept, seen, sends, total = [], {}, [], 0.0
+    for i in range(n_micro):  # GPipe: every forward first
+        x = xs[i] if first else recv_tensor(r - 1).requires_grad_()
+        y = inner(x)
+        seen[i] = fingerprint(x)
+        if order is None:
+            counted_group.note(("F", seen[i]))
+        else:  # this forward's note, and the backwards 1F1B runs before the next forward
+            at = order.index(("F", i))
+            rest = order[at + 1 :]
+            upto = next((k for k, (kind, _) in enumerate(rest) if kind == "F"), len(rest))
+            for kind, j in [("F", i), *rest[:upto]]:
+                counted_group.note((kind, seen[j]))
+        if last:
+            y = loss_fn(y, ys[i]) / n_micro
+            total += y.item()
+        else:
+            sends.append(send_tensor(y, r + 1))
+        kept.append((x, y))
+    for i, (x, y) in enumerate(kept):
+        if order is None:
+            counted_group.note(("B", seen[i]))
+        y.backward(None if last else recv_tensor(r + 1))
+        if not first:
+            sends.append(send_tensor(x.grad, r - 1))
+    for send in sends:
+        send.wait()
+    return total if last else None
+"""
+)
+
+
+# A right 1F1B that posts its receives early: the first activation comes with its shape
+# (recv_tensor), the others, as large, into buffers whose irecv is posted at once; every
+# gradient's irecv is posted after the stage's first forward (its output's shape is theirs),
+# and the messages after the first go without a header (dist.isend).
+PIPELINE_RECEIVES_EARLY = """
+def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
+    r, P = rank(), world_size()
+    first, last = r == 0, r == P - 1
+    xs, ys = inputs.tensor_split(n_micro), targets.tensor_split(n_micro)
+    ahead = n_micro if schedule == "gpipe" else min(P - r - 1, n_micro)
+    ops = [("F", i) for i in range(ahead)]
+    for i in range(ahead, n_micro):
+        ops += [("F", i), ("B", i - ahead)]
+    ops += [("B", i) for i in range(n_micro - ahead, n_micro)]
+    acts, grads, kept, sends, total = {}, {}, {}, [], 0.0
+
+    def posted(like, src, which):
+        out = {}
+        for j in which:
+            buf = torch.empty_like(like)
+            out[j] = (buf, dist.irecv(buf, src))
+        return out
+
+    for kind, i in ops:
+        if kind == "F":
+            if first:
+                x = xs[i]
+            elif i == 0:
+                x = recv_tensor(r - 1)
+                acts = posted(x, r - 1, range(1, n_micro))
+            else:
+                x, work = acts.pop(i)
+                work.wait()
+            if not first:
+                x.requires_grad_()
+            y = stage(x)
+            if last:
+                y = loss_fn(y, ys[i]) / n_micro
+                total += y.item()
+            elif i == 0:
+                sends.append(send_tensor(y, r + 1))
+                grads = posted(y.detach(), r + 1, range(n_micro))
+            else:
+                sends.append(dist.isend(y.detach().contiguous(), r + 1))
+            kept[i] = (x, y)
+        else:
+            x, y = kept.pop(i)
+            if last:
+                y.backward()
+            else:
+                grad, work = grads.pop(i)
+                work.wait()
+                y.backward(grad)
+            if not first:
+                sends.append(dist.isend(x.grad, r - 1))
+    for send in sends:
+        send.wait()
+    return total if last else None
+"""
+
+
 # A second right trainer: the stage's operations listed first, then run one by one;
 # torch.autograd.backward; the loss summed as a tensor and returned with float().
 PIPELINE_BY_OP_LIST = """
@@ -456,6 +634,24 @@ CHEATS = [
         frozenset({"test_gpipe", "test_1f1b"}),
     ),
     Cheat(
+        "GPipe run for 1F1B, its logged order rewritten in the check's frame",
+        "pipeline_step",
+        LOG_REWRITTEN,
+        frozenset({"test_1f1b"}),
+    ),
+    Cheat(
+        "GPipe run for 1F1B, its logged order rewritten on the heap",
+        "pipeline_step",
+        LOG_REWRITTEN_ON_HEAP,
+        frozenset({"test_1f1b"}),
+    ),
+    Cheat(
+        "GPipe run for 1F1B around the wrapper, 1F1B's notes forged with counted_group.note",
+        "pipeline_step",
+        NOTES_FORGED,
+        frozenset({"test_1f1b"}),
+    ),
+    Cheat(
         "simulated GPipe with its backwards in reverse order",
         "simulate_schedule",
         SIMULATE_GPIPE_REVERSED,
@@ -477,6 +673,7 @@ CHEATS = [
 
 ALTERNATIVES = [
     Alternative("trainer running a list of operations", "pipeline_step", PIPELINE_BY_OP_LIST),
+    Alternative("trainer posting its receives early", "pipeline_step", PIPELINE_RECEIVES_EARLY),
     Alternative(
         "simulation relaxed to a fixed point", "simulate_schedule", SIMULATE_BY_FIXED_POINT
     ),
