@@ -45,9 +45,15 @@ from collections.abc import Callable
 
 from torch import nn
 
-from course_lib.grading._harness import Verdict, passed, run_on_ranks
+from course_lib.grading._harness import Verdict, judge_unreported, passed, run_on_ranks
 from course_lib.grading.training import ADAMW
 from course_lib.grading.zero_cases import draw, given, reference
+from course_lib.grading.zero_comm import (
+    judge_inputs_not_moved,
+    judge_step_bytes,
+    stage12_calls,
+    verified_communication,
+)
 from course_lib.grading.zero_judge import (
     _check_param_groups,
     _compare_grad_shards,
@@ -159,10 +165,14 @@ def _check_stage12(
     _validate(ranks, run)
     name = "ShardedOptimizer" if stage == 1 else "ShardedGradOptimizer"
     drawn = draw()
-    results = run_on_ranks(
+    results, traffic = run_on_ranks(
         check, _train_stage12, impl, stage, run, given(run, drawn, ranks), world_size=ranks,
-        timeout=timeout, what=f"your {name}",
+        timeout=timeout, what=f"your {name}", traffic=True,
     )  # fmt: skip
+    # Marks not the check's own, or bytes on the wire that no send/recv call accounts for,
+    # fail the part as tampering, before anything is judged.
+    calls = stage12_calls(check, traffic, run.steps)
+    judge_unreported(check, traffic)
     ref = reference(run, drawn=drawn)
     model = build_model(run, drawn.weights)
     where = run.describe(ranks)
@@ -173,6 +183,11 @@ def _check_stage12(
         _compare_parameters(check, run, drawn, results)
     with verdict.case():
         _compare_states(check, results, ref)
+    with verdict.case():
+        judge_inputs_not_moved(check, calls, run, where)
+    moved = []
+    with verdict.case():
+        moved = judge_step_bytes(check, calls, model, run, where)
     limits = _stage12_limits(model, ranks)
     keys = ("state_bytes", "grad_bytes", "kept_bytes") if stage == 2 else ("state_bytes",)
     for key in keys:
@@ -185,7 +200,10 @@ def _check_stage12(
                 _compare_grad_shards(check, results, s, ref_step, ranks, run, where)
         with verdict.case():
             worst = _judge_backward_samples(check, results, run, model, limits["kept_bytes"], where)
-    verdict.conclude(_verified_stage12(stage, results, limits, where, run, worst))
+    verdict.conclude(
+        _verified_stage12(stage, results, limits, where, run, worst)
+        + verified_communication(moved, model, ranks)
+    )
 
 
 def check_zero3(
