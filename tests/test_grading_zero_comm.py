@@ -112,7 +112,7 @@ def test_check_zero2_fails_a_hook_that_all_gathers_the_full_gradient():
         (
             "        grad = reduce_scatter_mean(param.grad)\n",
             "        every = torch.empty(world_size() * param.numel(), dtype=param.dtype)\n"
-            "        dist.all_gather_into_tensor(every, param.grad.reshape(-1).contiguous())\n"
+            "        dist.all_gather_single(every, param.grad.reshape(-1).contiguous())\n"
             "        grad = take_shard(every.view(world_size(), -1).mean(0))\n",
         ),
     ).ShardedGradOptimizer

@@ -71,7 +71,7 @@ ZERO1_GATHERS_SAMPLES = full_batch_thief(
     """
 def gather_samples(t):
     out = torch.empty((world_size() * len(t), *t.shape[1:]), dtype=t.dtype)
-    dist.all_gather_into_tensor(out, t.contiguous())
+    dist.all_gather_single(out, t.contiguous())
     return out
 """,
 )
@@ -81,7 +81,7 @@ ZERO1_GATHERS_SAMPLES_AS_FLOATS = full_batch_thief(
     """
 def gather_samples(t):
     out = torch.empty((world_size() * len(t), *t.shape[1:]), dtype=torch.float64)
-    dist.all_gather_into_tensor(out, t.to(torch.float64).contiguous())
+    dist.all_gather_single(out, t.to(torch.float64).contiguous())
     return out.long()
 """,
 )
@@ -174,7 +174,7 @@ ZERO1_GATHERS_FULL_GRADIENTS = zero1(
     def step(self):
         for p, shard in zip(self.params, self.shards, strict=True):
             every = torch.empty(world_size() * p.numel(), dtype=p.dtype)
-            dist.all_gather_into_tensor(every, p.grad.reshape(-1).contiguous())
+            dist.all_gather_single(every, p.grad.reshape(-1).contiguous())
             shard.grad = take_shard(every.view(world_size(), -1).mean(0))
         self.optimizer.step()
         self.gather_parameters()
