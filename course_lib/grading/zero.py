@@ -1,6 +1,7 @@
 """Checks for Assignment 7, ZeRO stages 1-3.
 
-    check_zero1(ShardedOptimizer)      optimizer state sharded; parameters all-gathered after step
+    check_zero1(ShardedOptimizer)      optimizer state sharded; gradients reduced, parameters
+                                       all-gathered in step, within a budget of bytes
     check_zero2(ShardedGradOptimizer)  gradients reduce-scattered during backward as well
     check_zero3(shard_module)          parameters sharded, gathered per layer just in time
     check_zero3_peak(shard_module)     ZeRO-3's forward and backward, measured at their peak
@@ -15,7 +16,8 @@ each rank's loss the mean over its own share, and compares every rank after ever
 `torch.optim.AdamW` on one process on the whole batch: parameters, and where visible the
 gradient shards and the optimizer state, to `TOLERANCE`. The checks of stages 1 and 2 change
 the learning rate through `param_groups` before step `NEW_LR_AT`; stage 2's runs two
-backwards before every odd-numbered step (gradient accumulation). Memory is measured on every
+backwards before every odd-numbered step (gradient accumulation); their communication is
+held, step by step, to what the algorithm needs (`zero_comm`). Memory is measured on every
 rank: the bytes of optimizer state (stage 1), of gradients after backward (stage 2) and of the
 tensors the model holds at rest (stage 3) may not exceed `shard_bytes`: per tensor, at most
 one element more than numel / P (c elements), summed over the tensors. Bytes are counted per
@@ -27,14 +29,15 @@ What a check trusts is computed or kept outside the ranks (docs/architecture.md,
 may trust"): the weights and batches are drawn in the checking process from a secret new for
 every call (`zero_cases`), each rank receives the seed of the initial weights (which it holds
 anyway) and only its own share of each batch, the reference is trained in the checking
-process, and what stage 3 all-gathers during backward is read from the launcher's tallies of
-the ranks' calls. The bytes of memory are measured on the ranks by the grader's scans and
-meter, as only a rank can.
+process, and what stages 1 and 2 move in each step and stage 3 all-gathers during backward
+is read from the launcher's tallies of the ranks' calls. The bytes of memory are measured on
+the ranks by the grader's scans and meter, as only a rank can.
 
-The checks stand on seven parts: `zero_memory` (the sharding rule, how bytes are counted),
+The checks stand on eight parts: `zero_memory` (the sharding rule, how bytes are counted),
 `zero_cases` (the secret draw, each rank's share of it, the single-process reference),
 `zero_ranks` (what runs on each rank, `measure_memory`),
-`zero_judge` (judging stages 1 and 2, `TOLERANCE`), `zero_judge3` (judging stage 3),
+`zero_judge` (judging stages 1 and 2, `TOLERANCE`), `zero_comm` (their bytes per step, from
+the tallies), `zero_judge3` (judging stage 3),
 `zero_meter` (the memory meter) and `zero_peak` (memory while the work runs, against what
 the unsharded model needs for the same work, measured in the checking process).
 """
@@ -45,9 +48,15 @@ from collections.abc import Callable
 
 from torch import nn
 
-from course_lib.grading._harness import Verdict, passed, run_on_ranks
+from course_lib.grading._harness import Verdict, judge_unreported, passed, run_on_ranks
 from course_lib.grading.training import ADAMW
 from course_lib.grading.zero_cases import draw, given, reference
+from course_lib.grading.zero_comm import (
+    judge_inputs_not_moved,
+    judge_step_bytes,
+    stage12_calls,
+    verified_communication,
+)
 from course_lib.grading.zero_judge import (
     _check_param_groups,
     _compare_grad_shards,
@@ -113,7 +122,10 @@ def check_zero1(
     share of the batch. Its step averages the gradients over the ranks, steps each rank's
     shards with optimizer_cls, and leaves the full updated parameters on every rank.
     Checked: parameters on every rank after every step (the lr set to NEW_LR through
-    param_groups before step NEW_LR_AT); optimizer state bytes per rank."""
+    param_groups before step NEW_LR_AT); optimizer state bytes per rank; each step's bytes
+    from the launcher's tallies, at least the model's received and at most one all-reduce of
+    the gradients and one all-gather of the parameters, no call moving the inputs
+    (`zero_comm`)."""
     __tracebackhide__ = True
     run = _stage12_run(1, seed, steps, batch_size)
     _check_stage12("check_zero1", sharded_optimizer, 1, world_size, run, timeout)
@@ -132,7 +144,8 @@ def check_zero2(
     are the gradient shards' values after backward (where the optimizer's tensors are the
     shards), also after two backwards (every odd-numbered step: they must add up), the
     gradient bytes per rank after backward, and during each backward, each time a gradient
-    is ready, the bytes alive beyond the unsharded backward's (`zero_peak`)."""
+    is ready, the bytes alive beyond the unsharded backward's (`zero_peak`); communication as
+    in check_zero1, one all-reduce of the gradients allowed per backward."""
     __tracebackhide__ = True
     run = _stage12_run(2, seed, steps, batch_size)
     _check_stage12("check_zero2", sharded_grad_optimizer, 2, world_size, run, timeout)
@@ -159,10 +172,14 @@ def _check_stage12(
     _validate(ranks, run)
     name = "ShardedOptimizer" if stage == 1 else "ShardedGradOptimizer"
     drawn = draw()
-    results = run_on_ranks(
+    results, traffic = run_on_ranks(
         check, _train_stage12, impl, stage, run, given(run, drawn, ranks), world_size=ranks,
-        timeout=timeout, what=f"your {name}",
+        timeout=timeout, what=f"your {name}", traffic=True,
     )  # fmt: skip
+    # Marks not the check's own, or bytes on the wire that no send/recv call accounts for,
+    # fail the part as tampering, before anything is judged.
+    calls = stage12_calls(check, traffic, run.steps)
+    judge_unreported(check, traffic)
     ref = reference(run, drawn=drawn)
     model = build_model(run, drawn.weights)
     where = run.describe(ranks)
@@ -173,6 +190,11 @@ def _check_stage12(
         _compare_parameters(check, run, drawn, results)
     with verdict.case():
         _compare_states(check, results, ref)
+    with verdict.case():
+        judge_inputs_not_moved(check, calls, run, where)
+    moved = []
+    with verdict.case():
+        moved = judge_step_bytes(check, calls, model, run, where)
     limits = _stage12_limits(model, ranks)
     keys = ("state_bytes", "grad_bytes", "kept_bytes") if stage == 2 else ("state_bytes",)
     for key in keys:
@@ -185,7 +207,10 @@ def _check_stage12(
                 _compare_grad_shards(check, results, s, ref_step, ranks, run, where)
         with verdict.case():
             worst = _judge_backward_samples(check, results, run, model, limits["kept_bytes"], where)
-    verdict.conclude(_verified_stage12(stage, results, limits, where, run, worst))
+    verdict.conclude(
+        _verified_stage12(stage, results, limits, where, run, worst)
+        + verified_communication(moved, model, ranks)
+    )
 
 
 def check_zero3(

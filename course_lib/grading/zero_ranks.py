@@ -5,8 +5,9 @@ batch split across the ranks and each rank's loss the mean over its own share:
 `_train_stage12` with a student's ZeRO-1/2 optimizer, `_train_stage3` with a student's
 `shard_module`, each on what its rank is given (`zero_cases.given`: the seed of the initial
 weights and its own shares, never the other ranks' nor the batches' seeds), recording what the
-judging compares and the bytes it measured. Communication is not counted here: stage 3 marks
-its cases (`counted_group.mark`) so that the launcher's tallies tell backward's calls apart.
+judging compares and the bytes it measured. Communication is not counted here: each run marks
+its cases (`counted_group.mark`) so that the launcher's tallies tell the optimizer's set-up,
+each step (stages 1 and 2) and backward's calls (stage 3) apart.
 `measure_memory` is the notebook's per-rank table of bytes for one step.
 """
 
@@ -136,6 +137,8 @@ def _train_stage12(impl: Callable, stage: int, run: ZeroRun, mine: dict) -> dict
     `zero_meter.GradientMeter`, whose hooks are made before the student's optimizer: the bytes
     alive each time a gradient is ready."""
     ranks = world_size()
+    marks = _Marks()
+    marks.next()  # the optimizer's set-up
     model = build_model(run, mine["weights"])
     sampler = GradientMeter(model) if stage == 2 else None
     # optimizer_cls is torch.optim.AdamW itself: on the CPU it runs its single-tensor code
@@ -145,6 +148,7 @@ def _train_stage12(impl: Callable, stage: int, run: ZeroRun, mine: dict) -> dict
     lr = groups[0].get("lr") if isinstance(groups, list) and groups else None
     steps = []
     for s, (x, y) in enumerate(mine["shares"]):
+        marks.next()  # step s: zero_grad, its backward(s), step()
         optimizer.zero_grad()
         before = live_tensor_bytes() if sampler else 0
         backwards = []
@@ -170,11 +174,13 @@ def _train_stage12(impl: Callable, stage: int, run: ZeroRun, mine: dict) -> dict
         record["state_bytes"] = optimizer_state_bytes(optimizer)
         record["state"] = _state_values(_visible_shards(optimizer, model, ranks))
         steps.append(record)
+    marks.finish(stage12_cases(run.steps))
     return {"lr": lr, "steps": steps}
 
 
 class _Marks:
-    """Marks the cases of stage 3 for the launcher's tallies (`stage3_cases`), in order."""
+    """Marks a run's cases for the launcher's tallies (`stage12_cases`, `stage3_cases`), in
+    order."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -187,6 +193,12 @@ class _Marks:
         """The marks of the cases not run (a model the check refuses), and the last one."""
         while self.count <= cases:
             self.next()
+
+
+def stage12_cases(steps: int) -> int:
+    """How many cases the ranks of stages 1 and 2 mark: the optimizer's set-up (case 0), then
+    each step (case 1 + s: zero_grad, backward, step)."""
+    return 1 + steps
 
 
 # Stage 3's cases, as its ranks mark them: shard_module, then per step its forward (with
