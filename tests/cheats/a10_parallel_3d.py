@@ -1,8 +1,8 @@
 """Assignment 10's cheats (the capstone; each scores 0 on its part) and right answers
 written differently (full marks). Cells: "process_grid" (part 1), "make_groups", "gpt_2d"
 and "train_step" (part 2), "sharded_adamw" (part 4). A make_groups built on lecture 10's
-new_groups is refused too; it is proven in tests/test_grading_parallel_3d_training.py, to
-keep the graded notebooks few. Part 4's wrong answers are in
+new_groups is refused too; it is proven in tests/test_grading_parallel_3d.py, to keep the
+graded notebooks few. Part 4's wrong answers are in
 tests/test_grading_parallel_3d_zero.py."""
 
 from __future__ import annotations
