@@ -1,4 +1,6 @@
-"""The capstone's checks accept right 2-D (DP x TP) training and reject wrong ones."""
+"""The capstone's 2-D (DP x TP) training check (Part 2) accepts right training and rejects
+wrong ones, and trusts nothing a rank keeps. The grid is in test_grading_parallel_3d_grid.py,
+Part 4 in test_grading_parallel_3d_zero.py."""
 
 from __future__ import annotations
 
@@ -11,17 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import models
 from course_lib import tensor_parallel as tpl
-from course_lib.grading import CheckFailed, check_2d_training, check_process_grid
-from course_lib.grading.parallel_3d import (
-    formula,
-    gather_dense,
-    measure_configuration,
-    split_counts,
-    tp_shard,
-)
-from course_lib.grading.parallel_3d_layout import _partners
+from course_lib.grading import CheckFailed, check_2d_training
 from course_lib.runtime import world_size
 from tests.adapters import mutant, planted, solution
 from tests.cheats import a10_parallel_3d as cheats
@@ -30,12 +23,7 @@ from tests.cheats import a10_parallel_3d as cheats
 
 
 A10 = solution("parallel_3d")
-process_grid, make_groups, GPT2D, train_step = (
-    A10.process_grid,
-    A10.make_groups,
-    A10.GPT2D,
-    A10.train_step,
-)
+make_groups, GPT2D, train_step = A10.make_groups, A10.GPT2D, A10.train_step
 # Right, in another style (an alternative in tests/cheats): one flat all-reduce with
 # ReduceOp.AVG, and the loss all-reduced too, for logging, in the DP group.
 train_step_flat_avg = planted("parallel_3d", "train_step", cheats.FLAT_AVG_TRAIN_STEP).train_step
@@ -130,26 +118,6 @@ class GPT2DOwn(GPT2D):
 # --- wrong implementations ----------------------------------------------------------------
 
 
-def grid_swapped(world, tp):
-    tp_groups, dp_groups = process_grid(world, tp)
-    return dp_groups, tp_groups
-
-
-def grid_strided_tp(world, tp):
-    """TP groups strided, DP groups consecutive: 'swapped' only when tp = world / tp."""
-    dp = world // tp
-    grid = torch.arange(world).view(tp, dp)
-    return grid.T.tolist(), grid.tolist()
-
-
-def grid_no_error(world, tp):
-    return [list(range(world))], [[r] for r in range(world)]
-
-
-def grid_not_implemented(world, tp):
-    raise NotImplementedError()
-
-
 def make_groups_swapped(tp):
     tp_group, dp_group = make_groups(tp)
     return dp_group, tp_group
@@ -226,10 +194,6 @@ def not_implemented(*args, **kwargs):
     raise NotImplementedError()
 
 
-# Right, but lecture 10's ProcessGrid does the work (a cheat).
-process_grid_from_planner = planted("parallel_3d", "process_grid", cheats.PLANNER_GRID).process_grid
-
-
 def make_groups_from_planner(tp_size):
     """Right, but lecture 10's new_groups does the work."""
     from course_lib.parallel_3d import ProcessGrid, new_groups
@@ -259,95 +223,6 @@ def train_step_lecture_3d(model, optimizer, x, y, dp_group):
 
     grid = _OneStageGrid(dist.get_world_size(dp_group))
     step_3d(model, x, y, 1, grid, {"dp": dp_group}, optimizer)
-
-
-# --- the grid -----------------------------------------------------------------------------
-
-
-def test_the_grid_rule_is_picotrons_layout():
-    # TP innermost: [dp][tp] grid of ranks, as picotron's process-group manager builds it.
-    assert [_partners(8, 2, r) for r in (0, 5)] == [((0, 1), (0, 2, 4, 6)), ((4, 5), (1, 3, 5, 7))]
-    assert _partners(4, 4, 2) == ((0, 1, 2, 3), (2,))
-
-
-def test_process_grid_accepts_a_right_implementation(capsys):
-    check_process_grid(process_grid)
-    out = capsys.readouterr().out
-    assert out.startswith("check_process_grid: passed. Verified ")
-    assert "2 sizes that do not divide raise ValueError" in out
-
-
-@pytest.mark.parametrize(
-    "fn, message",
-    [
-        (grid_swapped, "process_grid(4, 2): the TP and DP groups are swapped"),
-        (grid_strided_tp, "process_grid(4, 2): the TP and DP groups are swapped"),
-        (grid_no_error, "process_grid(4, 2): TP groups [[0, 1, 2, 3]], expected"),
-        (grid_not_implemented, "process_grid(4, 2) raised NotImplementedError"),
-    ],
-)
-def test_process_grid_rejects_wrong_implementations(fn, message):
-    with pytest.raises(CheckFailed) as info:
-        check_process_grid(fn)
-    assert str(info.value).startswith("check_process_grid: ")
-    assert message in str(info.value)
-
-
-def test_process_grid_refuses_the_planners_grid():
-    with pytest.raises(CheckFailed) as info:
-        check_process_grid(process_grid_from_planner)
-    assert "runs course_lib.parallel_3d.ProcessGrid" in str(info.value)
-
-
-def test_process_grid_names_wrong_tp_groups():
-    with pytest.raises(CheckFailed) as info:
-        check_process_grid(grid_strided_tp, cases=((8, 2),))
-    assert "process_grid(8, 2): TP groups [[0, 4], [1, 5], [2, 6], [3, 7]], expected" in str(
-        info.value
-    )
-
-
-def test_process_grid_must_refuse_a_tp_size_that_does_not_divide():
-    def no_check(world, tp):
-        grid = torch.arange(world - world % tp).view(-1, tp)
-        return grid.tolist(), grid.T.tolist()
-
-    with pytest.raises(CheckFailed, match=r"process_grid\(4, 3\) returned .* raise ValueError"):
-        check_process_grid(no_check)
-
-
-# --- shards and formulas, against course_lib's own layers ---------------------------------
-
-
-def _shards_on_rank(tp):
-    tp_group, dp_group = make_groups(tp)
-    model = GPT2D(models.TinyGPT(seed=3, dtype=torch.float64), tp_group, dp_group)
-    return {n: p.detach() for n, p in model.named_parameters()}
-
-
-def test_tp_shard_and_gather_dense_agree_with_course_lib_layers():
-    from course_lib import launch
-
-    dense = models.TinyGPT(seed=3, dtype=torch.float64).state_dict()
-    states = launch(_shards_on_rank, 2, world_size=4, timeout=60)
-    for r, state in enumerate(states):
-        for name, shard in state.items():
-            assert torch.equal(shard, tp_shard(name, dense[name], r % 2, 2)), (r, name)
-    gathered = gather_dense(states[:2])
-    assert all(torch.equal(gathered[n], dense[n]) for n in states[0])
-    assert states[0]["blocks.0.attn.qkv.weight"].shape == (48, 32)  # half of q, k and v
-
-
-def test_measured_memory_and_traffic_match_the_formulas():
-    split, replicated = split_counts()
-    assert split + replicated == models.count_parameters(models.TinyGPT())
-    for tp in (1, 2, 4):
-        m = measure_configuration(make_groups, GPT2D, train_step, tp)
-        f = formula(m.dp, m.tp)
-        for kind in ("params", "grads", "optimizer_state", "tp_sent", "dp_sent", "total_sent"):
-            # CommCounter rounds each call's volume down to whole bytes
-            assert abs(getattr(m, kind) - f[kind]) <= 64, (tp, kind, getattr(m, kind), f[kind])
-    assert formula(2, 2)["params"] < formula(4, 1)["params"]
 
 
 # --- 2-D training -------------------------------------------------------------------------

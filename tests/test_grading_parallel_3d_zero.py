@@ -3,11 +3,16 @@ judged by its result, the bytes each rank keeps between steps and the bytes it s
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from course_lib.grading import CheckFailed, check_sharded_adamw
+from course_lib.grading import parallel_3d_zero_judge as judge
+from course_lib.grading import parallel_3d_zero_memory as memory
+from course_lib.grading import parallel_3d_zero_rank as zero_rank
 from course_lib.grading.parallel_3d import (
     comm_budget,
     sharded_adamw_report,
@@ -239,3 +244,102 @@ def test_the_report_shows_what_the_check_measures():
         assert int(sent.replace(",", "")) * 3 == 2 * (
             int(sent_allowed.replace(",", "")) - 8 * 2048
         )  # one reduce-scatter and one all-gather: 2/3 of 1.5 all-reduces
+
+
+# --- what the check trusts: nothing kept or counted on a rank ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "cheat, rule, message",
+    [
+        # main's ranks built the model and batches from the check's seed: retrained there
+        ("SEED_THIEF", "result", "its TP shard of torch.optim.AdamW on one process"),
+        # main counted bytes on the rank (CollectiveLog), blind to a call its hooks missed
+        ("COUNTERS_EMPTIED", "communication", "outside the TP all-reduces"),
+        # main skipped the storages of a set on the rank, which the rank's code widened
+        ("BASELINE_WIDENED", "memory", "unsharded AdamW keeps 248,320"),
+    ],
+    ids=["seed-thief", "counters-emptied", "baseline-widened"],
+)
+def test_check_sharded_adamw_trusts_nothing_kept_on_a_rank(cheat, rule, message):
+    impl = planted("parallel_3d", "sharded_adamw", getattr(cheats, cheat)).ShardedAdamW
+    with pytest.raises(CheckFailed) as info:
+        check_sharded_adamw(make_groups, GPT2D, impl, steps=2)
+    text = str(info.value)
+    assert f"[{rule}] failed" in text and message in text, text
+    assert info.value.score == 0
+
+
+def _entries(steps: int, extra: dict | None = None) -> list[tuple]:
+    """A rank's tallies as the check's rank marks them (one 2 x 2 rank: 8 float64 bytes sent
+    in each phase, in the TP group [0, 1] or the DP group [0, 2]), with `extra` marks put
+    after the mark of the case they name."""
+    extra = extra or {}
+    scan = memory.PREFIX + json.dumps(
+        {"kind": "scan", "step": 0, "allowed": [[1, 80]], "scans": [[[1, 80, "f", [10]]]] * 2}
+    )
+    out = [("mark", 0), ("mark", memory.PREFIX + '{"kind": "baseline", "keys": [7]}')]
+    for c in range(1, zero_rank.cases(steps) + 1):
+        out += [("mark", c), *extra.get(c, [])]
+        if c < zero_rank.cases(steps) and c > 1:
+            group = (0, 1) if (c - 2) % 3 == 1 else (0, 2)
+            out.append(("call", "all_reduce", None, 8, 8, group, ("float64",)))
+        if c >= 2 and (c - 2) % 3 == 2:
+            step = (c - 2) // 3
+            out.append(("mark", scan.replace('"step": 0', f'"step": {step}')))
+            out.append(("mark", memory.PREFIX + '{"kind": "own", "keys": []}'))
+    return out
+
+
+def test_bytes_kept_and_sent_are_read_from_the_launchers_tallies():
+    """The bytes of each step come from the marks and calls the launcher received: the TP
+    group's calls in forward and backward are Part 2's; a DP call there counts."""
+    (rows,) = judge.per_step("c", [_entries(2)], 4, 2, 2)
+    assert [row["sent"] for row in rows] == [16, 16]  # zero_grad's and step()'s, not TP's
+    assert [row["kept"] for row in rows] == [0, 0]  # the model's own bytes are allowed
+    dp_in_backward = {zero_rank.case(1, "forward and backward"): [
+        ("call", "all_reduce", None, 40, 40, (0, 2), ("float64",))
+    ]}  # fmt: skip
+    (rows,) = judge.per_step("c", [_entries(2, dp_in_backward)], 4, 2, 2)
+    assert [row["sent"] for row in rows] == [16, 56]
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        memory.PREFIX + '{"kind": "baseline", "keys": [1]}',  # a wider baseline
+        memory.PREFIX + '{"kind": "own", "keys": [1]}',  # the state among the check's records
+        memory.PREFIX + "not json",
+    ],
+    ids=["baseline", "own", "garbage"],
+)
+def test_a_memory_observation_not_the_checks_is_tampering(forged):
+    """Code on the rank can add marks but not remove the check's: one more observation, in
+    any step, fails the part as tampering, so no forged one can widen what is skipped."""
+    entries = _entries(2, {zero_rank.case(1, "zero_grad"): [("mark", forged)]})
+    with pytest.raises(CheckFailed) as info:
+        judge.per_step("c", [entries], 4, 2, 2)
+    assert info.value.tampering and "tampering" in str(info.value)
+
+
+def test_reckon_skips_the_baseline_and_the_checks_records_and_takes_the_smaller_scan():
+    base, mine, gone = (
+        [1, 800, "torch.float64", [100]],
+        [2, 24, "torch.float64", [3]],
+        [3, 64, "x", [8]],
+    )
+    seen = [
+        {"kind": "baseline", "keys": [1]},
+        {
+            "kind": "scan",
+            "step": 0,
+            "allowed": [[2, 16]],
+            "scans": [[base, mine, gone], [base, mine]],
+        },
+        {"kind": "own", "keys": [2]},
+        {"kind": "scan", "step": 1, "allowed": [], "scans": [[base, mine]] * 2},
+    ]
+    first, second = memory.reckon(seen)
+    # storage 2 holds 16 allowed bytes and 8 more; storage 3 was gone by the second scan
+    assert first == {"kept": 8, "largest": ["8 bytes (torch.float64, (3,))"]}
+    assert second == {"kept": 0, "largest": []}  # then the check's record: skipped

@@ -39,7 +39,10 @@ This module holds the first two checks and everything the notebook imports; the 
     parallel_3d_judge.py           check_2d_training judged: reference, groups, batches, ...
     parallel_3d_configurations.py  memory and traffic per configuration, for the notebook
     parallel_3d_zero.py            check_sharded_adamw (Part 4, open): ZeRO-1 in the DP group,
-                                   judged by its result, the bytes kept and the bytes sent
+                                   judged by its result, the bytes kept and the bytes sent;
+                                   its parts are parallel_3d_zero_budget, _memory, _rank and
+                                   _judge (same draw as check_2d_training, bytes from the
+                                   launcher)
 """
 
 from __future__ import annotations

@@ -50,16 +50,23 @@ class Run2D:
         return data.batches(x, y, self.batch_size, self.steps, seed=self.seed)
 
 
+def dense_model(weights: dict[str, torch.Tensor]) -> models.TinyGPT:
+    """The dense float64 TinyGPT a rank's GPT2D is built from, holding `weights` (what the
+    rank is given: its TP shard, the rest zeroed)."""
+    dense = models.TinyGPT(CONFIG, seed=0, dtype=DTYPE)
+    with torch.no_grad():
+        for name, p in dense.named_parameters():
+            p.copy_(weights[name])
+    return dense
+
+
 def _train_on_rank(make_groups, model_2d, train_step, run: Run2D, mine: dict) -> dict:
     """Train with the student's code on this rank, on what it is given (`mine`, from
     parallel_3d_cases.given: its TP shard of the weights, the rest zeroed, and per step a
     global batch whose only real rows are its DP group's); record groups, inputs, calls and
     parameters. Nothing here is secret: the weights and batches are drawn, and the reference
     trained, in the checking process."""
-    dense = models.TinyGPT(CONFIG, seed=0, dtype=DTYPE)
-    with torch.no_grad():
-        for name, p in dense.named_parameters():
-            p.copy_(mine["weights"][name])
+    dense = dense_model(mine["weights"])
     # Everything the student's code runs is watched: lecture 10's own 3-D step would do the
     # whole part from train_step.
     # The launcher tallies every call of every group (run_on_ranks(..., traffic=True)); the

@@ -2,7 +2,8 @@
 written differently (full marks). Cells: "process_grid" (part 1), "make_groups", "gpt_2d"
 and "train_step" (part 2), "sharded_adamw" (part 4). A make_groups built on lecture 10's
 new_groups is refused too; it is proven in tests/test_grading_parallel_3d.py, to keep the
-graded notebooks few. Part 4's wrong answers are in tests/test_grading_parallel_3d_zero.py."""
+graded notebooks few. Part 4's wrong answers are in
+tests/test_grading_parallel_3d_zero.py."""
 
 from __future__ import annotations
 
@@ -159,6 +160,150 @@ class ShardedAdamW:
         self.zero.step()
 '''
 
+# Part 4's thief regenerates the reference from a seed the rank can know: on main every rank
+# built TinyGPT from the check's seed and drew the global batches from it (`Run2D.batches`),
+# so single-process AdamW could be trained afresh on the rank at every step and its TP shard
+# copied: nothing kept between steps, nothing sent. Now the weights and batches are drawn in
+# the checking process from a secret: the seed in the check's frames names the call only.
+SEED_THIEF = '''
+import inspect
+
+
+def _the_checks_run():
+    """The check's run (seed, batches) and my TP group, from my callers' frames."""
+    for info in inspect.stack():
+        found = info.frame.f_locals
+        run, tp_group = found.get("run"), found.get("tp_group")
+        if hasattr(run, "batches") and hasattr(run, "seed") and tp_group is not None:
+            return run, tp_group
+    raise RuntimeError("no run in my callers' frames")
+
+
+class ShardedAdamW:
+    """No moments, nothing sent: every step trains single-process AdamW afresh on the whole
+    batches of the check's seed, up to this step, and copies my TP shard of it."""
+
+    def __init__(self, model, dp_group, lr, betas, eps, weight_decay):
+        self.model, self.dp_group, self.steps = model, dp_group, 0
+        self.hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        self.run, self.tp_group = _the_checks_run()
+
+    def zero_grad(self):
+        for p in self.model.parameters():
+            p.grad = None
+
+    def step(self):
+        self.steps += 1
+        dense = TinyGPT(seed=self.run.seed, dtype=torch.float64)
+        adamw = torch.optim.AdamW(dense.parameters(), **self.hyper, foreach=False)
+        run = self.run  # Run2D.batches is the grader's: the same draw, made here
+        x, y = tokens(4 * run.batch_size, seed=run.seed + 1)
+        for x, y in batches(x, y, run.batch_size, run.steps, seed=run.seed)[: self.steps]:
+            adamw.zero_grad()
+            lm_loss(dense(x), y).backward()
+            adamw.step()
+        with torch.no_grad():
+            mine = dict(GPT2D(dense, self.tp_group, self.dp_group).named_parameters())
+            for name, p in self.model.named_parameters():
+                p.copy_(mine[name])
+                p.grad = None
+'''
+
+# Too many bytes sent, the excess made where no counter on the rank sees it: on main the bytes
+# came from a CollectiveLog on the rank, built on course_lib.comm's hooks, which the rank's code
+# can empty around a call. Two all-reduces a step (the gradients, then the parameters with
+# zeros outside my chunk) are over the budget; the second is made unseen. Now the bytes come
+# from the launcher's tallies of the counted process group.
+COUNTERS_EMPTIED = '''
+import course_lib.comm as comm
+
+
+def _unseen(call):
+    """Make `call` with every counter and hook of course_lib.comm on this rank emptied."""
+    counters, hooks = list(comm._active), list(comm._around)
+    comm._active.clear()
+    comm._around.clear()
+    try:
+        call()
+    finally:
+        comm._active.extend(counters)
+        comm._around.extend(hooks)
+
+
+class ShardedAdamW:
+    """My chunk's moments only, but the gradients all-reduced and then the parameters too
+    (zeros outside my chunk): 2 all-reduces a step, the second one unseen."""
+
+    def __init__(self, model, dp_group, lr, betas, eps, weight_decay):
+        self.params, self.group = list(model.parameters()), dp_group
+        self.d, me = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        self.spans = []
+        for p in self.params:
+            chunk = -(-p.numel() // self.d)
+            self.spans.append((min(me * chunk, p.numel()), min((me + 1) * chunk, p.numel())))
+        self.views = [p.detach().view(-1)[lo:hi] for p, (lo, hi) in zip(self.params, self.spans)]
+        self.inner = torch.optim.AdamW(
+            self.views, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+        )
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        for p, view, (lo, hi) in zip(self.params, self.views, self.spans):
+            dist.all_reduce(p.grad, group=self.group)
+            view.grad = p.grad.view(-1)[lo:hi] / self.d
+        self.inner.step()
+        for p, view, (lo, hi) in zip(self.params, self.views, self.spans):
+            view.grad = None
+            flat = torch.zeros_like(p).view(-1)
+            flat[lo:hi] = view
+            _unseen(lambda: dist.all_reduce(flat, group=self.group))
+            p.copy_(flat.view_as(p))
+'''
+
+# The memory forged on the rank: on main the scan skipped the storages in a set on the rank,
+# `before` (those alive before ShardedAdamW(...)), which the rank's code could widen. Plain
+# AdamW, every replica keeping all of the state, its storages added to that set after every
+# step. Now the scans are sent to the launcher as they are made, and the judge reckons the bytes
+# kept from what it received: no set on the rank decides what is skipped.
+BASELINE_WIDENED = '''
+import inspect
+
+
+def _hide(tensors):
+    """Add the storages of `tensors` to the check's baseline set in my callers' frames."""
+    for info in inspect.stack():
+        before = info.frame.f_locals.get("before")
+        if isinstance(before, set):
+            before.update(t.untyped_storage().data_ptr() for t in tensors)
+
+
+class ShardedAdamW:
+    """Part 2's averaging and a plain AdamW: all of the state on every replica, hidden."""
+
+    def __init__(self, model, dp_group, lr, betas, eps, weight_decay):
+        self.params, self.group = list(model.parameters()), dp_group
+        self.inner = torch.optim.AdamW(
+            self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+        )
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params:
+            dist.all_reduce(p.grad, group=self.group)
+            p.grad /= dist.get_world_size(self.group)
+        self.inner.step()
+        state = self.inner.state.values()
+        _hide([t for s in state for t in s.values() if isinstance(t, torch.Tensor)])
+'''
+
 # Right: every gradient all-reduced, torch.optim.AdamW steps views of this rank's chunk of each
 # parameter in place, the updated chunks all-gathered (1.5 all-reduces: at the budget's limit).
 ALL_REDUCE_THEN_GATHER = '''
@@ -257,6 +402,24 @@ CHEATS = [
     ),
     Cheat("rebinding the check", "train_step", REBIND_CHECK, TRAIN, alone=True),
     Cheat("torch's ZeroRedundancyOptimizer", "sharded_adamw", ZERO_REDUNDANCY, SHARDED),
+    Cheat(
+        "single-process AdamW retrained on the rank from the check's seed, nothing sent",
+        "sharded_adamw",
+        SEED_THIEF,
+        SHARDED,
+    ),
+    Cheat(
+        "an all-reduce over the budget made with the rank's comm counters emptied",
+        "sharded_adamw",
+        COUNTERS_EMPTIED,
+        SHARDED,
+    ),
+    Cheat(
+        "unsharded AdamW, its state added to the check's baseline set on the rank",
+        "sharded_adamw",
+        BASELINE_WIDENED,
+        SHARDED,
+    ),
 ]
 
 ALTERNATIVES = [
