@@ -233,7 +233,10 @@ OPEN_PARTS = {  # the assignments whose open part reports a measurement, and its
     "a03_data_parallel": "test_communicate_less",
     "a04_gossip": "test_schedule",
     "a05_compression": "test_compressed_training",
+    "a07_zero": "test_zero3_peak",
+    "a08_pipeline": "test_split_schedule",
     "a09_tensor_parallel": "test_vocab_loss",
+    "a10_parallel_3d": "test_sharded_adamw",
     "a11_sequence_parallel": "test_balanced",
     "a12_expert_parallel": "test_dedup",
 }
@@ -369,6 +372,7 @@ def _budgets() -> dict:
     )
     from course_lib.grading.compression_budget import byte_budget
     from course_lib.grading.compression_cases import TrainRun
+    from course_lib.grading.pipeline_schedule import makespan_allowed
 
     return {
         "data_parallel": (
@@ -394,6 +398,15 @@ def _budgets() -> dict:
             grading.check_moe_dedup, ("dedup_moe",), {"world_sizes": (2,)},
             100 * expert_parallel_dedup.DEDUP_FRACTION,
         ),
+        # a07, a08, a10: a share of the budget (peak, state kept) or the simulated units
+        "zero": (grading.check_zero3_peak, ("shard_module",), {"steps": 1}, 100),
+        "pipeline": (
+            grading.check_split_schedule, ("split_schedule",), {},
+            makespan_allowed(4, 4) + makespan_allowed(4, 8),
+        ),
+        "parallel_3d": (
+            grading.check_sharded_adamw, ("make_groups", "GPT2D", "ShardedAdamW"), {}, 100,
+        ),
     }  # fmt: skip
 
 
@@ -406,6 +419,9 @@ def _budgets() -> dict:
         "tensor_parallel",
         "sequence_parallel",
         "expert_parallel",
+        "zero",
+        "pipeline",
+        "parallel_3d",
     ],
 )
 def test_an_open_check_reports_the_value_it_judged_within_its_limit(topic):

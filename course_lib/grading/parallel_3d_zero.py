@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 
 from course_lib import compare
-from course_lib.grading._harness import Verdict, fail, run_on_ranks
+from course_lib.grading._harness import Verdict, fail, measured, run_on_ranks
 from course_lib.grading.parallel_3d_cases import draw, given, global_batches, initial
 from course_lib.grading.parallel_3d_layout import tp_shards
 from course_lib.grading.parallel_3d_rank import ATOL, RTOL, Run2D
@@ -92,7 +92,7 @@ def check_sharded_adamw(
         world_size=world_size, timeout=timeout, what="your ShardedAdamW (with Part 2's code)",
         traffic=True,
     )  # fmt: skip
-    measured = per_step(CHECK, traffic.tallies, world_size, tp_size, steps)
+    steps_seen = per_step(CHECK, traffic.tallies, world_size, tp_size, steps)
     for r, result in enumerate(results):
         if result["copied"]:
             fail(CHECK, f"make_groups, GPT2D or ShardedAdamW on rank {r}: {result['copied']}")
@@ -105,13 +105,15 @@ def check_sharded_adamw(
     worst = {}
     for prop in ("memory", "communication"):
         with verdict.case():
-            worst[prop] = judge_budget(CHECK, tp_size, measured, where, prop)
+            worst[prop] = judge_budget(CHECK, tp_size, steps_seen, where, prop)
     verdict.conclude(
         f"{where}, {steps} steps: every rank's parameters equal its TP shard of "
         f"torch.optim.AdamW on the whole batch (rtol {RTOL:g}, atol {ATOL:g}); the tensors "
         f"kept between steps used at most {worst.get('memory', 0):.0%} of the state budget, "
         f"the bytes sent at most {worst.get('communication', 0):.0%} of the traffic budget"
     )
+    what = "bytes kept between steps, share of the state budget (worst rank and step)"
+    measured(CHECK, what, 100 * worst["memory"], "%", combine="worst")
 
 
 def sharded_adamw_report(
@@ -129,14 +131,14 @@ def sharded_adamw_report(
         given(run, drawn, world_size), True,
         world_size=world_size, timeout=60,
     )  # fmt: skip
-    measured = per_step(CHECK, [r["local"] for r in results], world_size, tp_size, run.steps)
+    steps_seen = per_step(CHECK, [r["local"] for r in results], world_size, tp_size, run.steps)
     ref = reference_adamw(initial(drawn), global_batches(run, drawn))[-1]
     dp = world_size // tp_size
     head = f"{'rank':>4} {'max error':>10} {'kept':>8} {'unsharded':>10} {'allowed':>8}"
     rows = [f"DP x TP = {dp} x {tp_size}", head + f" {'sent':>8} {'allowed':>8}"]
     for r, result in enumerate(results):
         sizes = rank_sizes(r % tp_size, tp_size).values()
-        last = measured[r][-1]
+        last = steps_seen[r][-1]
         want = tp_shards(ref, r % tp_size, tp_size)
         error = max(compare.errors(result["steps"][-1][n], w)[0] for n, w in want.items())
         rows.append(

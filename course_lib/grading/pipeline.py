@@ -55,6 +55,7 @@ from course_lib.grading._harness import (
     events_by_case,
     fail,
     judge_unreported,
+    measured,
     run_on_ranks,
 )
 from course_lib.grading.pipeline_cases import PipelineRun, pipeline_runs, share, stages
@@ -292,11 +293,12 @@ def check_split_schedule(
         what="your split_schedule",
     )[0]
     results = _unwatched(check, found)
-    verdict, measured = Verdict(check), []
+    verdict, seen, units = Verdict(check), [], 0.0
     for (P, m), orders in zip(cases, results, strict=True):
         with verdict.case():
             run = judge_split(check, P, m, orders)
-            measured.append(
+            units += run["makespan"]
+            seen.append(
                 f"P={P} m={m}: {run['makespan']:g} <= {makespan_allowed(P, m):g} units, "
                 f"bubble {run['bubble_fraction']:.3f} <= {bubble_allowed(P, m):.3f}, "
                 f"peak {max(run['peaks'])} <= {P}"
@@ -304,8 +306,9 @@ def check_split_schedule(
     verdict.conclude(
         f"{len(cases)} case(s), simulated by the check: every stage runs F, B, W of each "
         "micro-batch once, in an order that can run, holding at most P micro-batches, in "
-        "fewer units than 1F1B (" + "; ".join(measured) + ")"
+        "fewer units than 1F1B (" + "; ".join(seen) + ")"
     )
+    measured(check, "units of time a step takes, summed over the cases", units, "units")
 
 
 def _solve_on_a_rank(

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from course_lib import data
-from course_lib.grading._harness import fail
+from course_lib.grading._harness import fail, measured
 from course_lib.grading.training import make_optimizer
 from course_lib.grading.zero_memory import largest_parameter_bytes, shard_bytes
 from course_lib.grading.zero_meter import GradientMeter, _Meter
@@ -239,6 +239,8 @@ def _judge_peak(
                     "forward saved (a Linear saves its weight), and a buffer made once and "
                     "gathered into counts from the moment it is written",
                 )
+    what = "the highest step's peak, share of its budget (worst rank and step)"
+    measured(check, what, 100 * worst, "%", combine="worst")
     return (
         f"{len(results[0])} steps ({where}): every rank's forward and backward peaked at "
         f"most at {worst:.0%} of its budget (the unsharded step's needs + gradient shards + "
