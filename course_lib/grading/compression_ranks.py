@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from course_lib import counted_group
 from course_lib.grading.compression_cases import LR, PCase, QCase, loss_of
 from course_lib.grading.compression_quantized import kept, payload_problem
 from course_lib.grading.provenance import Provenance
+from course_lib.grading.traffic import CaseMarks
 
 # Lecture 5's module holds a working 8-bit quantizer, its all-reduce and PowerSGD's pieces:
 # an answer that runs them, or a copy, is not the student's own.
@@ -36,18 +36,6 @@ FORBIDDEN = (
     "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook",
     "torch.distributed.algorithms.ddp_comm_hooks.quantization_hooks",
 )
-
-
-class _Marks:
-    """Marks the segments of a run in order, 0, 1, 2, ...: the launcher books the calls
-    reported after mark i to segment i (`_harness.calls_by_case`)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def next(self) -> None:
-        counted_group.mark(self.count)
-        self.count += 1
 
 
 @contextlib.contextmanager
@@ -64,7 +52,7 @@ def _noting(where: str) -> Iterator[None]:
 # --- Part 1 --------------------------------------------------------------------------------
 
 
-def _quantized_case(fns: tuple, case: QCase, x: torch.Tensor, marks: _Marks) -> dict:
+def _quantized_case(fns: tuple, case: QCase, x: torch.Tensor, marks: CaseMarks) -> dict:
     """One case on this rank: quantize and dequantize its input (segment 2i: calls made
     there count for no budget, as the round trip needs none), then quantized_all_reduce
     (segment 2i + 1), each on a copy, so that the judge sees whether they changed it."""
@@ -90,7 +78,7 @@ def _quantized_case(fns: tuple, case: QCase, x: torch.Tensor, marks: _Marks) -> 
 def quantized_on_rank(fns: tuple, cases: list[QCase], inputs: list[torch.Tensor]) -> dict:
     """Every case in turn, in the same order on every rank, on this rank's own `inputs` (one
     tensor per case), watched for the lecture's code; a last mark after the last case."""
-    marks = _Marks()
+    marks = CaseMarks()
     with Provenance(LECTURE) as seen:
         records = [
             _quantized_case(fns, case, x, marks) for case, x in zip(cases, inputs, strict=True)
@@ -109,7 +97,7 @@ def powersgd_on_rank(
     step), then one call of compress_all_reduce per step on this rank's own gradient
     (`grads[case][step]`, a copy: the judge holds the original), each a segment; per step
     what it returned and its `self.error`."""
-    marks, out = _Marks(), []
+    marks, out = CaseMarks(), []
     with Provenance(LECTURE) as seen:
         for case, mine in zip(cases, grads, strict=True):
             marks.next()

@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 from torch import nn
 
-from course_lib import counted_group
 from course_lib.comm_log import WaitLog
 from course_lib.grading.data_parallel_runs import (
     FORBIDDEN,
@@ -26,18 +25,8 @@ from course_lib.grading.data_parallel_runs import (
     rank_loss,
 )
 from course_lib.grading.provenance import Provenance
+from course_lib.grading.traffic import CaseMarks
 from course_lib.grading.training import make_optimizer, snapshot
-
-
-class _Marks:
-    """Marks the cases in order: 0, 1, 2, ..."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def next(self) -> None:
-        counted_group.mark(self.count)
-        self.count += 1
 
 
 class _GradientMarks:
@@ -47,7 +36,7 @@ class _GradientMarks:
     step whose hooks fired fewer times (a wrapper that swapped the parameters) is padded at the
     end of backward, so that the cases stay those the check expects."""
 
-    def __init__(self, marks: _Marks, expected: int) -> None:
+    def __init__(self, marks: CaseMarks, expected: int) -> None:
         self.marks, self.expected, self.fired = marks, expected, 0
 
     def watch(self, module: nn.Module) -> None:
@@ -67,7 +56,7 @@ class _GradientMarks:
         self.fired = 0
 
 
-def _train_one(impl: Callable, kind: str, run: RankRun, mine: dict, marks: _Marks) -> dict:
+def _train_one(impl: Callable, kind: str, run: RankRun, mine: dict, marks: CaseMarks) -> dict:
     """Train one run on this rank with the student's code; its gradients after
     synchronization and parameters after each step (and for DDP its state right after
     construction), and the waits it made during each step's backward."""
@@ -131,7 +120,7 @@ def train_on_rank(impl: Callable, kind: str, runs: list[RankRun], mine: list[dic
     (per run: the seed of its initial weights and its shards), watched for the course's own
     implementations; the cases marked for the launcher in the order of
     `data_parallel_cases.cases`, and a last mark after them."""
-    marks = _Marks()
+    marks = CaseMarks()
     with Provenance(FORBIDDEN[kind]) as seen:
         results = [
             _train_one(impl, kind, run, given, marks) for run, given in zip(runs, mine, strict=True)

@@ -6,6 +6,7 @@ communication by these, never by counters kept on the ranks, which the student's
     Traffic(tallies, wire)          one run's record (`run_on_ranks(..., traffic=True)`)
     Sent                            one reported call
     Note                            an event the check reported among the calls
+    CaseMarks                       on a rank: the check's marks, case 0, 1, 2, ... in order
     split_by_marks(entries, n)      one rank's calls, case by case
     split_with_notes(entries, n)    ... with the check's notes in their places among them
     unreported_bytes(traffic)       bytes on the wire that no reported call accounts for
@@ -14,6 +15,8 @@ communication by these, never by counters kept on the ranks, which the student's
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from course_lib import counted_group
 
 
 @dataclass(frozen=True)
@@ -103,3 +106,21 @@ def unreported_bytes(traffic: Traffic) -> list[int | None]:
         )
         out.append(sum(wire.values()) - explained)
     return out
+
+
+class CaseMarks:
+    """On a grading rank, the check's marks between a run's cases, 0, 1, 2, ... in order
+    (`counted_group.mark`): the launcher books the calls reported after mark i to case i
+    (`split_by_marks`)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def next(self) -> None:
+        counted_group.mark(self.count)
+        self.count += 1
+
+    def finish(self, cases: int) -> None:
+        """The marks of the cases not run (a model the check refused), and the last one."""
+        while self.count <= cases:
+            self.next()

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from course_lib import counted_group, data
+from course_lib import data
+from course_lib.grading.traffic import CaseMarks
 from course_lib.grading.training import ADAMW, make_optimizer, snapshot
 from course_lib.grading.zero_memory import (
     _storage_bytes,
@@ -137,7 +138,7 @@ def _train_stage12(impl: Callable, stage: int, run: ZeroRun, mine: dict) -> dict
     `zero_meter.GradientMeter`, whose hooks are made before the student's optimizer: the bytes
     alive each time a gradient is ready."""
     ranks = world_size()
-    marks = _Marks()
+    marks = CaseMarks()
     marks.next()  # the optimizer's set-up
     model = build_model(run, mine["weights"])
     sampler = GradientMeter(model) if stage == 2 else None
@@ -178,23 +179,6 @@ def _train_stage12(impl: Callable, stage: int, run: ZeroRun, mine: dict) -> dict
     return {"lr": lr, "steps": steps}
 
 
-class _Marks:
-    """Marks a run's cases for the launcher's tallies (`stage12_cases`, `stage3_cases`), in
-    order."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def next(self) -> None:
-        counted_group.mark(self.count)
-        self.count += 1
-
-    def finish(self, cases: int) -> None:
-        """The marks of the cases not run (a model the check refuses), and the last one."""
-        while self.count <= cases:
-            self.next()
-
-
 def stage12_cases(steps: int) -> int:
     """How many cases the ranks of stages 1 and 2 mark: the optimizer's set-up (case 0), then
     each step (case 1 + s: zero_grad, backward, step)."""
@@ -216,7 +200,7 @@ def _train_stage3(shard_module: Callable, run: ZeroRun, mine: dict) -> dict:
     on the shards on this rank's shares (`mine`), and record shards, gradients and bytes
     held. Each phase is a case marked for the launcher: what was gathered during backward is
     read from its tallies, never counted here."""
-    marks = _Marks()
+    marks = CaseMarks()
     marks.next()  # shard_module
     model = build_model(run, mine["weights"])
     model = shard_module(model) or model
