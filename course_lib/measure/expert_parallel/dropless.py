@@ -98,28 +98,25 @@ def print_capacity_work(work: list[dict]) -> None:
 
 
 def plot_capacity_work(work: list[dict]):
-    """Bars of the rows computed per setting: real work, padding, and the choices dropped."""
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    """Left: the rows the experts compute per setting, those with a token and the padding.
+    Right: the share of the T k choices dropped."""
+    fig, (rows, drops) = plt.subplots(1, 2, figsize=(9, 3.5))
     labels = [str(w["factor"]) for w in work]
     real = [w["computed"] for w in work]
     pad = [w["padded rows"] - w["computed"] for w in work]
-    dropped = [w["choices"] - w["computed"] for w in work]
-    ax.bar(labels, real, label="rows with a token")
-    ax.bar(labels, pad, bottom=real, color="lightgray", label="padding (no token)")
-    ax.bar(
-        labels,
-        dropped,
-        bottom=[r + p for r, p in zip(real, pad, strict=True)],
-        color="white",
-        edgecolor="tab:red",
-        hatch="//",
-        label="dropped choices (not computed)",
-    )
-    ax.axhline(work[0]["choices"], color="black", linestyle="--", label="choices T k")
-    ax.set_xlabel("capacity factor")
-    ax.set_ylabel("expert rows")
-    ax.set_title("What the experts compute: capacity against dropless")
-    ax.legend(fontsize=8, loc="upper left")
+    rows.bar(labels, real, label="rows with a token")
+    rows.bar(labels, pad, bottom=real, color="lightgray", label="padding (no token)")
+    rows.axhline(work[0]["choices"], color="black", linestyle="--", label="choices T k")
+    rows.set_ylim(0, 1.3 * max(w["padded rows"] for w in work))  # room for the legend
+    rows.set_xlabel("capacity factor")
+    rows.set_ylabel("expert rows computed")
+    rows.set_title("Rows computed, padded to C")
+    rows.legend(fontsize=8, loc="upper left", ncol=2)
+    drops.bar(labels, [100 * w["dropped"] for w in work], color="tab:red")
+    drops.set_xlabel("capacity factor")
+    drops.set_ylabel("% of choices dropped")
+    drops.set_title("Choices dropped")
+    fig.tight_layout()
     return fig
 
 
