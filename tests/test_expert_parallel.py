@@ -1,7 +1,8 @@
 """course_lib.expert_parallel: the router against a token-by-token loop, the dense layer against
 a per-token sum, `ExpertParallelMoE` against the dense layer (forward and backward, float64,
 dropped tokens included) on 1, 2 and 4 ranks, the bytes its all-to-alls send against the
-exact count and `costs.ep_bytes`, and the errors it gives for input it cannot take."""
+exact count and `costs.ep_bytes`, the errors it gives for input it cannot take, and what
+capacity costs against dropless (drops, padded rows, largest batch) on a routing made by hand."""
 
 from __future__ import annotations
 

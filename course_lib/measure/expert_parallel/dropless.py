@@ -39,7 +39,7 @@ def expert_rows(moe: MoE, x: torch.Tensor) -> list[int]:
     return rows
 
 
-def capacity_work(moe: MoE, x: torch.Tensor, capacity_factors: list) -> list[dict]:
+def capacity_work(moe: MoE, x: torch.Tensor, capacity_factors: list[float | str]) -> list[dict]:
     """For each capacity factor (a number, or `DROPLESS`), run `moe` on x and count: the choices
     made (T k), the rows the experts computed, the share of choices dropped, the rows computed
     with every expert padded to its capacity C (E C; dropless pads nothing), the share of those
@@ -77,7 +77,7 @@ def capacity_work(moe: MoE, x: torch.Tensor, capacity_factors: list) -> list[dic
     return work
 
 
-def lecture_capacity_work(capacity_factors: list, n_tokens: int = 256) -> list[dict]:
+def lecture_capacity_work(capacity_factors: list[float | str], n_tokens: int = 256) -> list[dict]:
     """`capacity_work` of the lecture's router (`small_moe`) on the lecture's `batch(n_tokens)`."""
     return capacity_work(small_moe(), batch(n_tokens), capacity_factors)
 
