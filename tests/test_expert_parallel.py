@@ -1,7 +1,8 @@
 """course_lib.expert_parallel: the router against a token-by-token loop, the dense layer against
 a per-token sum, `ExpertParallelMoE` against the dense layer (forward and backward, float64,
 dropped tokens included) on 1, 2 and 4 ranks, the bytes its all-to-alls send against the
-exact count and `costs.ep_bytes`, and the errors it gives for input it cannot take."""
+exact count and `costs.ep_bytes`, the errors it gives for input it cannot take, and what
+capacity costs against dropless (drops, padded rows, largest batch) on a routing made by hand."""
 
 from __future__ import annotations
 
@@ -31,9 +32,17 @@ from course_lib.measure.expert_parallel import (
     check_faster_ep_or_tp,
     check_worst_balance_loss,
     largest_errors,
+    small_moe,
     step_spread,
     step_times,
     torch_all_to_all,
+)
+from course_lib.measure.expert_parallel.dropless import (
+    DROPLESS,
+    capacity_work,
+    check_no_drop_factor,
+    expert_rows,
+    lecture_capacity_work,
 )
 
 # float64: expert parallelism computes each expert on the same rows in the same order as one
@@ -206,7 +215,6 @@ def test_a_real_router_sends_the_rows_it_routes_to_other_ranks(pools):
     the dense routing on one process, d * 8 bytes each."""
     p, per_rank, n_experts = 4, 64, 8
     results = pools(p).launch(bytes_sent, per_rank, False, timeout=60)
-    from course_lib.measure.expert_parallel import small_moe
 
     moe = small_moe(capacity_factor=2.0)
     r = route(batch(per_rank * p), moe.router.weight.detach(), moe.k, 2.0)
@@ -267,6 +275,72 @@ def test_a_step_is_timed_by_its_slowest_rank_and_summed_up_by_median_and_spread(
     # rank 0 took 1, 5, 2 s on its three steps, rank 1 2, 1, 3: the steps ended after 2, 5, 3
     runs = [{"EP": [{"times": [1.0, 5.0, 2.0]}]}, {"EP": [{"times": [2.0, 1.0, 3.0]}]}]
     assert step_spread(runs, "EP", 0) == (3.0, 2.0, 5.0)
+
+
+# --- capacity against dropless, counted on a routing made by hand ---------------------------
+
+# Eight tokens, four experts, top-2: token t chooses HAND[t] (most probable first). Choices per
+# expert: 0 -> 7 (tokens 0-6), 1 -> 4 (0, 2, 4, 6), 2 -> 3 (1, 5, 7), 3 -> 2 (3, 7); T k = 16,
+# an even share of 4.
+HAND = [(0, 1), (0, 2), (0, 1), (0, 3), (1, 0), (2, 0), (0, 1), (3, 2)]
+
+
+def routed_by_hand(choices=HAND, n_experts=4):
+    """A layer whose router sends token t to choices[t], and those tokens: the router is the
+    identity on the first E coordinates, and each token is large at its chosen experts."""
+    moe = MoE(D_MODEL, 8, n_experts, k=2)
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.eye(n_experts, D_MODEL, dtype=torch.float64))
+    x = torch.zeros(len(choices), D_MODEL, dtype=torch.float64)
+    for t, (first, second) in enumerate(choices):
+        x[t, first], x[t, second] = 2.0, 1.5
+    return moe, x
+
+
+def test_the_hand_made_routing_is_the_one_the_layer_follows():
+    moe, x = routed_by_hand()
+    r = route(x, moe.router.weight.detach(), moe.k, 4.0)
+    assert r.experts.tolist() == [list(c) for c in HAND]
+    assert expert_rows(moe, x) == [5, 4, 3, 2]  # capacity factor 1.25: C = 5, expert 0 cut
+
+
+def test_capacity_work_counts_drops_padding_and_the_largest_batch_as_worked_by_hand():
+    """C = ceil(factor x 4). Factor 0.5: C = 2, every expert keeps 2 (8 rows, 8 dropped, no
+    padding). 1: C = 4, keeps 4, 4, 3, 2 = 13 of 16 rows of 16 slots. 2: C = 8, keeps all 16
+    of 32 slots. Dropless: all 16, no slots beyond them; the largest batch is expert 0's 7."""
+    moe, x = routed_by_hand()
+    work = capacity_work(moe, x, [0.5, 1.0, 2.0, DROPLESS])
+    got = [
+        (w["capacity"], w["computed"], w["dropped"], w["padded rows"], w["padding"]) for w in work
+    ]
+    assert got == [
+        (2, 8, 8 / 16, 8, 0.0),
+        (4, 13, 3 / 16, 16, 3 / 16),
+        (8, 16, 0.0, 32, 16 / 32),
+        (None, 16, 0.0, 16, 0.0),
+    ]
+    assert [w["largest batch"] for w in work] == [2, 4, 7, 7]
+    assert {w["choices"] for w in work} == {16} and {w["even share"] for w in work} == {4.0}
+    assert moe.capacity_factor == 1.25, "capacity_work must give the layer its factor back"
+
+
+def test_dropless_on_the_lectures_router_drops_nothing_and_pads_nothing():
+    moe, x = small_moe(), batch(256)
+    chosen = torch.bincount(route(x, moe.router.weight.detach(), moe.k, 1.0).experts.flatten())
+    (dropless,) = lecture_capacity_work([DROPLESS])
+    assert dropless["dropped"] == 0.0 and dropless["padding"] == 0.0
+    assert dropless["computed"] == dropless["padded rows"] == 256 * 2
+    assert dropless["largest batch"] == chosen.max().item()
+
+
+def test_the_no_drop_factor_check_takes_the_largest_batch_over_the_even_share(capsys):
+    moe, x = routed_by_hand()
+    work = capacity_work(moe, x, [1.0, DROPLESS])
+    assert check_no_drop_factor(7 / 4, work) is True  # expert 0's 7 over the even share 4
+    assert "✓ Right" in capsys.readouterr().out
+    assert check_no_drop_factor(1.0, work) is False  # the even router's answer
+    assert "the busiest expert's count" in capsys.readouterr().out
+    assert check_no_drop_factor(..., work) is None
 
 
 # --- the lecture's exercises, against numbers worked out by hand ------------------------------
