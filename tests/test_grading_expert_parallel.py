@@ -159,6 +159,8 @@ UNSYNCED = mutant(
 def to_everyone(x, router, experts, k, capacity_factor):
     """Right numbers, but every rank first sends all its tokens to every other rank."""
     P, r = world_size(), rank()
+    if router.out_features % P:  # refused as the solution refuses: before any message
+        return A12.expert_parallel_moe(x, router, experts, k, capacity_factor)
     sizes = [torch.zeros((), dtype=torch.long) for _ in range(P)]
     dist.all_gather(sizes, torch.tensor(x.shape[0]))
     works, into = [], {}
@@ -171,12 +173,21 @@ def to_everyone(x, router, experts, k, capacity_factor):
     return A12.expert_parallel_moe(x, router, experts, k, capacity_factor)
 
 
+def late_refusal(x, router, experts, k, capacity_factor):
+    """Right, but when the experts do not split it first all-gathers the token counts."""
+    if router.out_features % world_size():
+        sizes = [torch.zeros((), dtype=torch.long) for _ in range(world_size())]
+        dist.all_gather(sizes, torch.tensor(x.shape[0]))
+    return A12.expert_parallel_moe(x, router, experts, k, capacity_factor)
+
+
 WRONG_FORWARD = [
     ("rows to the wrong ranks", WRONG_RANK, "differs"),
     ("capacity ignored", NO_CAPACITY, "over capacity"),
     ("rank-local queues", LOCAL_QUEUES, "over capacity"),
     ("no gate weights", NO_GATES, "router probability"),
     ("no ValueError", NO_VALUE_ERROR, "expected a ValueError"),
+    ("ValueError after a message", late_refusal, "raised the ValueError after communicating"),
 ]
 
 

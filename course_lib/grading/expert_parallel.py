@@ -192,13 +192,13 @@ def _check(
             count += 1
             with verdict.case():
                 try:
-                    _, _, records, _ = _run(check, fn, None, [refused], timeout, name)[0]
+                    _, _, records, comms = _run(check, fn, None, [refused], timeout, name)[0]
                 except CheckFailed as error:
                     if error.tampering:
                         raise
                     said = str(error).removeprefix(f"{check}: ")
                     fail(check, f"{refused}: expected a ValueError on every rank, but {said}")
-                judge_refusal(check, name, refused, records)
+                judge_refusal(check, name, refused, records, comms)
     return verdict, count, world_sizes, closest
 
 

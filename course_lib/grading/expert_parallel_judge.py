@@ -7,7 +7,7 @@ the launcher's tallies saw them, against the message rules and the byte budget.
     judge_backward              x's, the router's and every expert's gradients
     judge_calls                 tokens by all-to-all or point-to-point; other calls small
     judge_traffic               Part 3: the calls, and at most `traffic_budget` bytes a rank
-    judge_refusal               experts that do not split: a ValueError on every rank
+    judge_refusal               experts that do not split: a ValueError on every rank, no call
 """
 
 from __future__ import annotations
@@ -206,8 +206,11 @@ def judge_traffic(check: str, case: Case, comms: list[dict], budget: list[int]) 
         fail(check, f"{case}: no rank sent anything", prop="dispatch")
 
 
-def judge_refusal(check: str, name: str, case: Case, records: list[dict]) -> None:
-    """Experts not divisible by the world size: every rank raises a ValueError."""
+def judge_refusal(
+    check: str, name: str, case: Case, records: list[dict], comms: list[dict]
+) -> None:
+    """Experts not divisible by the world size: every rank raises a ValueError, before any
+    message (no call in the launcher's tallies)."""
     __tracebackhide__ = True
     for r, record in enumerate(records):
         if record["raised"] is None:
@@ -216,6 +219,15 @@ def judge_refusal(check: str, name: str, case: Case, records: list[dict]) -> Non
                 f"{case}: rank {r}: your {name} returned {record['returned']} instead of "
                 f"raising a ValueError: {case.n_experts} experts cannot be split evenly over "
                 f"{case.world_size} ranks. Check it first and raise ValueError saying so.",
+            )
+        if comms[r]["calls"]:
+            made = ", ".join(op for op, _, _ in comms[r]["calls"])
+            fail(
+                check,
+                f"{case}: rank {r}: your {name} raised the ValueError after communicating "
+                f"({made}): {case.n_experts} experts cannot be split evenly over "
+                f"{case.world_size} ranks, which every rank knows from its own arguments. "
+                "Check it first, before any message.",
             )
 
 
