@@ -1,4 +1,5 @@
-"""`make lab` serves JupyterLab with the course kernel; the install is idempotent."""
+"""`make lab` serves JupyterLab with the course kernel; the install is idempotent; the lab's and
+the hub's kernels talk over socket files where their paths fit."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import socket
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
+
+import pytest
+from traitlets.config.loader import PyFileConfigLoader
 
 from tests.conftest import ROOT, wait_until
 
@@ -58,3 +63,37 @@ def test_install_is_up_to_date_so_a_second_run_installs_nothing():
     """`make test` has just installed: make must now consider the install done."""
     result = subprocess.run(["make", "-q", "install"], cwd=ROOT)
     assert result.returncode == 0, "make install would run again"
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_make_labs_kernels_use_socket_files_where_they_fit(tmp_path, monkeypatch, deep):
+    """A socket's path has 107 bytes on Linux: in a runtime folder too deep for a kernel's
+    socket files, JupyterLab keeps TCP rather than start kernels that die binding them."""
+    runtime = tmp_path / ("d" * 60) if deep else "/tmp/r"  # only its name is read
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+    config = PyFileConfigLoader("jupyter_lab_config.py", str(ROOT / "jupyter")).load_config()
+    assert config.KernelManager.get("transport", "tcp") == ("tcp" if deep else "ipc")
+
+
+class Spawned:
+    """What the hub's environment callables read of a spawner: its user's name."""
+
+    class user:  # noqa: N801 (an attribute, as JupyterHub's spawner has it)
+        name = "alice"
+
+
+def test_hub_users_get_a_runtime_folder_their_sockets_fit_in(tmp_path, monkeypatch):
+    """The hub's homes are in its state folder, too deep for socket files (the course's
+    .hub/home/<user>/.local/share/jupyter/runtime is 50 characters before the folder's own
+    path): each user's runtime folder is in a private folder in /tmp instead."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "jupyter"))
+    from kernel_sockets import ipc_fits
+
+    monkeypatch.setenv("COURSE_HUB_DIR", str(tmp_path / "hub"))
+    monkeypatch.setenv("COURSE_HUB_PASSWORD", "not-used-here")
+    hub = PyFileConfigLoader("jupyterhub_config.py", str(ROOT / "jupyter" / "hub")).load_config()
+    folder = hub.Spawner.environment["JUPYTER_RUNTIME_DIR"](Spawned())
+    assert folder.endswith("/alice") and ipc_fits(folder)
+    assert os.stat(Path(folder).parent).st_mode & 0o077 == 0  # nobody else's to read

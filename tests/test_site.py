@@ -20,7 +20,6 @@ from queue import Empty
 
 import nbformat
 import pytest
-from traitlets.config.loader import PyFileConfigLoader
 
 from course_lib.topics import TOPICS
 from tests.conftest import ROOT, SITE
@@ -78,14 +77,6 @@ def test_a_runtime_folder_too_deep_for_socket_files_still_runs_the_kernel(tmp_pa
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ran" in (tmp_path / "site" / "00_getting_started.html").read_text()
     assert "IPKernelApp" not in done.stdout + done.stderr  # still over socket files
-
-
-@pytest.mark.parametrize("deep", [False, True])
-def test_make_labs_kernels_use_socket_files_where_they_fit(tmp_path, monkeypatch, deep):
-    runtime = tmp_path / ("d" * 60) if deep else "/tmp/r"  # only its name is read
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
-    config = PyFileConfigLoader("jupyter_lab_config.py", str(ROOT / "jupyter")).load_config()
-    assert config.KernelManager.get("transport", "tcp") == ("tcp" if deep else "ipc")
 
 
 def test_a_failing_cell_names_its_lecture_and_cell_and_leaves_no_page(tmp_path):

@@ -16,14 +16,20 @@ secret, password and the users' homes), COURSE_HUB_PROXY (configurable-http-prox
 COURSE_HUB_PORT (the port users open) and COURSE_EXCHANGE.
 """
 
+import atexit
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from traitlets.config.loader import PyFileConfigLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kernel_sockets import ipc_fits  # noqa: E402 (jupyter/kernel_sockets.py)
 
 c = get_config()  # noqa: F821 (JupyterHub provides get_config)
 
@@ -101,7 +107,17 @@ HUB_ENV = {
     "PATH": f"{BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",  # nbgrader runs alembic
     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
 }
-c.Spawner.environment = HUB_ENV
+# Kernels talk to their server over socket files in the user's runtime folder, where their
+# paths fit (jupyter_lab_config.py, kernel_sockets.py). The homes here, in the state folder, are
+# almost always too deep for them, so the runtime folders go into a private folder of /tmp:
+# over TCP, another process can take a kernel's port between the server's choice of it and the
+# kernel's bind, and the kernel dies ("Address already in use", seen under load).
+deepest = STATE / "home" / max(INSTRUCTORS + STUDENTS, key=len) / ".local/share/jupyter/runtime"
+c.Spawner.environment = dict(HUB_ENV)
+if not ipc_fits(str(deepest)):
+    RUNTIMES = tempfile.mkdtemp(prefix="hub-runtime-")  # mode 0700
+    atexit.register(shutil.rmtree, RUNTIMES, ignore_errors=True)
+    c.Spawner.environment["JUPYTER_RUNTIME_DIR"] = lambda sp: f"{RUNTIMES}/{sp.user.name}"
 
 # --- the course: groups, what they may do, and the course service ---
 FORMGRADE, NBGRADER = f"formgrade-{COURSE_ID}", f"nbgrader-{COURSE_ID}"
