@@ -70,18 +70,18 @@ def _report(group: CountedGroup, op: str, args: dict) -> None:
     peer = args.get("group_dst", args.get("group_src")) if op in ("send", "recv") else None
     ranks = tuple(dist.get_process_group_ranks(group))
     sent, received = comm.volume(op, {**args, "group": group})
-    dtypes = tuple(sorted({str(t.dtype).removeprefix("torch.") for t in _tensors(args.values())}))
+    dtypes = tuple(sorted({str(t.dtype).removeprefix("torch.") for t in tensors_in(args.values())}))
     _reporter(("call", op, None if peer is None else ranks[peer], sent, received, ranks, dtypes))
 
 
-def _tensors(values) -> list[torch.Tensor]:
+def tensors_in(values) -> list[torch.Tensor]:
     """Every tensor among `values`, in lists and tuples too."""
     out = []
     for value in values:
         if isinstance(value, torch.Tensor):
             out.append(value)
         elif isinstance(value, list | tuple):
-            out += _tensors(value)
+            out += tensors_in(value)
     return out
 
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from course_lib import comm
+from course_lib import comm, counted_group
 from course_lib.costs import all_reduce_bytes
 from course_lib.grading._harness import fail
 from course_lib.grading.compression_cases import QCase, q_reference
@@ -88,7 +88,7 @@ class BytesByKind:
         comm.remove_around_hook(self._hook)
 
     def _hook(self, op: str, args: dict, sent: int, received: int, call: Callable) -> Any:
-        dtypes = {t.dtype for t in _tensors(args.values())}
+        dtypes = {t.dtype for t in counted_group.tensors_in(args.values())}
         kind = "8-bit" if dtypes and dtypes <= set(EIGHT_BIT) else _names(dtypes - {*EIGHT_BIT})
         self.sent[kind] += sent
         self.calls[f"{op} ({kind})"] += 1
@@ -96,16 +96,6 @@ class BytesByKind:
 
     def other_bytes(self) -> int:
         return sum(n for kind, n in self.sent.items() if kind != "8-bit")
-
-
-def _tensors(values: Iterable) -> list[torch.Tensor]:
-    out = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out += _tensors(value)
-    return out
 
 
 def _names(dtypes: set) -> str:
