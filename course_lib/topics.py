@@ -235,6 +235,7 @@ GRADING_LIBRARY = frozenset(
         "__init__",
         "_harness",
         "answers",
+        "messages",
         "training",
         "autograde",
         "verdicts",

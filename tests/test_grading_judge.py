@@ -16,8 +16,9 @@ from nbgrader.utils import determine_grade
 import course_lib.collectives
 from course_lib import CommCounter, WorkerPool, rank, sockets, world_size
 from course_lib.grading import _harness, judge, traffic
-from course_lib.grading._harness import CheckFailed, Verdict, fail, share, student_frames
+from course_lib.grading._harness import CheckFailed, Verdict, fail, share
 from course_lib.grading.answers import Answer, AnswerCellError, defined_names, resolve
+from course_lib.grading.messages import student_frames
 from course_lib.grading.provenance import Provenance
 from course_lib.launch import RankError
 

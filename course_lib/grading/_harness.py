@@ -8,14 +8,20 @@ says what happened, where, and what to try.
 from __future__ import annotations
 
 import contextlib
-import re
 import secrets
-import textwrap
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
+from course_lib.grading.messages import (
+    DISPLAY_WIDTH,
+    PREFIX,
+    explain_placeholders,
+    hint_for,
+    student_frames,
+    wrap,
+)
 from course_lib.grading.provenance import Provenance
 from course_lib.grading.traffic import (
     Note,
@@ -50,7 +56,7 @@ class CheckFailed(AssertionError):
         failed: set[str] | None = None,
         tampering: bool = False,
     ) -> None:
-        super().__init__(_explain_placeholders(message))
+        super().__init__(explain_placeholders(message))
         # Raised while handling a launcher error: the message already says what happened, so
         # the launcher's exception is not shown again below it.
         self.__suppress_context__ = True
@@ -69,49 +75,8 @@ def _show_check_failed(shell, etype, value, tb, tb_offset=None):
     hide it, and the cell it failed in is the one showing it (Validate lists that cell too)."""
     # Lines short enough for `nbgrader validate`, which cuts longer ones at 90 characters; the
     # first follows "CheckFailed: " on its line.
-    shown = CheckFailed(_wrap(str(value), DISPLAY_WIDTH, first=DISPLAY_WIDTH - len(_PREFIX)))
+    shown = CheckFailed(wrap(str(value), DISPLAY_WIDTH, first=DISPLAY_WIDTH - len(PREFIX)))
     shell._showtraceback(etype, shown, shell.InteractiveTB.get_exception_only(etype, shown))
-
-
-DISPLAY_WIDTH = 80
-_PREFIX = "CheckFailed: "
-
-
-def _wrap(text: str, width: int, first: int | None = None) -> str:
-    lines = []
-    for line in text.splitlines():
-        indent = line[: len(line) - len(line.lstrip())]
-        lines += textwrap.wrap(
-            line,
-            first if first is not None and not lines else width,
-            subsequent_indent=indent + "  ",
-            break_long_words=False,
-        ) or [""]
-    return "\n".join(lines)
-
-
-# The traceback of an answer still raising its placeholder, `raise NotImplementedError()`: an
-# untouched assignment shows a sentence saying what to write, not the traceback (Validate shows
-# every failing test cell at once).
-_PLACEHOLDER = re.compile(
-    r"Traceback \(most recent call last\):\n"
-    r"(?:(?:[ \t].*)?\n)*?"  # the frames before the last
-    r'  File "[^"]*", line \d+, in (?P<fn>[\w.<>]+)\n'
-    r"(?: +raise NotImplementedError(?:\(\))?\n)?"
-    r"(?: *\^+\n)?"
-    r"NotImplementedError[ \t]*(?:\n|$)"
-)
-
-
-def _explain_placeholders(message: str) -> str:
-    return _PLACEHOLDER.sub(
-        lambda m: (
-            f"{m['fn']} is not written yet: it still raises the placeholder "
-            f"NotImplementedError. Replace `raise NotImplementedError()` in {m['fn']}'s cell with "
-            "your code, run that cell, then this one.\n"
-        ),
-        message,
-    )
 
 
 def install_ipython_display() -> None:
@@ -377,7 +342,7 @@ def run_on_ranks(
             check,
             f"{what} raised {error.exc_type} on rank {error.rank}:\n\n"
             + student_frames(error.remote_traceback)
-            + _hint_for(error.remote_traceback),
+            + hint_for(error.remote_traceback),
         )
     except LaunchTimeout as error:
         fail(
@@ -455,31 +420,3 @@ def events_by_case(
             )
         out.append(per_case)
     return out
-
-
-_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line \d+, in .*$')
-_LIBRARY = re.compile(r"(/course_lib/|/site-packages/|/lib/python3\.\d+/|^<frozen )")
-
-
-def student_frames(text: str) -> str:
-    """A rank's traceback with the grader's, torch's and Python's own frames left out: the
-    student's lines and the error remain."""
-    out, keep = [], True
-    for line in text.splitlines():
-        match = _FRAME.match(line)
-        if match:
-            keep = not _LIBRARY.search(match.group("file"))
-        elif not line.startswith("    "):
-            keep = True  # the end of a frame: an exception line, a note, a header
-        if keep:
-            out.append(line)
-    return "\n".join(out) + "\n"
-
-
-def _hint_for(traceback_text: str) -> str:
-    if "Expected a value of type '__torch__.torch.classes.c10d.ProcessGroup" in traceback_text:
-        return (
-            "\nHint: this called a torch.distributed operator (torch.ops.c10d) directly; that "
-            "route is not open here. Use the torch.distributed functions the part allows.\n"
-        )
-    return ""

@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from course_lib.grading._harness import student_frames
+from course_lib.grading.messages import student_frames
 
 
 class Child:
