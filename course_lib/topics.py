@@ -236,6 +236,7 @@ GRADING_LIBRARY = frozenset(
         "_harness",
         "answers",
         "messages",
+        "limits",
         "training",
         "autograde",
         "verdicts",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from course_lib.grading import limits as guarding  # the module; `limits` are Limits below
 from course_lib.grading import sandbox
 from course_lib.grading.autograde import NO_SANDBOX, GradeInSandbox
 from course_lib.grading.verdicts import GraderFailed
@@ -38,7 +39,7 @@ def measured(request, monkeypatch) -> str:
     """How the guard measures memory: a cgroup's count, where one can be made (as root), or
     the sum of the processes' PSS, which is what a user who cannot make one gets."""
     if request.param == "pss":
-        monkeypatch.setattr(sandbox, "_make_cgroups", lambda limits: [])
+        monkeypatch.setattr(guarding, "_make_cgroups", lambda limits: [])
     else:
         guard = sandbox.Guard(LIMITS)
         guard.close()
