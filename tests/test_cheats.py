@@ -47,8 +47,10 @@ def test_each_cheat_scores_zero_on_its_target_and_nothing_else_changes(
 def test_right_but_different_answers_keep_full_marks(graded_course, assignment, student):
     course, _ = graded_course
     grades = scores(course, assignment, student)
-    names = [a.name for a in cheats.students(assignment)[student]]
-    lost = {t: g for t, g in grades.items() if g[0] < g[1]}
+    planted = cheats.students(assignment)[student]
+    names = [a.name for a in planted]
+    reworked = set().union(*(a.reworked_by for a in planted))  # later parts built on another design
+    lost = {t: g for t, g in grades.items() if g[0] < g[1] and t not in reworked}
     assert not lost, f"alternatives {names} lost points: {lost}"
 
 

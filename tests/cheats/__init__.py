@@ -46,11 +46,15 @@ class Cheat:
 
 @dataclass(frozen=True)
 class Alternative:
-    """A right answer written differently from the solution: must keep full marks."""
+    """A right answer written differently from the solution: must keep full marks, except on
+    `reworked_by`: test cells of later parts whose solution builds on the solution's design
+    of this cell (its attributes, its methods), which a student who chose this design writes
+    to match it. Such an answer is graded in a notebook of its own."""
 
     name: str
     cell: str
     source: str
+    reworked_by: frozenset[str] = frozenset()
 
 
 # --- turning them into submissions ----------------------------------------------------------
@@ -72,11 +76,11 @@ def groups(items: list) -> list[list]:
     a cheat would hide whether an alternative judged by the same test keeps its points."""
     out: list[list] = []
     for item in items:
-        if getattr(item, "alone", False):
+        if _alone(item):
             out.append([item])
             continue
         for group in out:
-            if getattr(group[0], "alone", False) or item.cell in {i.cell for i in group}:
+            if _alone(group[0]) or item.cell in {i.cell for i in group}:
                 continue
             failing = {test for i in group for test in getattr(i, "fails", ())}
             if failing & set(getattr(item, "fails", ())):
@@ -86,6 +90,10 @@ def groups(items: list) -> list[list]:
         else:
             out.append([item])
     return out
+
+
+def _alone(item) -> bool:
+    return bool(getattr(item, "alone", False) or getattr(item, "reworked_by", None))
 
 
 def planted(nb: nbformat.NotebookNode, items: list) -> nbformat.NotebookNode:

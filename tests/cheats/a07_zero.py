@@ -134,5 +134,13 @@ ALTERNATIVES = [
         "ZeRO-3 gathering into a list and concatenating", "zero3", ZERO3_GATHER_INTO_A_LIST
     ),
     Alternative("ZeRO-1 all-reducing the gradients", "zero1", ZERO1_ALL_REDUCE),
-    Alternative("ZeRO-1 with one flat bucket and rings of sends", "zero1", ZERO1_FLAT_RING),
+    # ZeRO-2's solution subclasses ZeRO-1's and uses its per-parameter `shards`: a student
+    # with one flat bucket writes ZeRO-2 on it instead (tests/test_grading_zero_comm.py checks
+    # this ZeRO-1 alone).
+    Alternative(
+        "ZeRO-1 with one flat bucket and rings of sends",
+        "zero1",
+        ZERO1_FLAT_RING,
+        reworked_by=frozenset({"test_zero2"}),
+    ),
 ]
