@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 from jupyter_server.utils import url_path_join
+from kernel_sockets import over_socket_files  # beside this file (jupyter_lab_config.py)
 from nbgrader.server_extensions.validate_assignment.handlers import (
     NbGraderVersionHandler,
     ValidateAssignmentHandler,
@@ -32,6 +33,11 @@ def has_tests(notebook: Path) -> bool:
 
 
 class CourseValidateHandler(ValidateAssignmentHandler):
+    def load_config(self):
+        # Validation's kernel on socket files, as the lab's (jupyter_lab_config.py): over TCP,
+        # another process can take its port between the choice and the bind, and it dies.
+        return over_socket_files(super().load_config())
+
     def validate_notebook(self, path: str) -> dict:
         root = Path(self.root_dir).resolve()
         target = (root / path).resolve()

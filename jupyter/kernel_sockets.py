@@ -7,8 +7,11 @@ state folder in a scratch directory, say) leaves no room, and the kernel dies bi
 """
 
 import os
+import uuid
 
 import zmq
+from jupyter_core.paths import jupyter_runtime_dir
+from traitlets.config import Config
 
 PATH_MAX = getattr(zmq, "IPC_PATH_MAX_LEN", 103) or 103  # ZeroMQ's limit, where it says it
 LONGEST_NAME = len("kernel-") + 36 + len("-ipc-99")
@@ -17,3 +20,16 @@ LONGEST_NAME = len("kernel-") + 36 + len("-ipc-99")
 def ipc_fits(folder: str) -> bool:
     """True when the socket files of a kernel whose connection file is in `folder` fit."""
     return len(os.path.join(os.path.abspath(folder), "x" * LONGEST_NAME)) <= PATH_MAX
+
+
+def over_socket_files(config: Config) -> Config:
+    """`config` with its kernel (one: a validation's) on socket files in the runtime folder,
+    where they fit. The connection file is named here, absolute, so that the sockets' paths
+    (derived from it) are the same for the kernel, which runs in the notebook's folder, and
+    for the client."""
+    runtime = jupyter_runtime_dir()
+    if ipc_fits(runtime):
+        os.makedirs(runtime, mode=0o700, exist_ok=True)
+        config.KernelManager.transport = "ipc"
+        config.KernelManager.connection_file = os.path.join(runtime, f"kernel-{uuid.uuid4()}.json")
+    return config

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from traitlets.config import Config
 from traitlets.config.loader import PyFileConfigLoader
 
 from tests.conftest import ROOT, wait_until
@@ -97,3 +100,32 @@ def test_hub_users_get_a_runtime_folder_their_sockets_fit_in(tmp_path, monkeypat
     folder = hub.Spawner.environment["JUPYTER_RUNTIME_DIR"](Spawned())
     assert folder.endswith("/alice") and ipc_fits(folder)
     assert os.stat(Path(folder).parent).st_mode & 0o077 == 0  # nobody else's to read
+
+
+def test_validates_kernel_talks_over_socket_files(tmp_path, monkeypatch):
+    """Validate's kernel (course_validate.py) talks over socket files in the runtime folder:
+    it runs in the notebook's folder, the client elsewhere, and both find the sockets."""
+    import sys
+
+    import nbformat
+    from nbgrader.validator import Validator
+
+    sys.path.insert(0, str(ROOT / "jupyter"))
+    from kernel_sockets import over_socket_files
+
+    runtime = Path(tempfile.mkdtemp())  # /tmp/tmpXXXXXXXX: short enough for socket paths
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+    config = over_socket_files(Config())
+    assert config.KernelManager.transport == "ipc"
+    assert Path(config.KernelManager.connection_file).parent == runtime
+    graded = {"grade": True, "grade_id": "t", "points": 1, "solution": False, "locked": True}
+    cell = nbformat.v4.new_code_cell("import os\nassert os.getcwd().endswith('work')")
+    cell.metadata["nbgrader"] = {**graded, "schema_version": 3}
+    (tmp_path / "work").mkdir()
+    path = tmp_path / "work" / "n.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), path)
+    try:
+        assert Validator(config=config).validate(str(path)) == {}  # the test cell passed
+        assert not list(runtime.iterdir())  # the kernel's files went with it
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
