@@ -17,7 +17,6 @@ import torch
 from course_lib import RankError, WorkerPool
 from course_lib.fault_tolerance import (
     AsyncCheckpointer,
-    _kill_tree,
     free_port,
     latest_checkpoint,
     local_state,
@@ -29,6 +28,7 @@ from course_lib.fault_tolerance import (
     train,
     two_node_args,
 )
+from course_lib.fault_tolerance.jobs import _kill_tree
 from course_lib.measure.fault_tolerance import (
     check_minutes_between_checkpoints,
     check_named_rank,
