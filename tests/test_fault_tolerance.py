@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from course_lib import RankError, WorkerPool
+from course_lib.errors import LaunchError
 from course_lib.fault_tolerance import (
+    COMMITTED,
     AsyncCheckpointer,
     free_port,
     latest_checkpoint,
@@ -26,6 +28,7 @@ from course_lib.fault_tolerance import (
     run_torchrun,
     slowest_rank,
     train,
+    train_async,
     two_node_args,
 )
 from course_lib.fault_tolerance.jobs import _kill_tree
@@ -119,6 +122,28 @@ def test_an_incomplete_checkpoint_is_skipped(tmp_path):
         if complete:
             (tmp_path / f"step_{step:05d}" / ".metadata").write_bytes(b"")
     assert latest_checkpoint(str(tmp_path)) == (4, str(tmp_path / "step_00004"))
+    assert latest_checkpoint(str(tmp_path), COMMITTED) is None  # another marker, none written
+    (tmp_path / "step_00009" / COMMITTED).write_bytes(b"")
+    assert latest_checkpoint(str(tmp_path), COMMITTED) == (9, str(tmp_path / "step_00009"))
+
+
+def test_a_rank_dying_mid_flush_leaves_its_checkpoint_uncommitted_and_the_resume_is_exact(
+    tmp_path, reference
+):
+    """Rank 1 dies while writing its file of the step-5 checkpoint; rank 0's file of it is
+    complete. Had rank 0 committed on its own flush alone, step 5 would be marked complete
+    and the resumed run would look for rank 1's missing file."""
+    with WorkerPool(2) as pool:
+        with pytest.raises(LaunchError):  # whichever the launcher saw first: a death or a
+            # peer's "Connection closed" in rank 0's all-reduce
+            pool.launch(train_async, str(tmp_path), STEPS, EVERY, 5, pause_s=2.0, timeout=120)
+        assert sorted(os.listdir(tmp_path / "step_00005")) == ["rank0.pt", "rank1.pt.partial"]
+        assert (tmp_path / "step_00002" / COMMITTED).exists()
+        assert latest_checkpoint(str(tmp_path), COMMITTED) == (2, str(tmp_path / "step_00002"))
+        resumed = pool.launch(train_async, str(tmp_path), STEPS, EVERY, timeout=120)[0]
+    # Steps 3 to 7 again, from rank files copied back bit for bit: equal, no tolerance.
+    assert resumed == reference[EVERY:]
+    assert (tmp_path / "step_00005" / COMMITTED).exists()  # written this time, at the end
 
 
 def test_the_watchdog_names_the_hung_rank():

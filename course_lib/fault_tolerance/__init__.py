@@ -5,6 +5,8 @@ without stopping, and name the rank that is slow or stuck.
     result = run_torchrun(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"],
                           "course_lib.fault_tolerance:train", directory, 24, 5, 13)
     loss_log(directory)                                 # (attempt, step, loss) rows of rank 0
+    train_async(directory, 24, 5)                       # async checkpoints, a commit marker
+    latest_checkpoint(directory, COMMITTED)             # the newest committed one
     saver = AsyncCheckpointer(); saver.save(local_state(model, optimizer), path); saver.wait()
     guarded_all_reduce(tensor, step, timeout_s=2.0)  # heartbeat, then names a missing rank
     slowest_rank(compute_seconds)                       # the straggler, from per-rank timings
@@ -19,14 +21,23 @@ an uninterrupted one.
 By what a reader looks for:
 
     restart.py       train with sharded checkpoints; resume from the newest complete one
-    checkpoints.py   asynchronous checkpoints of each rank's shard, durable files
+    checkpoints.py   asynchronous checkpoints of each rank's shard, durable files, the
+                     commit marker that says every rank's file of a checkpoint is whole
     jobs.py          torchrun from a notebook: one agent or two nodes, under a timeout
     watchdog.py      heartbeats, a deadline that names the missing rank, the straggler
 
 Import from `course_lib.fault_tolerance` itself: every public name is here.
 """
 
-from course_lib.fault_tolerance.checkpoints import AsyncCheckpointer, local_state, save_file
+from course_lib.fault_tolerance.checkpoints import (
+    COMMITTED,
+    AsyncCheckpointer,
+    commit,
+    durable_write,
+    load_local_state,
+    local_state,
+    save_file,
+)
 from course_lib.fault_tolerance.jobs import (
     TorchrunResult,
     free_port,
@@ -42,6 +53,7 @@ from course_lib.fault_tolerance.restart import (
     loss_log,
     restart_count,
     train,
+    train_async,
 )
 from course_lib.fault_tolerance.watchdog import (
     HungRank,
@@ -56,14 +68,18 @@ __all__ = [
     "BATCH",
     "CONFIG",
     "LOG",
+    "COMMITTED",
     "AsyncCheckpointer",
     "HungRank",
     "TorchrunResult",
+    "commit",
+    "durable_write",
     "free_port",
     "guarded_all_reduce",
     "heartbeat",
     "heartbeats",
     "latest_checkpoint",
+    "load_local_state",
     "local_state",
     "loss_log",
     "missing_ranks",
@@ -73,5 +89,6 @@ __all__ = [
     "save_file",
     "slowest_rank",
     "train",
+    "train_async",
     "two_node_args",
 ]
