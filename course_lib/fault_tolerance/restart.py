@@ -60,7 +60,9 @@ class _Sharded:
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         load_sharded(model, optimizer, path)  # every rank reads its own shard back
 
-    def save(self, model: nn.Module, optimizer, step: int, path: str) -> None:
+    def save(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, path: str
+    ) -> None:
         save_sharded(model, optimizer, path)
 
     def finish(self) -> None:
@@ -82,7 +84,9 @@ class _AsyncCommitted:
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         load_local_state(model, optimizer, torch.load(_rank_file(path)))
 
-    def save(self, model: nn.Module, optimizer, step: int, path: str) -> None:
+    def save(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, path: str
+    ) -> None:
         self.finish()  # the previous checkpoint: flushed everywhere, then committed
         os.makedirs(path, exist_ok=True)
         self.saver.save(local_state(model, optimizer), _rank_file(path))
@@ -164,6 +168,8 @@ def _train(
     kill_at: int | None = None,
     kill_rank: int = 1,
 ) -> list[float]:
+    """The loop both kinds of checkpoint share: resume from the newest checkpoint that holds
+    `checkpoints.marker`, train, save after every `every` steps, commit what is pending."""
     os.makedirs(directory, exist_ok=True)
     model = models.TinyGPT(CONFIG, seed=0)
     model, optimizer = build("zero3", model, lr=1e-2)
