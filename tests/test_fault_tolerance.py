@@ -71,6 +71,38 @@ def test_a_killed_rank_is_restarted_and_the_losses_equal_an_uninterrupted_run(tm
     assert [final[s] for s in range(STEPS)] == reference
 
 
+def commit_after_a_failed_flush(directory: str) -> tuple[str, bool]:
+    """On each rank: an asynchronous checkpoint whose flush fails on rank 1 (a full disk),
+    then the commit step; what the commit step raised here, and whether the marker exists."""
+    import torch.distributed as dist
+
+    from course_lib.fault_tolerance import COMMITTED, save_file
+    from course_lib.fault_tolerance.restart import _AsyncCommitted
+    from course_lib.runtime import rank
+
+    def disk_full(state: dict, path: str) -> None:
+        raise OSError("No space left on device")
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    checkpoints = _AsyncCommitted(disk_full if rank() == 1 else save_file)
+    checkpoints.save(model, optimizer, 0, directory)
+    try:
+        checkpoints.finish()
+        raised = ""
+    except RuntimeError as error:
+        raised = str(error)
+    dist.barrier()  # rank 0 would have committed before this
+    return raised, os.path.exists(os.path.join(directory, COMMITTED))
+
+
+def test_a_failed_flush_on_one_rank_is_not_committed_and_is_raised_there(tmp_path):
+    with WorkerPool(2) as pool:
+        results = pool.launch(commit_after_a_failed_flush, str(tmp_path), timeout=60)
+    assert results[0] == ("", False), "rank 0's flush succeeded, but rank 1's did not"
+    assert "No space left on device" in results[1][0] and results[1][1] is False
+
+
 def test_a_two_rank_checkpoint_resumes_on_one_rank(tmp_path, reference):
     """DCP reshards on load: the step-2 checkpoint of 2 ranks (each half of every parameter
     and AdamW moment) is read by 1 rank, which then takes the whole global batch of 8."""
