@@ -1,7 +1,8 @@
 """course_lib.fault_tolerance: a rank killed under torchrun and the job resumed with the losses
-of an uninterrupted run, asynchronous checkpoints that load back equal, a watchdog that names
-the hung rank and the straggler, two torchrun agents as two nodes. Every subprocess runs under
-a timeout, and none outlives its test."""
+of an uninterrupted run, asynchronous checkpoints that load back equal and count only once
+committed by every rank, a 2-rank checkpoint resumed on 1 rank, a watchdog that names the hung
+rank and the straggler, two torchrun agents as two nodes. Every subprocess runs under a
+timeout, and none outlives its test."""
 
 from __future__ import annotations
 
