@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from course_lib import _stacks, sockets
 from course_lib._zygote import ForkServer
-from course_lib.backends import loopback_interface, resolve_backend
+from course_lib.backends import resolve_backend
 from course_lib.calls import CallState, Died, per_rank_calls, pickle_call
 from course_lib.errors import (
     NO_STACK,
@@ -41,6 +41,7 @@ from course_lib.errors import (
 )
 from course_lib.progress import RemoteBars
 from course_lib.protocol import Call, Progress, Raised, Ready, Result, Tally, encode
+from course_lib.rank_env import rank_spec
 from course_lib.rank_process import (
     Disconnected,
     EndMark,
@@ -56,7 +57,6 @@ from course_lib.rank_process import (
 DEFAULT_TIMEOUT = 120.0  # seconds a call may run before it counts as hung
 STARTUP_TIMEOUT = 180.0  # seconds for workers to start (a cold disk makes `import torch` slow)
 STACK_WAIT_S = 1.0  # how long a hung rank gets to write its stack
-PG_TIMEOUT_S = 3600  # torch.distributed's own timeout; the launcher's timeout comes first
 
 
 class WorkerPool:
@@ -211,51 +211,16 @@ class WorkerPool:
             # One at a time into self._workers, so that if a start is cut short (Ctrl-C, a
             # rank that dies), _kill stops every rank started so far.
             for rank in range(self.world_size):
-                spec = self._spec(rank, port)
+                spec = rank_spec(
+                    rank, self.world_size, self.backend, port,
+                    stack_file=os.path.join(self._tmpdir.name, f"stack-{rank}.txt"),
+                    untrusted=self.untrusted, preload=self.preload,
+                )  # fmt: skip
                 self._workers.append(RankProcess(rank, spec, self._events, self._server))
             self._wait_until_ready()
         except BaseException:
             self._kill()
             raise
-
-    def _spec(self, rank: int, port: int) -> dict:
-        return {
-            "rank": rank,
-            "world_size": self.world_size,
-            "backend": self.backend,
-            "store_host": "127.0.0.1",
-            "store_port": port,
-            "stack_file": os.path.join(self._tmpdir.name, f"stack-{rank}.txt"),
-            "pg_timeout_s": PG_TIMEOUT_S,
-            "untrusted": self.untrusted,
-            "preload": list(self.preload),
-            "env": self._rank_env(rank, port),
-        }
-
-    def _rank_env(self, rank: int, port: int) -> dict[str, str]:
-        """What rank `rank` adds to its environment (torchrun's variables, and more)."""
-        env = {
-            "COURSE_LIB_WORKER": "1",
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-        if self.backend == "nccl":
-            # NCCL collectives return before they run, so a hang would show up later, at some
-            # unrelated line. Blocking wait makes a collective's wait() (which every call
-            # without async_op=True makes) hold the rank until it completes, as gloo does:
-            # a hung rank's stack then points at the collective itself.
-            env["TORCH_NCCL_BLOCKING_WAIT"] = "1"
-        loopback = loopback_interface()
-        if loopback:  # gloo and NCCL would otherwise listen on the host's public address
-            env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", loopback)
-            env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", loopback)
-        return env
 
     def _wait_until_ready(self) -> None:
         __tracebackhide__ = True

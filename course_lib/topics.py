@@ -204,6 +204,7 @@ LIBRARY = frozenset(
         "backends",
         "_worker",
         "_zygote",
+        "rank_env",
         "calls",
         "comm",
         "comm_log",

@@ -23,6 +23,7 @@ import course_lib
 from course_lib import LaunchTimeout, PerRank, RankError, WorkerDied, WorkerPool, launch
 from course_lib.calls import pickle_call
 from course_lib.launch import default_pool, resolve_backend
+from course_lib.rank_env import rank_environment
 from course_lib.rank_process import RankProcess, fork_server
 from tests.conftest import ROOT, alive, all_gone, descendants, wait_until
 
@@ -366,8 +367,8 @@ def test_nccl_ranks_wait_for_each_collective_so_a_hang_shows_its_line(monkeypatc
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr("course_lib.backends._said", set())
     nccl, gloo = WorkerPool(2, "nccl"), WorkerPool(2, "gloo")
-    assert nccl._rank_env(0, 29500)["TORCH_NCCL_BLOCKING_WAIT"] == "1"
-    assert "TORCH_NCCL_BLOCKING_WAIT" not in gloo._rank_env(0, 29500)
+    assert rank_environment(0, 2, nccl.backend, 29500)["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in rank_environment(0, 2, gloo.backend, 29500)
 
 
 def test_pool_rejects_a_different_world_size():
