@@ -22,14 +22,22 @@ def ipc_fits(folder: str) -> bool:
     return len(os.path.join(os.path.abspath(folder), "x" * LONGEST_NAME)) <= PATH_MAX
 
 
+def connection_file() -> str | None:
+    """A new kernel's connection file in the runtime folder, if its sockets fit there. Named
+    here, absolute, so that the sockets' paths (derived from it) are the same for the kernel,
+    which runs in the notebook's folder, and for its client, which runs elsewhere."""
+    runtime = jupyter_runtime_dir()
+    if not ipc_fits(runtime):
+        return None
+    os.makedirs(runtime, mode=0o700, exist_ok=True)
+    return os.path.join(runtime, f"kernel-{uuid.uuid4()}.json")
+
+
 def over_socket_files(config: Config) -> Config:
     """`config` with its kernel (one: a validation's) on socket files in the runtime folder,
-    where they fit. The connection file is named here, absolute, so that the sockets' paths
-    (derived from it) are the same for the kernel, which runs in the notebook's folder, and
-    for the client."""
-    runtime = jupyter_runtime_dir()
-    if ipc_fits(runtime):
-        os.makedirs(runtime, mode=0o700, exist_ok=True)
+    where they fit (else left on TCP)."""
+    found = connection_file()
+    if found is not None:
         config.KernelManager.transport = "ipc"
-        config.KernelManager.connection_file = os.path.join(runtime, f"kernel-{uuid.uuid4()}.json")
+        config.KernelManager.connection_file = found
     return config

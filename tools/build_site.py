@@ -25,14 +25,13 @@ from pathlib import Path
 from queue import Empty
 
 import nbformat
-from jupyter_core.paths import jupyter_runtime_dir
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "jupyter"))
-from kernel_sockets import ipc_fits  # noqa: E402
+from kernel_sockets import connection_file  # noqa: E402
 
 from course_lib.topics import TOPICS  # noqa: E402
 
@@ -80,16 +79,13 @@ class Client(NotebookClient):
     def create_kernel_manager(self):
         km = super().create_kernel_manager()
         km.transport = "ipc"
-        # The sockets' names derive from the connection file's, which must be absolute: the
-        # kernel runs in the notebook's folder, this client elsewhere. A runtime folder too deep
-        # for a socket's path gives way to a private one in /tmp.
-        runtime = Path(jupyter_runtime_dir())
-        if ipc_fits(str(runtime)):
-            runtime.mkdir(parents=True, exist_ok=True)
-        else:
-            runtime = Path(tempfile.mkdtemp(prefix="kernel-sockets-"))
-            atexit.register(shutil.rmtree, runtime, ignore_errors=True)
-        km.connection_file = str(runtime / f"kernel-{uuid.uuid4()}.json")
+        # A runtime folder too deep for the sockets' paths gives way to a private one in /tmp.
+        found = connection_file()
+        if found is None:
+            private = tempfile.mkdtemp(prefix="kernel-sockets-")
+            atexit.register(shutil.rmtree, private, ignore_errors=True)
+            found = str(Path(private) / f"kernel-{uuid.uuid4()}.json")
+        km.connection_file = found
         return km
 
     async def async_start_new_kernel_client(self):
