@@ -59,9 +59,31 @@ def sequence_positions(seq_len: int, rank: int, world_size: int, layout: str = "
     return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]])
 
 
+def _kv_groups(q, k) -> int:
+    """How many query heads share each K/V head: 1 for multi-head attention, H / H_kv for
+    grouped-query attention (K and V with H_kv of the H heads, on dimension -3)."""
+    if q.dim() < 3 or k.shape[-3] == q.shape[-3]:
+        return 1
+    if q.shape[-3] % k.shape[-3]:
+        raise ValueError(
+            f"grouped-query attention shares each K/V head among a group of query heads: "
+            f"{q.shape[-3]} query heads cannot be grouped over {k.shape[-3]} K/V heads"
+        )
+    return q.shape[-3] // k.shape[-3]
+
+
+def _expand_kv(x, groups: int):
+    """K or V with each head repeated for the `groups` query heads that share it (query head
+    i uses K/V head i // groups, as in Llama's grouped-query attention)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
 def attention(q, k, v, causal: bool = False, q_positions=None, k_positions=None):
     """Softmax attention on one process: softmax(q k^T / sqrt(d)) v, a query at position i
-    seeing keys at positions <= i when causal (positions default to 0, 1, 2, ...)."""
+    seeing keys at positions <= i when causal (positions default to 0, 1, 2, ...). k and v may
+    have fewer heads than q (grouped-query attention, see `_expand_kv`)."""
+    groups = _kv_groups(q, k)
+    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if causal:
         qp = torch.arange(q.shape[-2]) if q_positions is None else q_positions
@@ -157,13 +179,16 @@ def ring_attention(q, k, v, positions, causal: bool = False, group=None, work=No
     """Attention of this rank's queries over the whole sequence, each rank holding only its
     own tokens' q, k, v ([..., s_local, d]) at `positions` (see `sequence_positions`): equal to
     `attention` on the gathered sequence. K and V go around the ring of ranks, P - 1 hops;
-    `work` (a list) gets the number of scores computed for each block. Forward only: the
-    backward pass is Assignment 11's."""
+    `work` (a list) gets the number of scores computed for each block. With grouped-query
+    attention (k, v with fewer heads than q, on dimension -3) the blocks travel with their own
+    heads and are expanded only where they are used, so the ring carries H_kv/H of the bytes.
+    Forward only: the backward pass is Assignment 11's."""
     if positions.shape != (q.shape[-2],) or k.shape[-2] != q.shape[-2]:
         raise ValueError(
             f"positions must hold one position per local token: q has {q.shape[-2]} tokens, "
             f"k {k.shape[-2]}, positions shape {tuple(positions.shape)}"
         )
+    groups = _kv_groups(q, k)
     p = dist.get_world_size(group)
     out_shape = (*q.shape[:-1], v.shape[-1])
     state = (
@@ -177,14 +202,14 @@ def ring_attention(q, k, v, positions, causal: bool = False, group=None, work=No
         if hop < p - 1:  # send this block on before computing with it: the two overlap
             started = _start_pass([bk, bv, bpos.to(bk.dtype)], group)
         if bk.shape[-2] and q.shape[-2]:  # a shard may be empty: fewer tokens than ranks
+            bk, bv = _expand_kv(bk, groups), _expand_kv(bv, groups)
             state = merge_block(state, _block_scores(q, bk, positions, bpos, causal, work), bv)
         if hop < p - 1:
-            lead = bk.shape[:-2]
             nk, nv, npos = _finish_pass(started)
             tokens = npos.numel()
             block = (
-                nk.view(*lead, tokens, k.shape[-1]),
-                nv.view(*lead, tokens, v.shape[-1]),
+                nk.view(*k.shape[:-2], tokens, k.shape[-1]),
+                nv.view(*v.shape[:-2], tokens, v.shape[-1]),
                 npos.round().long(),
             )
     _, row_sum, acc = state
@@ -220,7 +245,11 @@ def ulysses_attention(q, k, v, causal: bool = False, group=None):
     ([batch, heads, s_local, d], the sequence cut into contiguous shards in rank order, which
     may differ in length): equal to `attention` on the gathered sequence. One all-to-all turns
     sequence shards into head shards (every rank: all tokens, heads/P heads), attention runs,
-    and a second all-to-all turns the result back. Needs heads divisible by P."""
+    and a second all-to-all turns the result back. Needs heads divisible by P.
+
+    With grouped-query attention (k, v with H_kv < H heads) each rank is sent only the K/V
+    heads its query heads use: H_kv/P of them while H_kv >= P, and one (a copy of a head other
+    ranks get too) once there are more ranks than K/V heads."""
     p = dist.get_world_size(group)
     heads = q.shape[-3]
     if heads % p:
@@ -228,19 +257,26 @@ def ulysses_attention(q, k, v, causal: bool = False, group=None):
             f"ulysses_attention splits the {heads} heads across {p} ranks: the number of "
             f"heads must be divisible by the world size"
         )
+    groups = _kv_groups(q, k)
     lengths = [torch.zeros((), dtype=torch.long) for _ in range(p)]
     dist.all_gather(lengths, torch.tensor(q.shape[-2]), group=group)  # shards may differ
     lengths = [int(n) for n in lengths]
-    lead, h = q.shape[:-3], heads // p
+    lead, h, me = q.shape[:-3], heads // p, dist.get_rank(group)
+    # Rank j owns query heads j*h .. j*h + h - 1, which use K/V heads kv_heads(j).
+    kv_heads = [range(j * h // groups, (j * h + h - 1) // groups + 1) for j in range(p)]
 
-    def to_heads(x):  # [.., H, s_local, d] -> [.., H/P, S, d]: my heads, every token
-        pieces = list(x.split(h, dim=-3))  # piece j: the heads rank j will own
-        shapes = [(*lead, h, n, x.shape[-1]) for n in lengths]
+    def to_heads(x, owned):  # [.., H, s_local, d] -> [.., my heads, S, d]: every token
+        pieces = [x[..., owned[j].start : owned[j].stop, :, :] for j in range(p)]
+        shapes = [(*lead, len(owned[me]), n, x.shape[-1]) for n in lengths]
         return torch.cat(_all_to_all(pieces, shapes, group), dim=-2)
 
-    out = attention(to_heads(q), to_heads(k), to_heads(v), causal)
+    queries = [range(j * h, j * h + h) for j in range(p)]
+    my_k, my_v = to_heads(k, kv_heads), to_heads(v, kv_heads)
+    if groups > 1:  # local query head t is global head me*h + t, whose K/V head is that // groups
+        use = torch.tensor([(me * h + t) // groups - kv_heads[me].start for t in range(h)])
+        my_k, my_v = my_k.index_select(-3, use), my_v.index_select(-3, use)
+    out = attention(to_heads(q, queries), my_k, my_v, causal)
     # And back: rank j gets its own tokens for my heads; I get mine for every rank's heads.
-    me = dist.get_rank(group)
     pieces = list(out.split(lengths, dim=-2))
     shapes = [(*lead, h, lengths[me], out.shape[-1])] * p
     return torch.cat(_all_to_all(pieces, shapes, group), dim=-3)

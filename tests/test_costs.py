@@ -223,6 +223,10 @@ def test_parallelism_traffic_by_hand():
     assert ep_bytes(400, 4) == 600  # dispatch and combine, 3/4 of 400 each
     assert ring_attention_bytes(800, 4) == 600  # three of the four 200-byte K/V blocks
     assert ulysses_bytes(200, 4) == 600  # q, k, v and output: 3/4 of this rank's 200 each
+    # 8 query heads of 100 bytes here, 2 K/V heads: each of 3 other ranks is sent one K head
+    # and one V head (a copy: 4 ranks share 2 heads), q and the output as before
+    assert ulysses_bytes(800, 4, heads=8, kv_heads=2) == 2 * 600 + 2 * 300
+    assert ulysses_bytes(800, 4, heads=8, kv_heads=8) == ulysses_bytes(800, 4)
 
 
 def test_expert_capacity_by_hand():

@@ -19,7 +19,11 @@ from course_lib.costs import (
 )
 from course_lib.measure.collectives import record_peers
 from course_lib.measure.sequence_parallel import (
+    causal_work as measured_causal_work,
+)
+from course_lib.measure.sequence_parallel import (
     check_busiest_over_idlest,
+    check_fewer_bytes_with_one_kv_head,
     check_memory_saving,
     check_merge,
     check_rescale,
@@ -89,6 +93,71 @@ def test_ulysses_attention_equals_attention_on_the_whole_sequence(pool, causal):
         pytest.skip("Ulysses needs heads divisible by P")
     for seq_len in (1, 3, 8, 13):
         assert all(pool.launch(ulysses_on_my_shard, seq_len, causal, timeout=60)), seq_len
+
+
+def grouped(seq_len: int, heads: int, kv_heads: int):
+    """q with `heads` heads, k and v with `kv_heads` (grouped-query attention)."""
+    g = torch.Generator().manual_seed(seq_len)
+    shapes = [(BATCH, n, seq_len, DIM) for n in (heads, kv_heads, kv_heads)]
+    return [torch.randn(shape, dtype=torch.float64, generator=g) for shape in shapes]
+
+
+def gqa_on_my_shard(method, seq_len, heads, kv_heads, causal):
+    q, k, v = grouped(seq_len, heads, kv_heads)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    mine = sequence_positions(seq_len, rank(), world_size())
+    shard = [t[..., mine, :] for t in (q, k, v)]
+    if method == "ring":
+        out = ring_attention(*shard, mine, causal)
+    else:
+        out = ulysses_attention(*shard, causal)
+    return torch.allclose(out, expected[..., mine, :], **TOL)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_grouped_query_attention_equals_torchs(pool, causal):
+    """K/V heads shared by groups of query heads (torch's `enable_gqa`): more K/V heads than
+    ranks, as many, fewer, and groups that straddle two ranks' query heads (12 heads over 3 K/V
+    heads on 4 ranks: rank 1's heads 3-5 use K/V heads 0 and 1)."""
+    for kv_heads in (6, 4, 3, 1):
+        q, k, v = grouped(5, 12, kv_heads)
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        torch.testing.assert_close(attention(q, k, v, causal), expected, **TOL)
+        for method in ("ring", "ulysses"):
+            for seq_len in (4, 13):
+                args = (method, seq_len, 12, kv_heads, causal)
+                assert all(pool.launch(gqa_on_my_shard, *args, timeout=60)), args
+    with pytest.raises(ValueError, match="12 query heads cannot be grouped over 5"):
+        attention(*grouped(5, 12, 5))
+
+
+def gqa_traffic(method, seq_len, heads, kv_heads):
+    q, k, v = grouped(seq_len, heads, kv_heads)
+    mine = sequence_positions(seq_len, rank(), world_size())
+    shard = [t[..., mine, :] for t in (q, k, v)]
+    with CommCounter() as counter:
+        if method == "ring":
+            ring_attention(*shard, mine)
+        else:
+            ulysses_attention(*shard)
+    return counter.bytes_sent
+
+
+def test_grouped_query_attention_sends_what_costs_says():
+    """The ring carries K/V blocks of H_kv heads: H_kv/H of multi-head attention's bytes.
+    Ulysses sends q and the output whole, and K and V to each rank only the heads its query
+    heads use: H_kv/P of them, or one once H_kv < P (the formula in course_lib.costs)."""
+    p, seq_len, heads = 4, 16, 8
+    q_bytes = BATCH * heads * (seq_len // p) * DIM * 8
+    with WorkerPool(p) as pool:
+        for kv_heads in (8, 4, 2, 1):
+            ring = pool.launch(gqa_traffic, "ring", seq_len, heads, kv_heads, timeout=60)
+            kv_bytes = 2 * BATCH * kv_heads * seq_len * DIM * 8
+            extra = (p - 1) * (3 * 8 + seq_len // p * 8)  # sizes and positions, per hop
+            assert ring == [ring_attention_bytes(kv_bytes, p) + extra] * p, kv_heads
+            ulysses = pool.launch(gqa_traffic, "ulysses", seq_len, heads, kv_heads, timeout=60)
+            expected = ulysses_bytes(q_bytes, p, heads, kv_heads) + all_gather_bytes(8, p)
+            assert ulysses == [expected] * p, kv_heads
 
 
 def test_ulysses_refuses_heads_that_do_not_split():
@@ -327,9 +396,39 @@ def test_the_memory_saving_check_takes_the_option_nearest_to_the_run(capsys):
     assert "is not one of" in capsys.readouterr().out
 
 
+def test_the_lectures_work_per_hop_shows_who_waits():
+    """Lecture 11's grid, 64 tokens on 4 ranks (blocks of 16 x 16 scores): on contiguous
+    shards rank r computes its own block whole (the stretch holds its diagonal) and the blocks
+    of ranks before it, and nothing at the hops that bring later ranks' blocks; with the
+    zigzag every rank computes two of the four 8 x 8 chunk pairs at every later hop (its
+    early queries against the sender's early keys, or its late against the sender's late)."""
+    with WorkerPool(4) as pool:
+        contiguous = pool.launch(measured_causal_work, 64, "contiguous", timeout=60)
+        zigzag = pool.launch(measured_causal_work, 64, "zigzag", timeout=60)
+    assert contiguous == [[256] + [256 if hop <= r else 0 for hop in (1, 2, 3)] for r in range(4)]
+    # hop 0: two diagonal chunks and one whole one (192); rank 3's chunks 3 and 4 are
+    # neighbours, one stretch, so its own block is computed as one 16 x 16 square
+    assert zigzag == [[192, 128, 128, 128]] * 3 + [[256, 128, 128, 128]]
+
+
 def test_the_busiest_over_idlest_check_divides_the_contiguous_work(capsys):
-    work = {"contiguous": [16, 32, 48, 64], "zigzag": [40, 40, 40, 40]}
+    work = {
+        "contiguous": [[16], [16, 16], [16, 16, 16], [16, 16, 16, 16]],
+        "zigzag": [[10, 10, 10, 10]] * 4,
+    }
     assert check_busiest_over_idlest("4x", work) is True
     assert "the first idles" in capsys.readouterr().out
     assert check_busiest_over_idlest("1x", work) is False  # the zigzag's balance, not asked
     assert check_busiest_over_idlest(..., work) is None
+
+
+def test_the_gqa_check_names_the_method_that_sent_less_at_one_kv_head(capsys):
+    """Judged on the run's last column (one K/V head), whatever the earlier ones were."""
+    sent = {"ring": [400, 50], "ulysses": [200, 150]}
+    assert check_fewer_bytes_with_one_kv_head("ring", sent) is True
+    assert check_fewer_bytes_with_one_kv_head("ulysses", sent) is False
+    assert "at least one K/V head" in capsys.readouterr().out
+    swapped = {"ring": [400, 150], "ulysses": [200, 50]}
+    assert check_fewer_bytes_with_one_kv_head("ulysses", swapped) is True
+    assert check_fewer_bytes_with_one_kv_head("tree", sent) is False
+    assert check_fewer_bytes_with_one_kv_head(..., sent) is None

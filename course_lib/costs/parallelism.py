@@ -78,12 +78,18 @@ def ring_attention_bytes(kv_bytes, world_size: int):
     return ring_bytes(kv_bytes, world_size)
 
 
-def ulysses_bytes(local_bytes, world_size: int):
+def ulysses_bytes(local_bytes, world_size: int, heads: int = 1, kv_heads: int | None = None):
     """Bytes one rank sends per attention pass under DeepSpeed-Ulysses over P ranks (Jacobs et
     al., 2023): four all-to-alls (q, k and v to head shards, the output back), each of one
     `local_bytes` tensor, this rank's N/P tokens: 4 (P-1)/P * N h / P bytes for N tokens of
-    width h, falling as P grows where ring attention's K/V volume does not."""
-    return 4 * all_to_all_bytes(local_bytes, world_size)
+    width h, falling as P grows where ring attention's K/V volume does not.
+
+    With grouped-query attention (`kv_heads` of the `heads` for K and V; `local_bytes` is the
+    size of this rank's q) each rank is sent the K/V heads its query heads use: H_kv/P of them,
+    but never fewer than one, so K and V each move max(H_kv, P)/H of q's bytes (for H_kv a
+    divisor or multiple of P)."""
+    kv_share = 1 if kv_heads is None else max(kv_heads, world_size) / heads
+    return (2 + 2 * kv_share) * all_to_all_bytes(local_bytes, world_size)
 
 
 def cp_layer_bytes(kv_bytes, world_size: int):

@@ -5,12 +5,13 @@ Every function with a rank in its docstring runs inside `launch`; the plots run 
 notebook. Numbers are measured (`PeakMemory`, `CommCounter`, the scores ring attention
 computed); the formulas they are held against are in `course_lib.costs`. The checks of the
 lecture's exercises (`check_rescale`, `check_merge`, `check_memory_saving`,
-`check_busiest_over_idlest`, `check_ring_bytes_per_rank`) compute their expected values and
-say why here, out of the notebook's sight.
+`check_busiest_over_idlest`, `check_fewer_bytes_with_one_kv_head`, `check_ring_bytes_per_rank`)
+compute their expected values and say why here, out of the notebook's sight.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import matplotlib.pyplot as plt
@@ -93,11 +94,30 @@ def bytes_sent(method: str, seq_len: int) -> int:
     return counter.bytes_sent
 
 
-def causal_work(seq_len: int, layout: str) -> int:
-    """On each rank: the scores (per batch and head) ring attention computed, causal."""
+def sweep_gqa_bytes(seq_len: int, heads: int, kv_heads: list[int]) -> dict[str, list[int]]:
+    """On each rank: bytes sent (`CommCounter`) for one attention pass of ring attention and
+    Ulysses, `heads` query heads, for each number of K/V heads (grouped-query attention: K
+    and V are the first `kv_heads` heads of `qkv`'s)."""
+    q, k, v = qkv(seq_len, heads)
+    mine = sequence_positions(seq_len, rank(), world_size())
+    sent: dict[str, list[int]] = {m: [] for m in METHODS}
+    for n in kv_heads:
+        shard = [t[..., :n, mine, :] if t is not q else t[..., mine, :] for t in (q, k, v)]
+        with CommCounter() as counter:
+            ring_attention(*shard, mine)
+        sent["ring"].append(counter.bytes_sent)
+        with CommCounter() as counter:
+            ulysses_attention(*shard)
+        sent["ulysses"].append(counter.bytes_sent)
+    return sent
+
+
+def causal_work(seq_len: int, layout: str) -> list[int]:
+    """On each rank: the scores (per batch and head) causal ring attention computed at each
+    hop (hop 0: the rank's own block)."""
     work: list[int] = []
     run_on_my_shard("ring", seq_len, True, layout, work=work)
-    return sum(work)
+    return work
 
 
 def plot_peak_bytes(seq_lens, one_process, per_rank: dict[str, list[int]], p: int):
@@ -116,19 +136,25 @@ def plot_peak_bytes(seq_lens, one_process, per_rank: dict[str, list[int]], p: in
     return fig
 
 
-def plot_causal_work(per_layout: dict[str, list[int]]):
-    """Scores computed by each rank, one group of bars per layout."""
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
-    layouts = list(per_layout)
-    p = len(per_layout[layouts[0]])
-    width = 0.8 / len(layouts)
-    for i, layout in enumerate(layouts):
-        xs = [r + (i - (len(layouts) - 1) / 2) * width for r in range(p)]
-        ax.bar(xs, per_layout[layout], width, label=layout)
-    ax.set_xticks(range(p), [f"rank {r}" for r in range(p)])
-    ax.set_ylabel("scores computed (per head)")
-    ax.set_title("Causal ring attention: who does the work")
-    ax.legend()
+def plot_causal_work(per_layout: dict[str, list[list[int]]]):
+    """Scores computed by each rank at each hop of the ring, one grid per layout
+    (`per_layout[layout][rank][hop]`), with each rank's total under its column."""
+    fig, axes = plt.subplots(1, len(per_layout), figsize=(3.4 * len(per_layout), 3.6))
+    top = max(max(max(hops) for hops in work) for work in per_layout.values())
+    for ax, (layout, work) in zip(axes, per_layout.items(), strict=True):
+        grid = torch.tensor(work).T  # [hop, rank]
+        ax.imshow(grid, cmap="Blues", vmin=0, vmax=top, aspect="auto")
+        for hop, r in itertools.product(*map(range, grid.shape)):
+            n = int(grid[hop, r])
+            shade = "white" if n > top / 2 else "black"  # readable on dark and light cells
+            ax.text(r, hop, str(n), ha="center", va="center", fontsize=8, color=shade)
+        totals = [f"rank {r}\n{sum(hops)}" for r, hops in enumerate(work)]
+        ax.set_xticks(range(len(work)), totals)
+        ax.set_yticks(range(grid.shape[0]))
+        ax.set_ylabel("hop")
+        ax.set_title(f"{layout}: scores per hop")
+    fig.suptitle("Causal ring attention: who works at each hop (totals under the ranks)")
+    fig.tight_layout()
     return fig
 
 
@@ -293,10 +319,23 @@ def check_memory_saving(
     return ring, ulysses
 
 
+def check_fewer_bytes_with_one_kv_head(answer: object, sent: dict) -> bool | None:
+    """Lecture 11's GQA prediction: which method sent fewer bytes with a single K/V head
+    (`sent[method]`: bytes per number of K/V heads, the last one 1)."""
+    fewer = min(METHODS, key=lambda m: sent[m][-1])
+    return check_choice(
+        answer,
+        fewer,
+        tuple(METHODS),
+        why="The ring moves only K and V, which shrink with the K/V heads; Ulysses moves q and "
+        "the output whole, and every rank needs at least one K/V head.",
+    )
+
+
 def check_busiest_over_idlest(busiest_over_idlest: object, work: dict) -> bool | None:
     """Lecture 11's causal prediction: on contiguous shards, how many times more scores the
-    busiest rank computed than the least busy (`work[layout]`: scores per rank)."""
-    contiguous = work["contiguous"]
+    busiest rank computed than the least busy (`work[layout][rank]`: scores per hop)."""
+    contiguous = [sum(hops) for hops in work["contiguous"]]
     return check_choice(
         busiest_over_idlest,
         f"{max(contiguous) // min(contiguous)}x",
