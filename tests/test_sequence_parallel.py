@@ -28,7 +28,9 @@ from course_lib.measure.sequence_parallel import (
     check_merge,
     check_rescale,
     check_ring_bytes_per_rank,
+    check_waits_at_the_largest_block,
     peak_bytes,
+    ring_overlap,
     sweep_peak_bytes,
     torch_context_parallel,
     tp_against_sp,
@@ -432,3 +434,31 @@ def test_the_gqa_check_names_the_method_that_sent_less_at_one_kv_head(capsys):
     assert check_fewer_bytes_with_one_kv_head("ulysses", swapped) is True
     assert check_fewer_bytes_with_one_kv_head("tree", sent) is False
     assert check_fewer_bytes_with_one_kv_head(..., sent) is None
+
+
+def test_the_ring_waits_for_a_slow_link_and_not_for_a_fast_one():
+    """Lecture 11's overlap figure, 2 ranks, 32 tokens each: a hop sends its float32 K/V block
+    (2 x 32 tokens x 4 heads x 16 dims x 4 bytes), its positions and three sizes. At 1 MB/s that
+    takes ~16.5 ms against well under a millisecond of compute, so the ring waits for most of
+    it (the real loopback transfer, inside the emulated time, takes a little off); at 1 TB/s it
+    waits for nothing worth a millisecond."""
+    hop_bytes = 2 * 32 * 4 * 16 * 4 + 32 * 4 + 3 * 8
+    with WorkerPool(2) as pool:
+        slow = pool.launch(ring_overlap, [64], 1e6, timeout=60)
+        fast = pool.launch(ring_overlap, [64], 1e12, timeout=60)
+    for run in slow:
+        assert run["hop bytes"] == [hop_bytes]
+        transfer = hop_bytes / 1e6
+        assert 0.5 * transfer < run["waited"][0] <= 1.05 * transfer, run
+    for run in fast:
+        assert run["waited"][0] < 1e-3, run
+
+
+def test_the_overlap_check_reads_the_wait_at_the_largest_block(capsys):
+    waited = {"bandwidth": 1e6, "one block": [0.001], "waited": [0.015], "hop bytes": [16_000]}
+    hidden = {**waited, "one block": [0.1], "waited": [0.0]}
+    assert check_waits_at_the_largest_block("yes", waited) is True
+    assert check_waits_at_the_largest_block("no", waited) is False
+    assert "its transfer 16 ms" in capsys.readouterr().out
+    assert check_waits_at_the_largest_block("no", hidden) is True
+    assert check_waits_at_the_largest_block(..., hidden) is None
