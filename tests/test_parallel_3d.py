@@ -29,6 +29,7 @@ from course_lib.measure.parallel_3d import (
     check_plan,
     check_plan_memory,
     check_plan_mfu,
+    check_tp_bytes_per_rank,
     close_calls,
     gather_dense,
     grid_table,
@@ -591,3 +592,11 @@ def test_the_cp_check_reads_whether_the_best_plan_keeps_a_pipeline(capsys):
     assert check_pipeline_with_cp("kept", planned(1)) is False
     assert check_pipeline_with_cp("kept", planned(2)) is True
     assert check_pipeline_with_cp(..., planned(1)) is None
+
+
+def test_the_tp_bytes_check_reads_rank_0s_measured_bytes(capsys):
+    run = [{"sent": {"tp": 16_384}}, {"sent": {"tp": 99}}]
+    assert check_tp_bytes_per_rank(16_384, run) is True
+    assert check_tp_bytes_per_rank(8_192, run) is False
+    assert "Count the all-reduces" in capsys.readouterr().out
+    assert check_tp_bytes_per_rank(..., run) is None

@@ -41,6 +41,7 @@ from course_lib.measure.parallel_3d.plan_check import (
     check_plan,
     check_plan_memory,
     check_plan_mfu,
+    check_tp_bytes_per_rank,
 )
 from course_lib.measure.parallel_3d.real_step import (
     LR,
@@ -83,6 +84,7 @@ __all__ = [
     "check_plan",
     "check_plan_memory",
     "check_plan_mfu",
+    "check_tp_bytes_per_rank",
     "close_calls",
     "comparison_table",
     "dense_names",

@@ -2,7 +2,8 @@
 planner's `estimate`, and says whether it fits and how its step compares with the best plan's,
 and why (never which plan is best). Before it, the numbers of one plan worked out by hand
 (`check_plan_memory`, `check_interleaved_bubble`, `check_plan_mfu`); after it, two predictions
-of what the planner picks (`check_pipeline_with_128`, `check_pipeline_with_cp`): each computes
+of what the planner picks (`check_pipeline_with_128`, `check_pipeline_with_cp`), and the real
+step's TP bytes against the run (`check_tp_bytes_per_rank`): each computes
 its expected values and says why here, out of the notebook's sight, and says right or wrong
 with `course_lib.exercises`."""
 
@@ -127,4 +128,14 @@ def check_pipeline_with_cp(pipeline_with_cp: object, with_cp: Estimate) -> bool 
         "kept" if with_cp.plan.pp > 1 else "dropped",
         ["kept", "dropped"],
         why="CP gives the GPUs DP could not use a share of each sequence, with no bubble.",
+    )
+
+
+def check_tp_bytes_per_rank(tp_bytes_per_rank: object, run: list[dict]) -> bool | None:
+    """Section 6's prediction: the bytes rank 0 sent to its TP partner in the real step's first
+    step, against what it measured (`run[0]["sent"]["tp"]`, counted by `course_lib.comm`)."""
+    return check_number(
+        tp_bytes_per_rank,
+        run[0]["sent"]["tp"],
+        hint="Count the all-reduces of a block per micro-batch, then what each sends.",
     )
