@@ -67,6 +67,29 @@ def test_a_page_embeds_its_figures_and_the_index_links_it(tmp_path):
     assert "IPKernelApp" not in done.stdout + done.stderr  # no kernel warning in the log
 
 
+def test_a_page_shows_no_progress_bar_frozen_where_the_run_left_it(tmp_path):
+    """A bar (`course_lib.progress`, in the kernel or drawn there for rank 0 of `launch`)
+    closes itself when its loop ends in JupyterLab; a saved page would keep what it last drew
+    (60%, say), as if the run had stopped there. The builder's pages show the loops' own
+    output only. (`jupyter nbconvert --execute` does keep such bars.)"""
+    path = tmp_path / "03_data_parallel.ipynb"
+    loop = "for _ in progress(range(6), '{}'):\n    time.sleep(0.5)\n"
+    notebook(
+        path,
+        "import time\nfrom course_lib import launch\nfrom course_lib.progress import progress\n"
+        + loop.format("notebook steps")
+        + "print('loop done')",
+        "def steps():\n"
+        + "\n".join("    " + line for line in loop.format("rank steps").splitlines())
+        + "\n    return 'ranks done'\n\n\nprint(launch(steps, world_size=2)[0])",
+    )
+    done = build(tmp_path, path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    page = (tmp_path / "site" / "03_data_parallel.html").read_text()
+    assert "loop done" in page and "ranks done" in page
+    assert "it/s]" not in page and "steps:" not in page
+
+
 def test_a_runtime_folder_too_deep_for_socket_files_still_runs_the_kernel(tmp_path):
     """A kernel's socket files live beside its connection file; a path longer than a socket's
     (107 bytes on Linux) kills the kernel at its start, unless the builder moves them."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import os
 import re
 import shutil
 import sys
@@ -74,7 +75,8 @@ def sliced(get_msg, slice_seconds: float = POLL_SLICE):
 class Client(NotebookClient):
     """nbclient's runner, its shell channel polled in slices (see `sliced`), talking to its
     kernel over local socket files: over TCP, ipykernel warns on every start that the
-    traffic is unencrypted, a line that would sit in every build's log."""
+    traffic is unencrypted, a line that would sit in every build's log. The kernel runs with
+    progress bars off."""
 
     def create_kernel_manager(self):
         km = super().create_kernel_manager()
@@ -87,6 +89,12 @@ class Client(NotebookClient):
             found = str(Path(private) / f"kernel-{uuid.uuid4()}.json")
         km.connection_file = found
         return km
+
+    async def async_start_new_kernel(self, **kwargs):
+        # No progress bars (`course_lib.progress`): a page keeps what a bar last drew, a live
+        # signal with nothing to say once the run is over.
+        kwargs.setdefault("env", {**os.environ, "COURSE_PROGRESS": "0"})
+        await super().async_start_new_kernel(**kwargs)
 
     async def async_start_new_kernel_client(self):
         kc = await super().async_start_new_kernel_client()
