@@ -236,6 +236,27 @@ def test_torch_pipelining_reference_matches_single_process(pool4, schedule):
     assert_grads_match(pool4.launch(torch_step, x, y, 4, schedule, timeout=TIMEOUT), reference)
 
 
+def torch_interleaved(x, y, m):
+    config = models.GPTConfig(n_layers=6)
+    pieces = models.TinyGPT(config, seed=0).pipeline_stages(2 * world_size())
+    return measure.torch_interleaved_step(pieces, x, y, models.lm_loss, m)
+
+
+def test_torch_interleaved_1f1b_matches_single_process(pool4):
+    """8 pieces, rank r holding r and r + 4: gradients of single-process training to fp32
+    rounding (atol 1e-6)."""
+    x, y = gpt_batch()
+    model = models.TinyGPT(models.GPTConfig(n_layers=6), seed=0)
+    models.lm_loss(model(x), y).backward()
+    pieces = model.pipeline_stages(8)
+    per_rank = pool4.launch(torch_interleaved, x, y, 4, timeout=TIMEOUT)
+    for r, grads in enumerate(per_rank):
+        expected = [p.grad for piece in pieces[r::4] for p in piece.parameters()]
+        assert len(grads) == len(expected)
+        for g, e in zip(grads, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=0, atol=ATOL)
+
+
 def on_a_stand_in_device(step, schedule):
     """`step` at world size 1 with device() answering "meta" (no GPU here): a stage, batch or
     buffer left on the CPU fails with "Tensor on device cpu is not on the expected device

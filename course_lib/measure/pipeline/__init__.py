@@ -4,6 +4,7 @@
     plot_schedule(timeline); PipelineWidget()           # Gantt chart; sliders for P and m
     plot_side_by_side(simulated, measured)              # the same schedules, simulated | measured
     torch_pipeline_step(stage, x, y, loss_fn, m, "1f1b")  # torch.distributed.pipelining
+    torch_interleaved_step(pieces, x, y, loss_fn, m)    # its ScheduleInterleaved1F1B
     zero_bubble_step(stage, x, y, loss_fn, m, defer_w=True)  # backward split into B and W
     brute_force_partition(layer_times, activation_sizes, n_machines)  # every cut, to check
     profile_layers(layers, x)                           # each layer's seconds and output bytes
@@ -34,6 +35,7 @@ from course_lib.measure.pipeline.exercises import (
 from course_lib.measure.pipeline.figures import (
     PipelineWidget,
     draw_schedule,
+    plot_bubbles,
     plot_schedule,
     plot_side_by_side,
 )
@@ -43,6 +45,7 @@ from course_lib.measure.pipeline.partition import (
 )
 from course_lib.measure.pipeline.runs import (
     measure_bubbles,
+    torch_interleaved_step,
     torch_pipeline_step,
 )
 from course_lib.measure.pipeline.zero_bubble import (
@@ -83,12 +86,14 @@ __all__ = [
     "peak_activations",
     "peak_memory",
     "pending_w_peak",
+    "plot_bubbles",
     "play_split_backward",
     "plot_schedule",
     "plot_side_by_side",
     "profile_layers",
     "simulate_zb_h1",
     "simulate_zero_bubble",
+    "torch_interleaved_step",
     "torch_pipeline_step",
     "what_w_needs",
     "zb_h1_order",

@@ -18,7 +18,7 @@ from course_lib.pipeline import (
     Timeline,
     simulate,
 )
-from course_lib.plots import NotebookFigure
+from course_lib.plots import NotebookFigure, plot_against_formula
 
 # --- pictures: the Gantt chart and the widget --------------------------------------------
 
@@ -73,14 +73,31 @@ def plot_schedule(*timelines: Timeline, titles: Sequence[str] | None = None) -> 
 
 
 def plot_side_by_side(simulated: Sequence[Timeline], measured: Sequence[Timeline]) -> Figure:
-    """Simulated schedules on the left (units), the same schedules measured on the right (ms)."""
+    """Simulated schedules on the left (units), the same schedules run on ranks on the right
+    (ms, on the emulated devices)."""
     rows = max(t.n_stages for t in (*simulated, *measured)) * 0.32 + 0.5
     fig = NotebookFigure(figsize=(12, 0.9 + rows * len(simulated)), layout="constrained")
     axes = fig.subplots(len(simulated), 2, squeeze=False)
     for row, (sim, real) in enumerate(zip(simulated, measured, strict=True)):
         draw_schedule(sim, axes[row, 0], f"simulated {sim.schedule}: bubble {sim.bubble:.1%}")
-        draw_schedule(real, axes[row, 1], f"measured {real.schedule}: bubble {real.bubble:.1%}")
+        draw_schedule(real, axes[row, 1], f"run on ranks {real.schedule}: bubble {real.bubble:.1%}")
     return fig
+
+
+def plot_bubbles(
+    ms: Sequence[int], bubbles: dict[str, Sequence[float]], n_stages: int, title: str
+) -> Figure:
+    """Bubbles by schedule (simulated or run, one per m in `ms`) as dots over the course's
+    formula (P-1)/(m+P-1): the formula stays here, off the page of the exercise that asks
+    for it."""
+    return plot_against_formula(
+        list(ms),
+        bubbles,
+        {s: [bubble_formula(n_stages, m) for m in ms] for s in bubbles},
+        xlabel="micro-batches m",
+        ylabel="bubble (idle share)",
+        title=title,
+    )
 
 
 class PipelineWidget(widgets.VBox):
