@@ -35,6 +35,7 @@ from course_lib.measure.pipeline import (
     peak_memory,
     pending_w_peak,
     play_split_backward,
+    plot_bubbles,
     plot_schedule,
     profile_layers,
     simulate_zb_h1,
@@ -446,6 +447,18 @@ def test_what_w_needs_is_each_weighted_layers_input_and_output():
     relu_net = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(8, 3))
     needed, saved = what_w_needs(relu_net, x)  # relu has no weights; it saves its output
     assert needed == 4 * (5 * 8 + 5 * 3) and saved == 4 * 5 * 8
+
+
+def test_plot_bubbles_draws_the_formula_under_each_schedules_dots():
+    ms = [1, 4, 16]
+    fig = plot_bubbles(ms, {"gpipe": [0.75, 0.43, 0.16]}, 4, "t", kind="on the ranks")
+    formula, dots = fig.axes[0].lines
+    assert list(formula.get_ydata()) == [bubble_formula(4, m) for m in ms]
+    assert list(dots.get_ydata()) == [0.75, 0.43, 0.16]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [
+        "formula (P-1)/(m+P-1)",
+        "gpipe: on the ranks",
+    ]
 
 
 def test_my_bubble_check_refuses_the_library_and_takes_the_formula_written_out(capsys):

@@ -18,7 +18,7 @@ from course_lib.pipeline import (
     Timeline,
     simulate,
 )
-from course_lib.plots import NotebookFigure, plot_against_formula
+from course_lib.plots import NotebookFigure
 
 # --- pictures: the Gantt chart and the widget --------------------------------------------
 
@@ -85,19 +85,28 @@ def plot_side_by_side(simulated: Sequence[Timeline], measured: Sequence[Timeline
 
 
 def plot_bubbles(
-    ms: Sequence[int], bubbles: dict[str, Sequence[float]], n_stages: int, title: str
+    ms: Sequence[int],
+    bubbles: dict[str, Sequence[float]],
+    n_stages: int,
+    title: str,
+    kind: str = "simulated",
 ) -> Figure:
-    """Bubbles by schedule (simulated or run, one per m in `ms`) as dots over the course's
-    formula (P-1)/(m+P-1): the formula stays here, off the page of the exercise that asks
-    for it."""
-    return plot_against_formula(
-        list(ms),
-        bubbles,
-        {s: [bubble_formula(n_stages, m) for m in ms] for s in bubbles},
-        xlabel="micro-batches m",
-        ylabel="bubble (idle share)",
-        title=title,
-    )
+    """Bubbles by schedule (one per m in `ms`; `kind` says where they come from: "simulated",
+    "on the ranks") as dots over the course's formula (P-1)/(m+P-1): the formula stays here,
+    off the page of the exercise that asks for it."""
+    fig = NotebookFigure(figsize=(6, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    formula = [bubble_formula(n_stages, m) for m in ms]
+    ax.plot(ms, formula, "-", color="grey", alpha=0.5, lw=3, label="formula (P-1)/(m+P-1)")
+    for i, (schedule, values) in enumerate(bubbles.items()):
+        ax.plot(ms, values, "o", color=f"C{i}", ms=8 - 3 * i, label=f"{schedule}: {kind}")
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble (idle share)")
+    ax.set_xticks(list(ms))
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig
 
 
 class PipelineWidget(widgets.VBox):
