@@ -25,6 +25,7 @@ from the page earns nothing. Lecture 0, which has no module of its own, has its 
 from __future__ import annotations
 
 import dis
+import gc
 import math
 import sys
 import types
@@ -313,12 +314,17 @@ def _watched(candidate: Callable[..., Any], args: tuple, ran: list[str]) -> Any:
         if event == "call" and (module == LIBRARY or module.startswith(LIBRARY + ".")):
             ran.append(f"{module}.{frame.f_code.co_name}")
 
-    previous = sys.getprofile()
+    # No garbage collection while watching: a collection could run a finaliser of the
+    # library's (a counter's release) inside the candidate's call, and blame the candidate.
+    collecting, previous = gc.isenabled(), sys.getprofile()
+    gc.disable()
     sys.setprofile(profile)
     try:
         return candidate(*args)
     finally:
         sys.setprofile(previous)
+        if collecting:
+            gc.enable()
 
 
 def _refuse_library(name: str) -> None:
