@@ -40,6 +40,7 @@ from course_lib.measure.pipeline import (
     profile_layers,
     simulate_zb_h1,
     simulate_zero_bubble,
+    stretched_ops,
     torch_pipeline_step,
     what_w_needs,
     zero_bubble_order,
@@ -447,6 +448,22 @@ def test_what_w_needs_is_each_weighted_layers_input_and_output():
     relu_net = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(8, 3))
     needed, saved = what_w_needs(relu_net, x)  # relu has no weights; it saves its output
     assert needed == 4 * (5 * 8 + 5 * 3) and saved == 4 * 5 * 8
+
+
+def test_stretched_ops_counts_ops_longer_than_their_set_time():
+    run = Timeline.from_logs(
+        [
+            SimpleNamespace(
+                schedule="1f1b",
+                tasks=[
+                    trainer.Task(0, "F", 0, 0, 0.0, 0.040),  # on time
+                    trainer.Task(0, "B", 0, 0, 0.040, 0.1205),  # 0.5 ms over: within the slack
+                    trainer.Task(0, "F", 1, 0, 0.1205, 0.1655),  # 5 ms over: stretched
+                ],
+            )
+        ]
+    )
+    assert stretched_ops(run, {"F": 0.04, "B": 0.08}) == 1
 
 
 def test_plot_bubbles_draws_the_formula_under_each_schedules_dots():

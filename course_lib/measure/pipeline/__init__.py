@@ -45,6 +45,7 @@ from course_lib.measure.pipeline.partition import (
 )
 from course_lib.measure.pipeline.runs import (
     measure_bubbles,
+    stretched_ops,
     torch_interleaved_step,
     torch_pipeline_step,
 )
@@ -92,6 +93,7 @@ __all__ = [
     "plot_side_by_side",
     "profile_layers",
     "simulate_zb_h1",
+    "stretched_ops",
     "simulate_zero_bubble",
     "torch_interleaved_step",
     "torch_pipeline_step",

@@ -3,7 +3,7 @@ pipelining for comparison (GPipe, 1F1B and interleaved 1F1B)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -11,6 +11,7 @@ from torch import nn
 from course_lib.pipeline import (
     LossFn,
     StageLog,
+    Timeline,
     pipeline_step,
 )
 from course_lib.runtime import device, rank, world_size
@@ -39,6 +40,13 @@ def measure_bubbles(
         )
         for schedule, m in runs
     }
+
+
+def stretched_ops(timeline: Timeline, seconds: Mapping[str, float], slack: float = 1e-3) -> int:
+    """How many ops of a run on emulated devices lasted longer than their set time (`seconds`
+    by kind, F / B / W) by more than `slack`: the OS held the rank up past the op's end (a late
+    wake-up plus the compute), so that op, and the bubble read from it, stretched."""
+    return sum(1 for t in timeline.tasks if t.end - t.start > seconds[t.kind] + slack)
 
 
 def torch_pipeline_step(
