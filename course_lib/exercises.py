@@ -264,9 +264,13 @@ LIBRARY = "course_lib"
 def _from_library(value: object) -> bool:
     """Whether `value` is course_lib's: one of its modules, or a function, class or object
     defined in one."""
-    name = value.__name__ if isinstance(value, types.ModuleType) else type(value).__module__
-    if not isinstance(value, types.ModuleType):
-        name = getattr(value, "__module__", None) or name
+    if isinstance(value, types.ModuleType):
+        name = value.__name__
+    else:
+        try:
+            name = getattr(value, "__module__", None) or type(value).__module__
+        except Exception:  # an object whose attributes misbehave is not the library's
+            return False
     return isinstance(name, str) and (name == LIBRARY or name.startswith(LIBRARY + "."))
 
 
