@@ -24,7 +24,10 @@ from the page earns nothing. Lecture 0, which has no module of its own, has its 
 
 from __future__ import annotations
 
+import dis
+import gc
 import math
+import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -184,12 +187,18 @@ def check_function(
     rtol: float = 1e-9,
     atol: float = 0.0,
     hint: str = "",
+    own_code: bool = False,
 ) -> bool | None:
     """Call `candidate` and `reference` with the arguments of each case (named, or a list of
     argument tuples) and say on which case they first differ, and how (shape, values, how many
     times too large), never what the reference returned. A function still `...`, raising
     NotImplementedError or returning None or `...` is unanswered; one that is the reference,
-    or calls it by its name, is refused: agreeing with itself shows nothing."""
+    or calls it by its name, is refused: agreeing with itself shows nothing.
+
+    own_code=True, for a formula the student writes: a function that reads anything of
+    `course_lib` (under any name, from its globals or its closure) or runs course_lib code
+    while it is called is refused too, so no alias or other library route to the answer
+    passes (`my_bubble = lambda *a: costs.bubble_formula(*a)`, `simulate(...).bubble`)."""
     if _unanswered(candidate):
         return None
     if not callable(candidate):
@@ -201,15 +210,22 @@ def check_function(
             "checked against. Write it yourself, from the formula."
         )
         return False
+    if own_code and (used := _library_read(candidate)):
+        _refuse_library(used)
+        return False
     if not isinstance(cases, Mapping):
         cases = {f"({', '.join(map(repr, args))})": args for args in cases}
     for name, args in cases.items():
+        ran: list[str] = []
         try:
-            yours = candidate(*args)
+            yours = _watched(candidate, args, ran) if own_code else candidate(*args)
         except NotImplementedError:
             yours = None
         except Exception as error:  # the student's bug, reported, never raised
             print(f"✗ Not yet: on {name}, your function raised {type(error).__name__}: {error}")
+            return False
+        if ran:
+            _refuse_library(ran[0])
             return False
         if yours is None or yours is ...:
             print(
@@ -240,6 +256,86 @@ def _names(code: types.CodeType) -> set[str]:
         if isinstance(const, types.CodeType):
             names |= _names(const)
     return names
+
+
+LIBRARY = "course_lib"
+
+
+def _from_library(value: object) -> bool:
+    """Whether `value` is course_lib's: one of its modules, or a function, class or object
+    defined in one."""
+    if isinstance(value, types.ModuleType):
+        name = value.__name__
+    else:
+        try:
+            name = getattr(value, "__module__", None) or type(value).__module__
+        except Exception:  # an object whose attributes misbehave is not the library's
+            return False
+    return isinstance(name, str) and (name == LIBRARY or name.startswith(LIBRARY + "."))
+
+
+def _library_read(candidate: object) -> str | None:
+    """The first name through which `candidate`'s code reads something of course_lib (a
+    global it loads, a variable of an enclosing scope), or None."""
+    code = getattr(candidate, "__code__", None)
+    if code is None:
+        return None
+    scope = getattr(candidate, "__globals__", {})
+    builtins = scope.get("__builtins__", {})
+    builtins = vars(builtins) if isinstance(builtins, types.ModuleType) else builtins
+    for name in _globals_loaded(code):
+        if name in scope or name in builtins:
+            if _from_library(scope[name] if name in scope else builtins[name]):
+                return name
+    for name, cell in zip(
+        code.co_freevars, getattr(candidate, "__closure__", None) or (), strict=True
+    ):
+        try:
+            if _from_library(cell.cell_contents):
+                return name
+        except ValueError:  # an empty cell: a variable not bound yet
+            continue
+    return None
+
+
+def _globals_loaded(code: types.CodeType) -> list[str]:
+    """Names `code` (and the functions defined in it) load as globals."""
+    names = [
+        i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    ]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += _globals_loaded(const)
+    return names
+
+
+def _watched(candidate: Callable[..., Any], args: tuple, ran: list[str]) -> Any:
+    """Call `candidate(*args)`, appending to `ran` the name of every course_lib function it
+    ran (a profiler sees each Python call, whatever name or object led to it)."""
+
+    def profile(frame: types.FrameType, event: str, arg: object) -> None:
+        module = frame.f_globals.get("__name__", "")
+        if event == "call" and (module == LIBRARY or module.startswith(LIBRARY + ".")):
+            ran.append(f"{module}.{frame.f_code.co_name}")
+
+    # No garbage collection while watching: a collection could run a finaliser of the
+    # library's (a counter's release) inside the candidate's call, and blame the candidate.
+    collecting, previous = gc.isenabled(), sys.getprofile()
+    gc.disable()
+    sys.setprofile(profile)
+    try:
+        return candidate(*args)
+    finally:
+        sys.setprofile(previous)
+        if collecting:
+            gc.enable()
+
+
+def _refuse_library(name: str) -> None:
+    print(
+        f"✗ Not yet: your function uses {name}, from course_lib. The check refuses any "
+        "function that calls or reads the course's library: write it yourself, from the formula."
+    )
 
 
 def value_and_gradient(fn: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:

@@ -215,6 +215,50 @@ def test_a_function_that_is_or_calls_the_reference_is_refused(capsys):
     assert check_function(writes_it, bubble_formula, cases) is True
 
 
+def test_own_code_refuses_any_route_to_the_library(capsys):
+    """With own_code=True (L08's `my_bubble`), calling the reference under another name, the
+    library's module, or another course_lib function that computes the answer is refused,
+    read from the globals, from a closure or seen running; code of its own, with math, passes."""
+    import functools
+    import math
+
+    from course_lib import costs
+    from course_lib.costs import bubble_formula as bf
+    from course_lib.pipeline import simulate
+
+    cases = [(4, 8, 1), (8, 16, 4)]
+
+    def alias(P, m, v):
+        return bf(P, m, v)
+
+    def module(P, m, v):
+        return costs.bubble_formula(P, m, v)
+
+    def simulated(P, m, v):
+        return simulate(P, m, "interleaved" if v > 1 else "1f1b", chunks=v).bubble
+
+    def closure():
+        formula = costs.bubble_formula
+        return lambda P, m, v: formula(P, m, v)
+
+    def fetched(P, m, v):  # no course_lib name in its code: seen only as it runs
+        return getattr(__import__("course_lib.costs").costs, "bubble_" + "formula")(P, m, v)
+
+    wrapped = functools.partial(costs.bubble_formula)
+    for candidate in (alias, module, simulated, closure(), fetched, wrapped):
+        assert check_function(candidate, costs.bubble_formula, cases, own_code=True) is False
+        out = capsys.readouterr().out
+        assert "✗ Not yet: your function uses" in out and "Right" not in out, candidate
+
+    def writes_it(P, m, v):
+        fill = (P - 1) / v
+        return fill / math.fsum((m, fill))
+
+    assert check_function(writes_it, costs.bubble_formula, cases, own_code=True) is True
+    # without own_code, a library call under another name is not looked for (other lectures)
+    assert check_function(alias, costs.bubble_formula, cases) is True
+
+
 def test_a_function_that_raises_or_is_a_stub_is_told_so(capsys):
     assert check_function(..., abs, [(1,)]) is None
     assert check_function(lambda n: ..., abs, [(1,)]) is None

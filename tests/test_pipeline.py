@@ -26,16 +26,24 @@ from course_lib.measure.pipeline import (
     brute_force_partition,
     check_bubble_shares,
     check_first_backward,
+    check_my_bubble,
     check_one_f_one_b_in_flight,
     check_zero_bubble_idle,
     check_zero_bubble_measured,
     measure_bubbles,
     peak_activations,
+    peak_memory,
     pending_w_peak,
+    play_split_backward,
+    plot_bubbles,
     plot_schedule,
     profile_layers,
+    simulate_zb_h1,
     simulate_zero_bubble,
+    stretched_ops,
     torch_pipeline_step,
+    what_w_needs,
+    zero_bubble_order,
 )
 from course_lib.measure.pipeline import runs as measure_runs
 from course_lib.pipeline import (
@@ -230,6 +238,27 @@ def test_torch_pipelining_reference_matches_single_process(pool4, schedule):
     assert_grads_match(pool4.launch(torch_step, x, y, 4, schedule, timeout=TIMEOUT), reference)
 
 
+def torch_interleaved(x, y, m):
+    config = models.GPTConfig(n_layers=6)
+    pieces = models.TinyGPT(config, seed=0).pipeline_stages(2 * world_size())
+    return measure.torch_interleaved_step(pieces, x, y, models.lm_loss, m)
+
+
+def test_torch_interleaved_1f1b_matches_single_process(pool4):
+    """8 pieces, rank r holding r and r + 4: gradients of single-process training to fp32
+    rounding (atol 1e-6)."""
+    x, y = gpt_batch()
+    model = models.TinyGPT(models.GPTConfig(n_layers=6), seed=0)
+    models.lm_loss(model(x), y).backward()
+    pieces = model.pipeline_stages(8)
+    per_rank = pool4.launch(torch_interleaved, x, y, 4, timeout=TIMEOUT)
+    for r, grads in enumerate(per_rank):
+        expected = [p.grad for piece in pieces[r::4] for p in piece.parameters()]
+        assert len(grads) == len(expected)
+        for g, e in zip(grads, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=0, atol=ATOL)
+
+
 def on_a_stand_in_device(step, schedule):
     """`step` at world size 1 with device() answering "meta" (no GPU here): a stage, batch or
     buffer left on the CPU fails with "Tensor on device cpu is not on the expected device
@@ -341,10 +370,13 @@ def test_profile_layers_measures_output_bytes_and_positive_times():
 # --- the zero-bubble schedule (simulated) --------------------------------------------------------
 
 
-@pytest.mark.parametrize("defer_w", [False, True])
+@pytest.mark.parametrize("variant", ["1F1B's memory", "W's deferred", "ZB-H1"])
 @pytest.mark.parametrize("p,m", [(2, 3), (4, 8), (4, 4), (8, 16)])
-def test_zero_bubble_runs_every_pass_once_after_what_it_needs(p, m, defer_w):
-    timeline = simulate_zero_bubble(p, m, defer_w=defer_w)
+def test_zero_bubble_runs_every_pass_once_after_what_it_needs(p, m, variant):
+    if variant == "ZB-H1":
+        timeline = simulate_zb_h1(p, m)
+    else:
+        timeline = simulate_zero_bubble(p, m, defer_w=variant == "W's deferred")
     end = {(t.kind, t.micro, t.stage): t for t in timeline.tasks}
     assert len(end) == len(timeline.tasks) == 3 * p * m  # F, B and W of every micro-batch
     for (kind, i, s), t in end.items():
@@ -371,6 +403,91 @@ def test_zero_bubble_with_deferred_ws_reaches_the_formula_and_1f1b_memory_costs_
         assert peak_activations(deferred, s, freed_by="B") <= p - s
         assert pending_w_peak(bounded, s) <= pending_w_peak(deferred, s)
     assert pending_w_peak(deferred, p - 1) == m  # the last stage owes every W at the end
+
+
+@pytest.mark.parametrize("times", [(1, 1, 1), (1, 1.5, 0.5), (1, 2, 1)])
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)])
+def test_zb_h1_reaches_the_formula_holding_at_most_p_micro_batches_on_every_stage(p, m, times):
+    """The paper's ZB-H1 (m >= P): idle (P-1)(F+B-W) per stage, every stage at most P
+    micro-batches from F to W (1F1B's first stage's peak), W's owed at most s + 1 on stage s."""
+    zb_h1 = simulate_zb_h1(p, m, *times)
+    assert zb_h1.bubble == pytest.approx(zero_bubble_formula(p, m, *times), rel=1e-12)
+    for s in range(p):
+        assert peak_activations(zb_h1, s, freed_by="W") == p
+        assert peak_activations(zb_h1, s, freed_by="B") == p - s  # as 1F1B
+        assert pending_w_peak(zb_h1, s) == min(s + 1, m)
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (4, 8), (8, 8)])
+def test_playing_the_greedy_orders_gives_the_greedy_timelines(p, m):
+    """play_split_backward and simulate_zero_bubble agree on when every op ran."""
+    for defer_w in (False, True):
+        greedy = simulate_zero_bubble(p, m, defer_w=defer_w)
+        played = play_split_backward(zero_bubble_order(p, m, defer_w))
+        assert {(t.stage, t.kind, t.micro): (t.start, t.end) for t in played.tasks} == {
+            (t.stage, t.kind, t.micro): (t.start, t.end) for t in greedy.tasks
+        }
+
+
+def test_peak_memory_counts_a_w_owed_as_its_share_of_a_micro_batch():
+    """w_share = 1: held from F to W; 0: from F to B; 1F1B's merged backward frees it all."""
+    zb_h1, deferred = simulate_zb_h1(4, 8), simulate_zero_bubble(4, 8, defer_w=True)
+    for t in (zb_h1, deferred):
+        for s in range(4):
+            assert peak_memory(t, s, 1.0) == peak_activations(t, s, "W")
+            assert peak_memory(t, s, 0.0) == peak_activations(t, s, "B")
+    assert peak_memory(zb_h1, 3, 0.5) == 1 + 3 * 0.5  # stage 3: one whole, three W's owed
+    one_f = simulate(4, 8, "1f1b")
+    assert [peak_memory(one_f, s, 0.5) for s in range(4)] == [4, 3, 2, 1]
+
+
+def test_what_w_needs_is_each_weighted_layers_input_and_output():
+    """A Linear: W needs its input and its output's gradient; autograd saved the input."""
+    layer, x = torch.nn.Linear(8, 3), torch.randn(5, 8, requires_grad=True)
+    assert what_w_needs(layer, x) == (4 * (5 * 8 + 5 * 3), 4 * 5 * 8)
+    relu_net = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    needed, saved = what_w_needs(relu_net, x)  # relu has no weights; it saves its output
+    assert needed == 4 * (5 * 8 + 5 * 3) and saved == 4 * 5 * 8
+
+
+def test_stretched_ops_counts_ops_longer_than_their_set_time():
+    run = Timeline.from_logs(
+        [
+            SimpleNamespace(
+                schedule="1f1b",
+                tasks=[
+                    trainer.Task(0, "F", 0, 0, 0.0, 0.040),  # on time
+                    trainer.Task(0, "B", 0, 0, 0.040, 0.1205),  # 0.5 ms over: within the slack
+                    trainer.Task(0, "F", 1, 0, 0.1205, 0.1655),  # 5 ms over: stretched
+                ],
+            )
+        ]
+    )
+    assert stretched_ops(run, {"F": 0.04, "B": 0.08}) == 1
+
+
+def test_plot_bubbles_draws_the_formula_under_each_schedules_dots():
+    ms = [1, 4, 16]
+    fig = plot_bubbles(ms, {"gpipe": [0.75, 0.43, 0.16]}, 4, "t", kind="on the ranks")
+    formula, dots = fig.axes[0].lines
+    assert list(formula.get_ydata()) == [bubble_formula(4, m) for m in ms]
+    assert list(dots.get_ydata()) == [0.75, 0.43, 0.16]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [
+        "formula (P-1)/(m+P-1)",
+        "gpipe: on the ranks",
+    ]
+
+
+def test_my_bubble_check_refuses_the_library_and_takes_the_formula_written_out(capsys):
+    def written(P, m, v):
+        return (P - 1) / (v * m + P - 1)
+
+    assert check_my_bubble(written) is True
+    from course_lib.costs import bubble_formula as formula
+
+    assert check_my_bubble(lambda P, m, v: formula(P, m, v)) is False
+    assert check_my_bubble(lambda P, m, v: simulate(P, m, "interleaved", chunks=v).bubble) is False
+    assert capsys.readouterr().out.count("from course_lib") == 2
 
 
 # --- the zero-bubble schedule, run for real ------------------------------------------------------
@@ -420,6 +537,7 @@ def counted_step(x, y, m, schedule):
             schedule == "deferred",
             (1, 1, 1),
             clock=measure.VirtualDevice,
+            zb_h1=schedule == "zb-h1",
         )
     saved = trainer.EmulatedDevice
     trainer.EmulatedDevice = measure.VirtualDevice
@@ -434,11 +552,13 @@ def test_zero_bubble_runs_the_simulators_order_and_idles_less_than_1f1b(pool4, m
     x, y = data.tokens(8, seed=6)
     counted = {
         name: Timeline.from_logs(pool4.launch(counted_step, x, y, m, name, timeout=TIMEOUT))
-        for name in ("1f1b", "same memory", "deferred")
+        for name in ("1f1b", "same memory", "deferred", "zb-h1")
     }
-    for name, defer_w in (("same memory", False), ("deferred", True)):
-        timeline, simulated = counted[name], simulate_zero_bubble(P, m, defer_w=defer_w)
-        order = measure.zero_bubble_order(P, m, defer_w)
+    for name, defer_w in (("same memory", False), ("deferred", True), ("zb-h1", False)):
+        zb_h1 = name == "zb-h1"
+        timeline = counted[name]
+        simulated = simulate_zb_h1(P, m) if zb_h1 else simulate_zero_bubble(P, m, defer_w=defer_w)
+        order = measure.zero_bubble_order(P, m, defer_w, zb_h1=zb_h1)
         for s in range(P):
             ran = sorted((t for t in timeline.tasks if t.stage == s), key=lambda t: t.start)
             assert [(t.kind, t.micro) for t in ran] == [(o.kind, o.micro) for o in order[s]]
@@ -452,15 +572,19 @@ def test_zero_bubble_runs_the_simulators_order_and_idles_less_than_1f1b(pool4, m
             assert spans[0][op] == pytest.approx(span, abs=1e-9), op
     assert counted["1f1b"].bubble == pytest.approx(bubble_formula(P, m), abs=1e-9)
     assert counted["deferred"].bubble == pytest.approx(zero_bubble_formula(P, m), abs=1e-9)
+    assert counted["zb-h1"].bubble == pytest.approx(zero_bubble_formula(P, m), abs=1e-9)
     assert counted["deferred"].bubble < counted["same memory"].bubble < counted["1f1b"].bubble
     assert counted["deferred"].bubble <= 0.5 * counted["1f1b"].bubble
 
 
 def test_zero_bubble_memory_is_what_the_ws_owed_hold(pool4):
     x, y = data.tokens(8, seed=6)
-    for name, defer_w in (("same memory", False), ("deferred", True)):
+    for name, defer_w in (("same memory", False), ("deferred", True), ("zb-h1", False)):
         logs = pool4.launch(counted_step, x, y, 8, name, timeout=TIMEOUT)
-        simulated = simulate_zero_bubble(P, 8, defer_w=defer_w)
+        if name == "zb-h1":
+            simulated = simulate_zb_h1(P, 8)
+        else:
+            simulated = simulate_zero_bubble(P, 8, defer_w=defer_w)
         for s, log in enumerate(logs):
             # B keeps the graph for W: a micro-batch holds its activations from F to W
             held = peak_activations(simulated, s, freed_by="W")

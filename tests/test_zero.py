@@ -454,3 +454,33 @@ def test_the_prefetch_check_counts_the_gathered_peak_in_blocks(capsys):
     assert "still gathered" in capsys.readouterr().out
     assert check_blocks_gathered_with_prefetch("1", on, off) is False
     assert check_blocks_gathered_with_prefetch(..., on, off) is None
+
+
+def test_a_prefetched_gathers_end_is_when_its_data_arrived_not_when_fsdp_waits():
+    """Issue 29: a gather that completed early and was waited on later ends when its future
+    completed (or at the modelled finish, if later), not at the wait."""
+    import time
+
+    from course_lib.measure.zero.prefetch import _DelayedWork
+
+    class Finished:  # a collective's handle whose data arrived at once
+        def __init__(self):
+            self.future = torch.futures.Future()
+
+        def get_future(self):
+            return self.future
+
+        def wait(self):
+            return True
+
+    ends = []
+    handle = Finished()
+    start = time.time()
+    delayed = _DelayedWork(handle, finish=start + 0.01, done=ends.append)
+    handle.future.set_result(None)  # the data arrives now
+    arrived = time.time()
+    time.sleep(0.1)  # the rank computes the previous unit; FSDP waits only after it
+    delayed.wait()
+    assert len(ends) == 1
+    assert ends[0] == pytest.approx(max(start + 0.01, arrived), abs=0.005)
+    assert ends[0] < start + 0.05  # not the wait, 0.1 s later

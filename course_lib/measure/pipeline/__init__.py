@@ -4,6 +4,7 @@
     plot_schedule(timeline); PipelineWidget()           # Gantt chart; sliders for P and m
     plot_side_by_side(simulated, measured)              # the same schedules, simulated | measured
     torch_pipeline_step(stage, x, y, loss_fn, m, "1f1b")  # torch.distributed.pipelining
+    torch_interleaved_step(pieces, x, y, loss_fn, m)    # its ScheduleInterleaved1F1B
     zero_bubble_step(stage, x, y, loss_fn, m, defer_w=True)  # backward split into B and W
     brute_force_partition(layer_times, activation_sizes, n_machines)  # every cut, to check
     profile_layers(layers, x)                           # each layer's seconds and output bytes
@@ -26,6 +27,7 @@ The schedules, the pipeline and the partition are in `course_lib.pipeline`.
 from course_lib.measure.pipeline.exercises import (
     check_bubble_shares,
     check_first_backward,
+    check_my_bubble,
     check_one_f_one_b_in_flight,
     check_zero_bubble_idle,
     check_zero_bubble_measured,
@@ -33,6 +35,7 @@ from course_lib.measure.pipeline.exercises import (
 from course_lib.measure.pipeline.figures import (
     PipelineWidget,
     draw_schedule,
+    plot_bubbles,
     plot_schedule,
     plot_side_by_side,
 )
@@ -42,16 +45,24 @@ from course_lib.measure.pipeline.partition import (
 )
 from course_lib.measure.pipeline.runs import (
     measure_bubbles,
+    stretched_ops,
+    torch_interleaved_step,
     torch_pipeline_step,
 )
 from course_lib.measure.pipeline.zero_bubble import (
     INPUT_GRAD,
     WEIGHT_GRAD,
+    ZB_H1,
     VirtualDevice,
     measure_zero_bubble,
     peak_activations,
+    peak_memory,
     pending_w_peak,
+    play_split_backward,
+    simulate_zb_h1,
     simulate_zero_bubble,
+    what_w_needs,
+    zb_h1_order,
     zero_bubble_name,
     zero_bubble_order,
     zero_bubble_step,
@@ -62,9 +73,11 @@ __all__ = [
     "PipelineWidget",
     "VirtualDevice",
     "WEIGHT_GRAD",
+    "ZB_H1",
     "brute_force_partition",
     "check_bubble_shares",
     "check_first_backward",
+    "check_my_bubble",
     "check_one_f_one_b_in_flight",
     "check_zero_bubble_idle",
     "check_zero_bubble_measured",
@@ -72,12 +85,20 @@ __all__ = [
     "measure_bubbles",
     "measure_zero_bubble",
     "peak_activations",
+    "peak_memory",
     "pending_w_peak",
+    "plot_bubbles",
+    "play_split_backward",
     "plot_schedule",
     "plot_side_by_side",
     "profile_layers",
+    "simulate_zb_h1",
+    "stretched_ops",
     "simulate_zero_bubble",
+    "torch_interleaved_step",
     "torch_pipeline_step",
+    "what_w_needs",
+    "zb_h1_order",
     "zero_bubble_name",
     "zero_bubble_order",
     "zero_bubble_step",

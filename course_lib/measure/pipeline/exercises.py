@@ -1,8 +1,8 @@
 """Lecture 8's exercises, checked off the page: the bubble worked out by hand
-(`check_bubble_shares`), and four predictions checked against the schedules simulated or run
-(`check_one_f_one_b_in_flight`, `check_zero_bubble_idle`, `check_first_backward`,
-`check_zero_bubble_measured`), each computing its expected value and saying why here, out of
-the notebook's sight."""
+(`check_bubble_shares`) and written as a function (`check_my_bubble`), and four predictions
+checked against the schedules simulated or run (`check_one_f_one_b_in_flight`,
+`check_zero_bubble_idle`, `check_first_backward`, `check_zero_bubble_measured`), each
+computing its expected value and saying why here, out of the notebook's sight."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from course_lib.costs import bubble_formula
 from course_lib.exercises import (
     check_choice,
+    check_function,
     check_number,
     check_numbers,
     nearest_option,
@@ -37,6 +38,22 @@ def check_bubble_shares(bubble: object, fewest_m_under_3_percent: object) -> boo
             atol=0.5,
             hint="Solve (P-1)/(m+P-1) < 0.03 for m; m is a whole number.",
         ),
+    )
+
+
+BUBBLE_CASES = [(4, 1, 1), (4, 8, 1), (8, 32, 1), (4, 8, 2), (8, 16, 4)]  # (P, m, v)
+
+
+def check_my_bubble(my_bubble: object) -> bool | None:
+    """The student's `my_bubble(P, m, v)` against the course's formula on five cases. It must
+    be the student's own code: a function that reads or runs anything of course_lib (the
+    formula under any name, the simulator) is refused."""
+    return check_function(
+        my_bubble,
+        bubble_formula,
+        BUBBLE_CASES,
+        hint="Per stage: busy m(tf+tb), fill and drain (P-1)(tf+tb)/v; idle over all stage-time.",
+        own_code=True,
     )
 
 

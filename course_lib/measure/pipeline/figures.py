@@ -73,13 +73,39 @@ def plot_schedule(*timelines: Timeline, titles: Sequence[str] | None = None) -> 
 
 
 def plot_side_by_side(simulated: Sequence[Timeline], measured: Sequence[Timeline]) -> Figure:
-    """Simulated schedules on the left (units), the same schedules measured on the right (ms)."""
+    """Simulated schedules on the left (units), the same schedules run on ranks on the right
+    (ms, on the emulated devices)."""
     rows = max(t.n_stages for t in (*simulated, *measured)) * 0.32 + 0.5
     fig = NotebookFigure(figsize=(12, 0.9 + rows * len(simulated)), layout="constrained")
     axes = fig.subplots(len(simulated), 2, squeeze=False)
     for row, (sim, real) in enumerate(zip(simulated, measured, strict=True)):
         draw_schedule(sim, axes[row, 0], f"simulated {sim.schedule}: bubble {sim.bubble:.1%}")
-        draw_schedule(real, axes[row, 1], f"measured {real.schedule}: bubble {real.bubble:.1%}")
+        draw_schedule(real, axes[row, 1], f"run on ranks {real.schedule}: bubble {real.bubble:.1%}")
+    return fig
+
+
+def plot_bubbles(
+    ms: Sequence[int],
+    bubbles: dict[str, Sequence[float]],
+    n_stages: int,
+    title: str,
+    kind: str = "simulated",
+) -> Figure:
+    """Bubbles by schedule (one per m in `ms`; `kind` says where they come from: "simulated",
+    "on the ranks") as dots over the course's formula (P-1)/(m+P-1): the formula stays here,
+    off the page of the exercise that asks for it."""
+    fig = NotebookFigure(figsize=(6, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    formula = [bubble_formula(n_stages, m) for m in ms]
+    ax.plot(ms, formula, "-", color="grey", alpha=0.5, lw=3, label="formula (P-1)/(m+P-1)")
+    for i, (schedule, values) in enumerate(bubbles.items()):
+        ax.plot(ms, values, "o", color=f"C{i}", ms=8 - 3 * i, label=f"{schedule}: {kind}")
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble (idle share)")
+    ax.set_xticks(list(ms))
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
     return fig
 
 

@@ -81,8 +81,82 @@ def simulate_zero_bubble(
     return Timeline(P, tasks, zero_bubble_name(defer_w))
 
 
-def zero_bubble_name(defer_w: bool) -> str:
+def zero_bubble_name(defer_w: bool, zb_h1: bool = False) -> str:
+    if zb_h1:
+        return ZB_H1
     return "zero bubble, " + ("W's deferred" if defer_w else "1F1B's memory")
+
+
+# --- ZB-H1, the paper's handcrafted schedule ----------------------------------------------------
+
+ZB_H1 = "ZB-H1"
+
+
+def zb_h1_order(n_stages: int, m: int) -> list[list[Op]]:
+    """ZB-H1 (Qi et al., 2023), each stage's F, B and W in order: stage s runs 1F1B's P - s
+    forwards before its first B; then for each micro-batch its B, the W owed longest once s W's
+    are owed, and the next F; the W's still owed run at the end. Every stage then holds at
+    most P micro-batches from F to W, the most 1F1B's first stage holds (its peak memory)."""
+    orders = []
+    for s in range(n_stages):
+        warmup = min(n_stages - s, m)
+        order, next_f, next_w = [Op(FORWARD, i) for i in range(warmup)], warmup, 0
+        for k in range(m):
+            order.append(Op(INPUT_GRAD, k))
+            if k >= s:  # stage s owes up to s W's: later stages fill their drain with them
+                order.append(Op(WEIGHT_GRAD, next_w))
+                next_w += 1
+            if next_f < m:
+                order.append(Op(FORWARD, next_f))
+                next_f += 1
+        orders.append(order + [Op(WEIGHT_GRAD, i) for i in range(next_w, m)])
+    return orders
+
+
+def play_split_backward(
+    orders: Sequence[Sequence[Op]], times: Sequence[float] = (1.0, 1.0, 1.0), name: str = ""
+) -> Timeline:
+    """Play each stage's F, B and W ops in the given order on the idealised machine: an op
+    starts when the stage is free and what it needs is done (F: the previous stage's F; B: its
+    own F and the next stage's B; W: its own B). `times` = (F, B, W)."""
+    P, seconds = len(orders), dict(zip((FORWARD, INPUT_GRAD, WEIGHT_GRAD), times, strict=True))
+    done: dict[tuple[str, int, int], float] = {}
+    free, position, tasks = [0.0] * P, [0] * P, []
+    progress = True
+    while progress:
+        progress = False
+        for s in range(P):
+            while position[s] < len(orders[s]):
+                op = orders[s][position[s]]
+                needs = {
+                    FORWARD: [(FORWARD, op.micro, s - 1)] if s > 0 else [],
+                    INPUT_GRAD: [(FORWARD, op.micro, s)]
+                    + ([(INPUT_GRAD, op.micro, s + 1)] if s < P - 1 else []),
+                    WEIGHT_GRAD: [(INPUT_GRAD, op.micro, s)],
+                }[op.kind]
+                if any(n not in done for n in needs):
+                    break  # waits for a neighbour; another stage moves first
+                start = max([free[s]] + [done[n] for n in needs])
+                done[(op.kind, op.micro, s)] = free[s] = start + seconds[op.kind]
+                tasks.append(Task(s, op.kind, op.micro, 0, start, free[s]))
+                position[s] += 1
+                progress = True
+    if any(position[s] < len(orders[s]) for s in range(P)):
+        raise RuntimeError(f"the orders deadlock: stages stopped at {position}")
+    return Timeline(P, tasks, name)
+
+
+def simulate_zb_h1(
+    n_stages: int,
+    m: int,
+    forward_s: float = 1.0,
+    input_grad_s: float = 1.0,
+    weight_grad_s: float = 1.0,
+) -> Timeline:
+    """ZB-H1 on the idealised machine: for m >= P its idle time per stage is (P-1)(F + B - W),
+    the zero-bubble formula, at 1F1B's peak memory."""
+    times = (forward_s, input_grad_s, weight_grad_s)
+    return play_split_backward(zb_h1_order(n_stages, m), times, ZB_H1)
 
 
 def pending_w_peak(timeline: Timeline, stage: int) -> int:
@@ -104,14 +178,59 @@ def peak_activations(timeline: Timeline, stage: int, freed_by: str = INPUT_GRAD)
     return peak
 
 
+def peak_memory(timeline: Timeline, stage: int, w_share: float) -> float:
+    """Most activation memory held on `stage` at once, in micro-batches' worth: a micro-batch
+    holds all its activations from its F to its B, and `w_share` of them from its B to its W
+    (what W needs: each weighted layer's input and output gradient). A backward not split in
+    two (1F1B's "B") frees everything."""
+    held = peak = 0.0
+    for t in sorted((t for t in timeline.tasks if t.stage == stage), key=lambda t: t.start):
+        split = any(u.kind == WEIGHT_GRAD for u in timeline.tasks)
+        held += {FORWARD: 1.0, INPUT_GRAD: (w_share - 1.0) if split else -1.0}.get(t.kind, 0.0)
+        held -= w_share if t.kind == WEIGHT_GRAD else 0.0
+        peak = max(peak, held)
+    return peak
+
+
+def what_w_needs(stage: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """(bytes W needs, bytes autograd saves) for one forward of `stage` on `x`. W needs, for
+    every layer with weights (linear, embedding, layer norm), its input and the gradient of
+    its output (the output's size); autograd saves every activation backward needs."""
+    needed = 0
+
+    def count(module: nn.Module, args: tuple, output: Any) -> None:
+        nonlocal needed
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        needed += sum(t.nbytes for t in tensors) + output.nbytes
+
+    weighted = [m for m in stage.modules() if next(m.parameters(recurse=False), None) is not None]
+    hooks = [m.register_forward_hook(count) for m in weighted]
+    try:
+        with SavedTensors(exclude=list(stage.parameters())) as saved:
+            out = stage(x)  # held while the output (and its graph) lives
+            held = saved.live_bytes
+            del out
+    finally:
+        for h in hooks:
+            h.remove()
+    return needed, held
+
+
 # --- the zero-bubble schedule, run for real --------------------------------------------------
 
 
 def zero_bubble_order(
-    n_stages: int, m: int, defer_w: bool = False, times: Sequence[float] = (1.0, 1.0, 1.0)
+    n_stages: int,
+    m: int,
+    defer_w: bool = False,
+    times: Sequence[float] = (1.0, 1.0, 1.0),
+    zb_h1: bool = False,
 ) -> list[list[Op]]:
     """Each stage's F, B and W ops in the order `simulate_zero_bubble` ran them with
-    `times` = (F, B, W): the runtime plays the simulator's schedule, not one of its own."""
+    `times` = (F, B, W), or ZB-H1's (`zb_h1=True`): the runtime plays the simulator's
+    schedule, not one of its own."""
+    if zb_h1:
+        return zb_h1_order(n_stages, m)
     timeline = simulate_zero_bubble(n_stages, m, *times, defer_w=defer_w)
     tasks = sorted(timeline.tasks, key=lambda t: (t.stage, t.start))
     return [[Op(t.kind, t.micro) for t in tasks if t.stage == s] for s in range(n_stages)]
@@ -141,20 +260,24 @@ def zero_bubble_step(
     defer_w: bool = False,
     times: Sequence[float] = (0.0, 0.0, 0.0),
     clock: type[EmulatedDevice] = EmulatedDevice,
+    zb_h1: bool = False,
 ) -> StageLog:
     """One step of the zero-bubble pipeline on rank r = stage index, in `zero_bubble_order`.
 
     F as in `pipeline_step`; B: the gradient of the stage's input only, sent upstream at
     once; W: the weights' gradients, later. `times` = (F, B, W) seconds on the rank's
-    emulated device (0: real compute only; the order then comes from F = B = W).
+    emulated device (0: real compute only; the order then comes from F = B = W). zb_h1=True
+    plays ZB-H1's handcrafted order (`defer_w` is then unused).
     """
     P, r = world_size(), rank()
     if x.shape[0] % m:
         raise ValueError(f"a batch of {x.shape[0]} samples does not split into m={m} equal parts")
-    order = zero_bubble_order(P, m, defer_w, times if all(t > 0 for t in times) else (1, 1, 1))
+    order = zero_bubble_order(
+        P, m, defer_w, times if all(t > 0 for t in times) else (1, 1, 1), zb_h1
+    )
     stage.to(device())
     xs, ys = ([c.to(device(), copy=True) for c in t.chunk(m)] for t in (x, y))
-    log, dev = StageLog(r, zero_bubble_name(defer_w)), clock()
+    log, dev = StageLog(r, zero_bubble_name(defer_w, zb_h1)), clock()
     params = list(stage.parameters())
     weight_grads = [torch.zeros_like(p) for p in params]
     inputs: dict[int, torch.Tensor] = {}
@@ -221,8 +344,9 @@ def measure_zero_bubble(
     m: int,
     times: Sequence[float],
 ) -> dict[str, StageLog]:
-    """Run on every rank: 1F1B (backward = B + W in one op) and both zero-bubble variants,
-    F, B, W lasting `times`, after warm-up steps that open the links and make the first calls."""
+    """Run on every rank: 1F1B (backward = B + W in one op), both greedy zero-bubble variants
+    and ZB-H1, F, B, W lasting `times`, after warm-up steps that open the links and make the
+    first calls."""
     pipeline_step(make_stage(), x, y, loss_fn, m=1, schedule="gpipe")
     zero_bubble_step(make_stage(), x, y, loss_fn, m=1)
     f, b, w = times
@@ -232,4 +356,5 @@ def measure_zero_bubble(
             zero_bubble_name(defer): zero_bubble_step(make_stage(), x, y, loss_fn, m, defer, times)
             for defer in (False, True)
         },
+        ZB_H1: zero_bubble_step(make_stage(), x, y, loss_fn, m, times=times, zb_h1=True),
     }
