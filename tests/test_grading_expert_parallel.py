@@ -375,3 +375,52 @@ def test_a_small_collectives_numbers_come_from_its_reported_bytes():
         assert carried(Sent("broadcast", None, (P - 1) * 64, 0, group)) == 64
         assert carried(Sent("broadcast", None, 0, 64, group)) == 64
     assert carried(Sent("all_gather", None, 0, 0, (0,))) == 0
+
+
+# A layer whose backward sends nothing, and a sync_router_grads that runs the whole backward
+# (uncounted, as sync_router_grads is) and writes every gradient: the x and expert gradients
+# are judged as they are right after the layer's backward, before sync_router_grads runs.
+_deferred: dict = {}
+
+
+class _Deferred(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out):
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _deferred["g"] = grad.clone()
+        return torch.zeros_like(grad), None
+
+
+def backward_deferred(x, router, experts, k, capacity_factor):
+    if router.out_features % world_size():
+        return A12.expert_parallel_moe(x, router, experts, k, capacity_factor)
+    with torch.no_grad():
+        out = A12.expert_parallel_moe(x.detach(), router, experts, k, capacity_factor)
+    _deferred.update(x=x, experts=experts, k=k, capacity_factor=capacity_factor)
+    return _Deferred.apply(x, out)
+
+
+def sync_runs_the_backward(router):
+    x = _deferred["x"].detach().requires_grad_(True)
+    for p in [*router.parameters(), *_deferred["experts"].parameters()]:
+        p.grad = None
+    out = A12.expert_parallel_moe(
+        x, router, _deferred["experts"], _deferred["k"], _deferred["capacity_factor"]
+    )
+    out.backward(_deferred["g"])
+    A12.sync_router_grads(router)
+    _deferred["x"].grad = x.grad
+
+
+def test_a_backward_done_in_sync_router_grads_scores_nothing():
+    """sync_router_grads is not counted (Part 3), so it must not be where the layer's gradients
+    are made: Part 2 reads x's and the experts' gradients before calling it."""
+    check_moe_forward(backward_deferred, world_sizes=(2,))
+    for check in (check_moe_backward, check_moe_traffic):
+        error = expect_failure(
+            check, backward_deferred, sync_runs_the_backward, message="differs", world_sizes=(2,)
+        )
+        assert error.score == 0

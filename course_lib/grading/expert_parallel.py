@@ -231,8 +231,9 @@ def check_moe_backward(
     seeds: Iterable[int] = (0,),
     timeout: float = 30.0,
 ) -> None:
-    """After backward of sum(out * g) and `sync_router_grads(router)`, x's, the router's and
-    this rank's experts' gradients equal the single-process layer's (rtol 1e-9, atol 1e-12)."""
+    """After backward of sum(out * g), x's and this rank's experts' gradients, and after
+    `sync_router_grads(router)` the router's, equal the single-process layer's (rtol 1e-9,
+    atol 1e-12)."""
     __tracebackhide__ = True
     check = "check_moe_backward"
     verdict, count, sizes, _ = _check(
@@ -240,8 +241,9 @@ def check_moe_backward(
     )
     verdict.conclude(
         f"{count} case(s) on {', '.join(map(str, sizes))} rank(s), with and without dropped "
-        "choices: the output and the gradients of x, the router (after sync_router_grads) and "
-        f"every expert equal the layer's on one process (rtol {RTOL:g}, atol {ATOL:g})"
+        "choices: the output, the gradients of x and of every expert after backward, and the "
+        "router's after sync_router_grads equal the layer's on one process "
+        f"(rtol {RTOL:g}, atol {ATOL:g})"
     )
 
 

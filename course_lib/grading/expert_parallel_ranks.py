@@ -55,10 +55,13 @@ def _run_case(fn: Callable, sync: Callable | None, case: Case, given: tuple, i: 
     if isinstance(out, torch.Tensor):
         record["out"] = out.detach().clone()
     if sync is not None and ok:
-        sync(router)
+        # x's and the experts' gradients as the layer's backward left them: sync_router_grads,
+        # which no part counts, must not be where they are made (it could run the whole
+        # exchange there unseen); it is for the router's gradient only.
         record["x_grad"] = None if x.grad is None else x.grad.clone()
-        record["router_grad"] = _grads(router)[0]
         record["expert_grads"] = [_grads(expert) for expert in mine]
+        sync(router)
+        record["router_grad"] = _grads(router)[0]
     return record
 
 
