@@ -23,7 +23,8 @@ By what a reader looks for:
     restart.py       train with sharded checkpoints; resume from the newest complete one
     checkpoints.py   asynchronous checkpoints of each rank's shard, durable files, the
                      commit marker that says every rank's file of a checkpoint is whole
-    jobs.py          torchrun from a notebook: one agent or two nodes, under a timeout
+    jobs.py          torchrun from a notebook: one agent, two nodes or two jobs at once,
+                     under a timeout
     watchdog.py      heartbeats, a deadline that names the missing rank, the straggler
 
 Import from `course_lib.fault_tolerance` itself: every public name is here.
