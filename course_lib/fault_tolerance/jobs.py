@@ -142,11 +142,11 @@ def two_node_args(
 ) -> list[list[str]]:
     """torchrun arguments of two agents on this machine, as two nodes meeting through the c10d
     rendezvous at 127.0.0.1:`port`. Under c10d the rendezvous numbers the nodes itself, by
-    address and then process id (--node-rank would be ignored): agent 0, started first, is
-    node 0 here. Agent 0 also hosts the rendezvous store (is_host): if it dies, so does the
-    rendezvous.
-    `nnodes` is a number or an elastic range ("1:2"); `rdzv_conf` adds rendezvous settings
-    (join_timeout, last_call_timeout, keep_alive_interval, keep_alive_max_attempt: seconds)."""
+    address and then process id (--node-rank would be ignored): agent 0, started first, has
+    the lower process id and is node 0. Agent 0 also hosts the rendezvous store (is_host): if
+    it dies, so does the rendezvous. `nnodes` is a number or an elastic range ("1:2");
+    `rdzv_conf` adds rendezvous settings (join_timeout, last_call_timeout,
+    keep_alive_interval, keep_alive_max_attempt: seconds)."""
     extra = "".join(f",{key}={value:g}" for key, value in rdzv_conf.items())
     return [
         [
