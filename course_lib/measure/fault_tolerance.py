@@ -1,12 +1,12 @@
 """What lecture 13 measures and draws: the loss curve of a restarted run against an
-uninterrupted one, the stall of blocking against asynchronous checkpoints, a straggler and a
-hung rank found by the watchdog, and MFU on this CPU and in the planner's plans.
+uninterrupted one, what the agents of a job that lost a node did and what each attempt
+trained, the stall of blocking against asynchronous checkpoints, a straggler and a hung rank
+found by the watchdog, and MFU on this CPU and in the planner's plans.
 
 Functions whose docstring says "on each rank" run inside `launch`; the others in the notebook.
 The checks of the lecture's exercises (`check_steps_redone`, on the restart,
 `check_minutes_between_checkpoints`, on Young's rule, and `check_named_rank`, on the hung rank)
-compute their expected values and say why here, out
-of the notebook's sight.
+compute their expected values and say why here, out of the notebook's sight.
 """
 
 from __future__ import annotations
