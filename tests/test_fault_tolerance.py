@@ -125,7 +125,7 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(tmp_path, reference):
 
 
 RENDEZVOUS = dict(
-    join_timeout=8, last_call_timeout=5, keep_alive_interval=1, keep_alive_max_attempt=2
+    join_timeout=6, last_call_timeout=3, keep_alive_interval=1, keep_alive_max_attempt=2
 )
 
 

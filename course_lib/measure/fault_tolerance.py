@@ -246,7 +246,7 @@ def monitored_barrier_report(hang_rank: int = 1, timeout_s: float = 1.0) -> str:
     """On each rank: torch's own check, `dist.monitored_barrier` (gloo only): rank 0 waits for
     every other rank and names those that did not come. Rank `hang_rank` never calls it."""
     if rank() == hang_rank:
-        time.sleep(3 * timeout_s)  # late: the barrier has given up by then
+        time.sleep(1.5 * timeout_s)  # late: the barrier has given up by then
         return "(this rank never arrived)"
     try:
         dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
