@@ -1,13 +1,14 @@
 """course_lib.fault_tolerance: a rank killed under torchrun and the job resumed with the losses
 of an uninterrupted run, asynchronous checkpoints that load back equal and count only once
 committed by every rank, a 2-rank checkpoint resumed on 1 rank, a watchdog that names the hung
-rank and the straggler, two torchrun agents as two nodes. Every subprocess runs under a
-timeout, and none outlives its test."""
+rank and the straggler, two torchrun agents as two nodes, one of them lost under a fixed and
+an elastic number of nodes. Every subprocess runs under a timeout, and none outlives its test."""
 
 from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,12 +21,15 @@ from course_lib.errors import LaunchError
 from course_lib.fault_tolerance import (
     COMMITTED,
     AsyncCheckpointer,
-    free_port,
+    TorchrunResult,
+    free_ports,
     latest_checkpoint,
     local_state,
+    lose_node,
     loss_log,
     missing_ranks,
     run_agents,
+    run_jobs,
     run_torchrun,
     slowest_rank,
     train,
@@ -34,6 +38,8 @@ from course_lib.fault_tolerance import (
 )
 from course_lib.fault_tolerance.jobs import _kill_tree
 from course_lib.measure.fault_tolerance import (
+    agents_report,
+    attempts_report,
     check_minutes_between_checkpoints,
     check_named_rank,
     check_steps_redone,
@@ -118,12 +124,89 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(tmp_path, reference):
     torch.testing.assert_close(resumed, reference[EVERY:], rtol=0, atol=1e-5)
 
 
-def test_two_torchrun_agents_train_as_two_nodes(tmp_path, reference):
-    results = run_agents(
-        two_node_args(free_port()), "course_lib.fault_tolerance:train", tmp_path, 4, 5, timeout=240
-    )
-    assert [r.returncode for r in results] == [0, 0], results[0].output[-3000:]
-    assert [row["loss"] for row in loss_log(tmp_path)] == reference[:4]
+RENDEZVOUS = dict(
+    join_timeout=6, last_call_timeout=3, keep_alive_interval=1, keep_alive_max_attempt=2
+)
+
+
+def test_a_lost_node_fails_a_fixed_job_and_an_elastic_one_goes_on_alone(tmp_path, reference):
+    """Two jobs of two torchrun agents each, run at once; rank 1's node (its agent and worker)
+    dies at step 4. `--nnodes 2`: the survivor finds no second node within join_timeout and
+    fails. `--nnodes 1:2`: it restarts alone from the step-2 checkpoint, resharded on 1 rank."""
+    folders = {"2": tmp_path / "fixed", "1:2": tmp_path / "elastic"}
+    jobs = {
+        nnodes: (
+            two_node_args(port, nnodes=nnodes, max_restarts=1, **RENDEZVOUS),
+            (folder, STEPS, EVERY, 4, 1, "node"),
+        )
+        for (nnodes, folder), port in zip(folders.items(), free_ports(2), strict=True)
+    }
+    results = run_jobs(jobs, "course_lib.fault_tolerance:train", timeout=240)
+    for nnodes, (survivor, lost) in results.items():
+        assert lost.returncode == -signal.SIGKILL, f"--nnodes {nnodes}: {lost.output[-2000:]}"
+        assert lost.seconds < survivor.seconds, "each agent's time is when it ended"
+    fixed, elastic = results["2"][0], results["1:2"][0]
+    assert fixed.returncode != 0 and "RendezvousTimeoutError" in fixed.output, fixed.output[-3000:]
+    assert elastic.returncode == 0, elastic.output[-3000:]
+
+    assert [row["step"] for row in loss_log(folders["2"])] == list(range(4))
+    log = loss_log(folders["1:2"])
+    first = [row for row in log if row["attempt"] == 0]
+    second = [row for row in log if row["attempt"] == 1]
+    assert [(r["step"], r["world_size"]) for r in first] == [(s, 2) for s in range(4)]
+    assert [(r["step"], r["world_size"]) for r in second] == [(s, 1) for s in range(3, STEPS)]
+    assert [r["loss"] for r in first] == reference[:4], "two nodes train as two ranks do"
+    # One rank sums what two summed: fp32 rounding only (see the test of the 1-rank resume).
+    torch.testing.assert_close([r["loss"] for r in second], reference[3:], rtol=0, atol=1e-5)
+    report = agents_report(results["1:2"])
+    assert report[0].startswith("agent 0 (hosts the rendezvous): exit code 0 after ")
+    assert "Connection closed by peer" in report[0] or "Connection reset" in report[0]
+    assert report[1].startswith("agent 1: killed with its node (SIGKILL) after ")
+
+
+def test_two_node_args_ask_for_the_nodes_restarts_and_rendezvous_settings():
+    agents = two_node_args(1234, nnodes="1:2", max_restarts=3, join_timeout=8, last_call_timeout=1)
+    for node, args in enumerate(agents):
+        options = dict(zip(args[::2], args[1::2], strict=True))
+        assert options["--nnodes"] == "1:2" and options["--max-restarts"] == "3"
+        assert options["--rdzv-endpoint"] == "127.0.0.1:1234"
+        assert (
+            options["--rdzv-conf"] == f"is_host={int(node == 0)},join_timeout=8,last_call_timeout=1"
+        )
+    assert len(set(free_ports(3))) == 3
+
+
+def test_lose_node_refuses_to_run_outside_torchrun(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with pytest.raises(RuntimeError, match="under torchrun only"):
+        lose_node()  # would otherwise SIGKILL this process's parent
+
+
+def test_the_reports_say_how_each_agent_ended_and_each_attempt_trained():
+    results = [
+        TorchrunResult(
+            0, "[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [x]:1. This is", 20.4
+        ),
+        TorchrunResult(-signal.SIGKILL, "", 8.6),
+        TorchrunResult(
+            1, "Traceback\ntorch.distributed.elastic.rendezvous.api.RendezvousTimeoutError\n", 30.0
+        ),
+    ]
+    assert agents_report(results) == [
+        "agent 0 (hosts the rendezvous): exit code 0 after 20 s; printed RuntimeError: "
+        "Connection closed by peer [x]:1",
+        "agent 1: killed with its node (SIGKILL) after 9 s",
+        "agent 2: exit code 1 after 30 s; printed RendezvousTimeoutError",
+    ]
+    log = [
+        {"attempt": 0, "world_size": 2, "step": 0, "loss": 3.0},
+        {"attempt": 0, "world_size": 2, "step": 1, "loss": 2.0},
+        {"attempt": 1, "world_size": 1, "step": 1, "loss": 2.0 + 2e-7},
+    ]
+    assert attempts_report(log, [3.0, 2.0]) == [
+        "attempt 0: steps 0-1 on 2 ranks, largest |loss - uninterrupted| 0.0e+00",
+        "attempt 1: steps 1-1 on 1 rank, largest |loss - uninterrupted| 2.0e-07",
+    ]
 
 
 def test_a_torchrun_that_runs_out_of_time_is_killed_and_says_what_each_agent_printed():
@@ -306,6 +389,22 @@ def test_the_planner_chart_draws_every_kind_in_its_legend_colour_in_every_row():
     for kind, bars in zip(drawn, ax.containers, strict=True):
         assert matplotlib.colors.to_hex(bars.patches[0].get_facecolor()) == legend[kind], kind
     plt.close(fig)
+
+
+def test_the_planner_rows_use_one_n_and_the_planner_adds_only_attention():
+    """N = 12 L h^2 (no embeddings) in both MFUs: the planner's own is 6ND's times 1 + s/(6h),
+    its attention scores, to rounding (7B: s = h, a sixth; 70B: h = 2s, a twelfth)."""
+    from course_lib.measure.fault_tolerance import planner_mfu
+    from course_lib.parallel_3d import LLAMA_7B, LLAMA_70B
+
+    rows = planner_mfu()
+    for model in (LLAMA_7B, LLAMA_70B):
+        row, shape = rows[model.name], model.shape
+        assert row["n_params"] == 12 * shape.layers * shape.hidden**2 < model.params
+        assert math.isclose(
+            row["planner_mfu"], row["mfu"] * (1 + shape.seq / (6 * shape.hidden)), rel_tol=1e-9
+        )
+    assert math.isclose(rows["7B"]["attention_share"], 1 / 6, rel_tol=1e-12)
 
 
 def test_the_young_check_takes_sqrt_2cm_in_minutes(capsys):

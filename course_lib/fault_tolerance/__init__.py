@@ -23,7 +23,8 @@ By what a reader looks for:
     restart.py       train with sharded checkpoints; resume from the newest complete one
     checkpoints.py   asynchronous checkpoints of each rank's shard, durable files, the
                      commit marker that says every rank's file of a checkpoint is whole
-    jobs.py          torchrun from a notebook: one agent or two nodes, under a timeout
+    jobs.py          torchrun from a notebook: one agent, two nodes or two jobs at once,
+                     under a timeout
     watchdog.py      heartbeats, a deadline that names the missing rank, the straggler
 
 Import from `course_lib.fault_tolerance` itself: every public name is here.
@@ -41,7 +42,9 @@ from course_lib.fault_tolerance.checkpoints import (
 from course_lib.fault_tolerance.jobs import (
     TorchrunResult,
     free_port,
+    free_ports,
     run_agents,
+    run_jobs,
     run_torchrun,
     two_node_args,
 )
@@ -50,6 +53,7 @@ from course_lib.fault_tolerance.restart import (
     CONFIG,
     LOG,
     latest_checkpoint,
+    lose_node,
     loss_log,
     restart_count,
     train,
@@ -75,16 +79,19 @@ __all__ = [
     "commit",
     "durable_write",
     "free_port",
+    "free_ports",
     "guarded_all_reduce",
     "heartbeat",
     "heartbeats",
     "latest_checkpoint",
     "load_local_state",
     "local_state",
+    "lose_node",
     "loss_log",
     "missing_ranks",
     "restart_count",
     "run_agents",
+    "run_jobs",
     "run_torchrun",
     "save_file",
     "slowest_rank",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
 
@@ -114,13 +115,32 @@ def _rank_file(path: str) -> str:
 
 
 def train(
-    directory: str, steps: int = 24, every: int = 5, kill_at: int | None = None, kill_rank: int = 1
+    directory: str,
+    steps: int = 24,
+    every: int = 5,
+    kill_at: int | None = None,
+    kill_rank: int = 1,
+    kill: str = "worker",
 ) -> list[float]:
     """Train the tiny GPT with ZeRO-3 (FSDP2) on every rank, checkpointing after every
     `every` steps into `directory`, resuming from the newest checkpoint there. On the first
-    attempt only, rank `kill_rank` dies at step `kill_at` (os._exit: no exception, no
-    clean-up, as when a node loses power). Rank 0 appends each step's loss to `LOG`."""
-    return _train(directory, steps, every, _Sharded(), kill_at, kill_rank)
+    attempt only, at step `kill_at`, rank `kill_rank` dies: `kill="worker"`, the worker
+    process alone (os._exit: no exception, no clean-up, as in a segfault); `kill="node"`,
+    its torchrun agent with it, as when the machine loses power (`lose_node`). Rank 0
+    appends each step's loss to `LOG`."""
+    if kill not in ("worker", "node"):
+        raise ValueError(f"kill is 'worker' or 'node', got {kill!r}")
+    return _train(directory, steps, every, _Sharded(), kill_at, kill_rank, kill)
+
+
+def lose_node() -> None:
+    """This worker's node fails: its torchrun agent (the worker's parent) and the worker die
+    at once, SIGKILL and os._exit, no clean-up; the other nodes' agents must notice. Under
+    torchrun only, one worker per node (other workers of the node would outlive it)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        raise RuntimeError("lose_node runs under torchrun only: the parent must be its agent")
+    os.kill(os.getppid(), signal.SIGKILL)
+    os._exit(1)
 
 
 def train_async(
@@ -167,6 +187,7 @@ def _train(
     checkpoints: _Sharded | _AsyncCommitted,
     kill_at: int | None = None,
     kill_rank: int = 1,
+    kill: str = "worker",
 ) -> list[float]:
     """The loop both kinds of checkpoint share: resume from the newest checkpoint that holds
     `checkpoints.marker`, train, save after every `every` steps, commit what is pending."""
@@ -183,13 +204,20 @@ def _train(
     losses = []
     for step in range(start, steps):
         if step == kill_at and rank() == kill_rank and restart_count() == 0:
+            if kill == "node":
+                lose_node()
             os._exit(1)
         loss, _ = measured_step(model, optimizer, *batches[step])
         mean = torch.tensor(loss)
         dist.all_reduce(mean)  # the job's loss: the mean of the ranks' shards
         losses.append(mean.item() / world_size())
         if rank() == 0:
-            row = {"attempt": restart_count(), "step": step, "loss": losses[-1]}
+            row = {
+                "attempt": restart_count(),
+                "world_size": world_size(),
+                "step": step,
+                "loss": losses[-1],
+            }
             with open(os.path.join(directory, LOG), "a") as log:
                 log.write(json.dumps(row) + "\n")
         if (step + 1) % every == 0:
@@ -199,6 +227,7 @@ def _train(
 
 
 def loss_log(directory: str) -> list[dict]:
-    """Rank 0's loss log: one {"attempt", "step", "loss"} per step, in the order written."""
+    """Rank 0's loss log: one {"attempt", "world_size", "step", "loss"} per step, in the order
+    written."""
     with open(os.path.join(directory, LOG)) as log:
         return [json.loads(line) for line in log]

@@ -1,12 +1,12 @@
 """What lecture 13 measures and draws: the loss curve of a restarted run against an
-uninterrupted one, the stall of blocking against asynchronous checkpoints, a straggler and a
-hung rank found by the watchdog, and MFU on this CPU and in the planner's plans.
+uninterrupted one, what the agents of a job that lost a node did and what each attempt
+trained, the stall of blocking against asynchronous checkpoints, a straggler and a hung rank
+found by the watchdog, and MFU on this CPU and in the planner's plans.
 
 Functions whose docstring says "on each rank" run inside `launch`; the others in the notebook.
 The checks of the lecture's exercises (`check_steps_redone`, on the restart,
 `check_minutes_between_checkpoints`, on Young's rule, and `check_named_rank`, on the hung rank)
-compute their expected values and say why here, out
-of the notebook's sight.
+compute their expected values and say why here, out of the notebook's sight.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
+import statistics
 import tempfile
 import time
 from datetime import timedelta
@@ -29,6 +31,7 @@ from course_lib.costs import checkpoint_interval, mfu, training_flops
 from course_lib.exercises import check_choice, check_number
 from course_lib.fault_tolerance import (
     AsyncCheckpointer,
+    TorchrunResult,
     guarded_all_reduce,
     local_state,
     save_file,
@@ -64,6 +67,51 @@ def plot_restart(log: list[dict], reference: list[float], kill_at: int):
     ax.set(xlabel="step", ylabel="loss", title="A rank killed, the job restarted by torchrun")
     ax.legend()
     return fig
+
+
+# --- 1. a node lost: what each agent saw, what each attempt trained -------------------------
+
+# The last line of a traceback: "RuntimeError: [.../pair.cc:553] Connection closed by peer ..."
+_ERROR = re.compile(r"^(?:\[rank\d+\]: )?(?:[\w.]+\.)?(\w+(?:Error|Exception))(?:: (.*))?$")
+
+
+def agents_report(results: list[TorchrunResult]) -> list[str]:
+    """One line per torchrun agent of a job: how and when it ended (from the start of the
+    job), and the errors it and its workers printed, each by its class and first sentence.
+    Agent 0 is the one that hosts the rendezvous (`two_node_args`)."""
+    lines = []
+    for i, result in enumerate(results):
+        who = f"agent {i}{' (hosts the rendezvous)' if i == 0 else ''}"
+        if result.returncode == -signal.SIGKILL:
+            ended = "killed with its node (SIGKILL)"
+        else:
+            ended = f"exit code {result.returncode}"
+        errors = []
+        for line in result.output.splitlines():
+            match = _ERROR.match(line.strip())
+            if match:
+                name, message = match.group(1), (match.group(2) or "").split("] ")[-1]
+                error = f"{name}: {message.split('. ')[0]}" if message else name
+                if error not in errors:
+                    errors.append(error)
+        said = f"; printed {'; '.join(errors)}" if errors else ""
+        lines.append(f"{who}: {ended} after {result.seconds:.0f} s{said}")
+    return lines
+
+
+def attempts_report(log: list[dict], reference: list[float]) -> list[str]:
+    """One line per attempt of a restarted job's loss log: its steps, its world size, and its
+    largest |loss - the uninterrupted run's loss| at the same steps."""
+    lines = []
+    for attempt in sorted({row["attempt"] for row in log}):
+        rows = [row for row in log if row["attempt"] == attempt]
+        gap = max(abs(row["loss"] - reference[row["step"]]) for row in rows)
+        ranks = rows[0]["world_size"]
+        lines.append(
+            f"attempt {attempt}: steps {rows[0]['step']}-{rows[-1]['step']} on {ranks} "
+            f"rank{'s' if ranks > 1 else ''}, largest |loss - uninterrupted| {gap:.1e}"
+        )
+    return lines
 
 
 # --- 2. checkpoint stalls ----------------------------------------------------------------------
@@ -124,13 +172,35 @@ def checkpoint_stall(
     return {"stall": stalls or [0.0], "step": times}
 
 
+def median_range(seconds: list[float]) -> tuple[float, float, float]:
+    """(median, fastest, slowest) of `seconds`, in milliseconds."""
+    ms = [1e3 * t for t in seconds]
+    return statistics.median(ms), min(ms), max(ms)
+
+
+def stall_lines(runs: dict[str, dict[str, list[float]]]) -> list[str]:
+    """One line per mode of `checkpoint_stall`: the stall of each save call and the steps
+    (save included, the first step left out: it warms up), each as median (fastest-slowest)."""
+    lines = []
+    for mode, run in runs.items():
+        held, step = median_range(run["stall"]), median_range(run["step"][1:])
+        lines.append(
+            f"{mode:<16} held {held[0]:4.0f} ms ({held[1]:3.0f}-{held[2]:3.0f}) per checkpoint; "
+            f"steps {step[0]:4.0f} ms ({step[1]:3.0f}-{step[2]:3.0f})"
+        )
+    return lines
+
+
 def plot_stall(runs: dict[str, dict[str, list[float]]]):
-    """The mean stall per checkpoint of each mode, a bar each."""
+    """The median stall per checkpoint of each mode, a bar each, a line from its fastest to its
+    slowest save."""
     fig, ax = plt.subplots(figsize=(8, 3))
-    means = {mode: sum(r["stall"]) / len(r["stall"]) * 1e3 for mode, r in runs.items()}
-    bars = ax.bar(list(means), list(means.values()), color="tab:blue")
-    ax.bar_label(bars, fmt="%.0f ms")
-    ax.set(ylabel="ms the loop is held", title="What a checkpoint costs the training loop")
+    spread = {mode: median_range(r["stall"]) for mode, r in runs.items()}
+    median = [m for m, _, _ in spread.values()]
+    error = [[m - lo for m, lo, _ in spread.values()], [hi - m for m, _, hi in spread.values()]]
+    bars = ax.bar(list(spread), median, yerr=error, capsize=3, color="tab:blue")
+    ax.bar_label(bars, fmt="%.0f ms", padding=2)
+    ax.set(ylabel="ms the loop is held (median)", title="What a checkpoint costs the training loop")
     return fig
 
 
@@ -176,7 +246,7 @@ def monitored_barrier_report(hang_rank: int = 1, timeout_s: float = 1.0) -> str:
     """On each rank: torch's own check, `dist.monitored_barrier` (gloo only): rank 0 waits for
     every other rank and names those that did not come. Rank `hang_rank` never calls it."""
     if rank() == hang_rank:
-        time.sleep(3 * timeout_s)  # late: the barrier has given up by then
+        time.sleep(1.5 * timeout_s)  # late: the barrier has given up by then
         return "(this rank never arrived)"
     try:
         dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
@@ -252,19 +322,28 @@ def gpt_step_seconds(batch: int = 4, steps: int = 3, config=MFU_CONFIG) -> tuple
 
 def planner_mfu() -> dict[str, dict]:
     """MFU of the planner's best plan for 7B on 64 GPUs and 70B on 512 (lecture 10), by 6ND
-    against the GPUs' peak (`Cluster.peak_flops_per_s`), beside the planner's own MFU (which
-    counts attention's FLOPs too), with the step's seconds by kind."""
+    against the GPUs' peak (`Cluster.peak_flops_per_s`), N counted as in `matmul_parameters`
+    (the weights that multiply, no embeddings), beside the planner's own MFU (which counts
+    attention's scores too), with N and the step's seconds by kind."""
     rows = {}
     for model, gpus in ((LLAMA_7B, 64), (LLAMA_70B, 512)):
         cluster = Cluster(gpus)
         plan = best(model, cluster)
-        tokens = model.global_batch * model.shape.seq
+        shape = model.shape
+        # The planner's FLOPs (`costs.compute_seconds`) are 24 b s h^2 per layer forward for
+        # the matmul weights, 2 FLOPs per weight and token: 12 h^2 weights per layer (4 h^2
+        # in attention, 8 h^2 in the MLP). Its model card's N adds the embeddings.
+        n_params = 12 * shape.layers * shape.hidden**2
+        tokens = model.global_batch * shape.seq
         rows[model.name] = {
             "plan": str(plan.plan),
             "gpus": gpus,
+            "n_params": n_params,
+            "card_params": model.params,
+            "attention_share": shape.seq / (6 * shape.hidden),  # 12 L s h over 6N = 72 L h^2
             "step_seconds": plan.step_seconds,
             "mfu": mfu(
-                training_flops(model.params, tokens),
+                training_flops(n_params, tokens),
                 plan.step_seconds,
                 cluster.peak_flops_per_s,
                 gpus,
