@@ -33,6 +33,7 @@ from course_lib.costs import (
     ep_bytes,
     expert_capacity,
     interleaved_peak_chunks,
+    matmul_weights,
     pp_boundary_bytes,
     ring_attention_bytes,
     ring_bytes,
@@ -343,7 +344,10 @@ def test_6nd_is_the_matmul_part_of_compute_seconds():
     L, h, s, b = shape.layers, shape.hidden, shape.seq, shape.batch
     flops = compute_seconds(shape, t=1, p=1, flops_per_s=1.0)
     attention = 12 * L * s * h * (b * s)
-    assert training_flops(12 * L * h * h, b * s) + attention == pytest.approx(flops, rel=1e-12)
+    assert matmul_weights(shape) == 12 * L * h * h
+    assert training_flops(matmul_weights(shape), b * s) + attention == pytest.approx(
+        flops, rel=1e-12
+    )
 
 
 def test_mfu_by_hand():

@@ -145,6 +145,14 @@ def traffic_per_microbatch(
     }
 
 
+def matmul_weights(shape: TransformerShape) -> int:
+    """The weights of a transformer's layers that multiply, 12 L h^2: 4 h^2 in attention (q,
+    k, v and the output projection) and 8 h^2 in the MLP (h -> 4h -> h), no embeddings. The
+    N of 6ND that `compute_seconds`' 24 b s h^2 per layer forward counts, 2 FLOPs per weight
+    and token."""
+    return 12 * shape.layers * shape.hidden**2
+
+
 def compute_seconds(shape: TransformerShape, t: int, p: int, flops_per_s: float) -> float:
     """Seconds one GPU computes per micro-batch: forward + backward = 3 x forward FLOPs,
     forward = 24bsh^2 + 4bs^2h per layer (the matmuls), split over t ranks and p stages."""

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from course_lib import data, models
-from course_lib.costs import checkpoint_interval, mfu, training_flops
+from course_lib.costs import checkpoint_interval, matmul_weights, mfu, training_flops
 from course_lib.exercises import check_choice, check_number
 from course_lib.fault_tolerance import (
     AsyncCheckpointer,
@@ -330,10 +330,9 @@ def planner_mfu() -> dict[str, dict]:
         cluster = Cluster(gpus)
         plan = best(model, cluster)
         shape = model.shape
-        # The planner's FLOPs (`costs.compute_seconds`) are 24 b s h^2 per layer forward for
-        # the matmul weights, 2 FLOPs per weight and token: 12 h^2 weights per layer (4 h^2
-        # in attention, 8 h^2 in the MLP). Its model card's N adds the embeddings.
-        n_params = 12 * shape.layers * shape.hidden**2
+        # The N of the planner's FLOPs (`costs.compute_seconds`); its model card's N adds the
+        # embeddings.
+        n_params = matmul_weights(shape)
         tokens = model.global_batch * shape.seq
         rows[model.name] = {
             "plan": str(plan.plan),
