@@ -49,6 +49,7 @@ from course_lib.grading.compression_cases import (
 )
 from course_lib.grading.compression_powersgd import (
     P_TOLERANCE,
+    float32_holds,
     initial_q,
     judge_powersgd,
     powersgd_reference,
@@ -177,6 +178,9 @@ def check_powersgd(
             for r in ranks
         ]
         grads = p_gradients(cases, new_secret())  # [case][rank][step]
+        for i, case in enumerate(cases):  # too ill-conditioned for float32: draw again
+            while not float32_holds(case, grads[i]):
+                grads[i] = p_gradients([case], new_secret())[0]
         given = [[g[r] for g in grads] for r in range(p)]
         what = f"your {name} (world size {p}, {len(cases)} cases)"
         # Per case a segment for the construction (its calls count for no step), then one
