@@ -4,12 +4,12 @@ or measured on ranks (`Timeline.from_logs` of every rank's `StageLog`), and thei
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from course_lib.pipeline.schedules import BACKWARD, FORWARD, schedule_order
+from course_lib.pipeline.schedules import BACKWARD, FORWARD, Op, schedule_order
 
 # --- timelines: when each op ran, simulated or measured --------------------------------------
 
@@ -119,7 +119,35 @@ def simulate(
     fwd = [t / n_chunks for t in _per_stage(forward_s, n_stages, "forward_s")]
     bwd = [t / n_chunks for t in _per_stage(backward_s, n_stages, "backward_s")]
     last_virtual = n_chunks * n_stages - 1
-    done: dict[tuple[str, int, int], float] = {}  # (kind, micro, virtual stage) -> end time
+
+    def needs(s: int, op: Op) -> tuple[tuple, list[tuple[tuple, float]]]:
+        v = op.chunk * n_stages + s  # chunk c of stage s is virtual stage c*P + s
+        if op.kind == FORWARD:
+            after = [(FORWARD, op.micro, v - 1)] if v > 0 else []
+        elif v < last_virtual:
+            after = [(BACKWARD, op.micro, v + 1)]
+        else:
+            after = [(FORWARD, op.micro, v)]
+        return (op.kind, op.micro, v), [(k, comm_s if k[2] != v else 0) for k in after]
+
+    def seconds(s: int, op: Op) -> float:
+        return fwd[s] if op.kind == FORWARD else bwd[s]
+
+    return play(orders, needs, seconds, schedule)
+
+
+def play(
+    orders: Sequence[Sequence[Op]],
+    needs: Callable[[int, Op], tuple[tuple, list[tuple[tuple, float]]]],
+    seconds: Callable[[int, Op], float],
+    name: str,
+) -> Timeline:
+    """Play each stage's ops, in their order, on the idealised machine: an op starts once its
+    stage is free and every op it waits for has ended, plus a delay. `needs(s, op)` gives the
+    op's own key and the (key, delay) of each op it waits for; `seconds(s, op)` how long it
+    takes. Used by `simulate` and by the zero-bubble schedules, whose backward is split."""
+    n_stages = len(orders)
+    done: dict[tuple, float] = {}  # an op's key -> its end time
     free = [0.0] * n_stages
     position = [0] * n_stages
     tasks: list[Task] = []
@@ -129,25 +157,17 @@ def simulate(
         for s in range(n_stages):
             while position[s] < len(orders[s]):
                 op = orders[s][position[s]]
-                v = op.chunk * n_stages + s  # chunk c of stage s is virtual stage c*P + s
-                if op.kind == FORWARD:
-                    needs = (FORWARD, op.micro, v - 1) if v > 0 else None
-                elif v < last_virtual:
-                    needs = (BACKWARD, op.micro, v + 1)
-                else:
-                    needs = (FORWARD, op.micro, v)
-                if needs is not None and needs not in done:
+                key, after = needs(s, op)
+                if any(k not in done for k, _ in after):
                     break  # waits for a neighbour; another stage moves first
-                ready = 0.0 if needs is None else done[needs] + (comm_s if needs[2] != v else 0)
-                start = max(free[s], ready)
-                end = start + (fwd[s] if op.kind == FORWARD else bwd[s])
-                done[(op.kind, op.micro, v)] = free[s] = end
-                tasks.append(Task(s, op.kind, op.micro, op.chunk, start, end))
+                start = max([free[s]] + [done[k] + delay for k, delay in after])
+                done[key] = free[s] = start + seconds(s, op)
+                tasks.append(Task(s, op.kind, op.micro, op.chunk, start, free[s]))
                 position[s] += 1
                 progress = True
-    if any(position[s] < len(orders[s]) for s in range(n_stages)):
-        stuck = {
-            s: str(orders[s][position[s]]) for s in range(n_stages) if position[s] < len(orders[s])
-        }
-        raise RuntimeError(f"schedule {schedule!r} deadlocks: stages wait forever at {stuck}")
-    return Timeline(n_stages, tasks, schedule)
+    stuck = {
+        s: str(orders[s][position[s]]) for s in range(n_stages) if position[s] < len(orders[s])
+    }
+    if stuck:
+        raise RuntimeError(f"schedule {name!r} deadlocks: stages wait forever at {stuck}")
+    return Timeline(n_stages, tasks, name)

@@ -21,6 +21,7 @@ from course_lib.pipeline import (
     Timeline,
     pipeline_step,
 )
+from course_lib.pipeline.timeline import play
 from course_lib.pipeline.trainer import _recv, _send
 from course_lib.runtime import device, rank, world_size
 
@@ -119,31 +120,18 @@ def play_split_backward(
     """Play each stage's F, B and W ops in the given order on the idealised machine: an op
     starts when the stage is free and what it needs is done (F: the previous stage's F; B: its
     own F and the next stage's B; W: its own B). `times` = (F, B, W)."""
-    P, seconds = len(orders), dict(zip((FORWARD, INPUT_GRAD, WEIGHT_GRAD), times, strict=True))
-    done: dict[tuple[str, int, int], float] = {}
-    free, position, tasks = [0.0] * P, [0] * P, []
-    progress = True
-    while progress:
-        progress = False
-        for s in range(P):
-            while position[s] < len(orders[s]):
-                op = orders[s][position[s]]
-                needs = {
-                    FORWARD: [(FORWARD, op.micro, s - 1)] if s > 0 else [],
-                    INPUT_GRAD: [(FORWARD, op.micro, s)]
-                    + ([(INPUT_GRAD, op.micro, s + 1)] if s < P - 1 else []),
-                    WEIGHT_GRAD: [(INPUT_GRAD, op.micro, s)],
-                }[op.kind]
-                if any(n not in done for n in needs):
-                    break  # waits for a neighbour; another stage moves first
-                start = max([free[s]] + [done[n] for n in needs])
-                done[(op.kind, op.micro, s)] = free[s] = start + seconds[op.kind]
-                tasks.append(Task(s, op.kind, op.micro, 0, start, free[s]))
-                position[s] += 1
-                progress = True
-    if any(position[s] < len(orders[s]) for s in range(P)):
-        raise RuntimeError(f"the orders deadlock: stages stopped at {position}")
-    return Timeline(P, tasks, name)
+    P, took = len(orders), dict(zip((FORWARD, INPUT_GRAD, WEIGHT_GRAD), times, strict=True))
+
+    def needs(s: int, op: Op) -> tuple[tuple, list[tuple[tuple, float]]]:
+        after = {
+            FORWARD: [(FORWARD, op.micro, s - 1)] if s > 0 else [],
+            INPUT_GRAD: [(FORWARD, op.micro, s)]
+            + ([(INPUT_GRAD, op.micro, s + 1)] if s < P - 1 else []),
+            WEIGHT_GRAD: [(INPUT_GRAD, op.micro, s)],
+        }[op.kind]
+        return (op.kind, op.micro, s), [(k, 0.0) for k in after]
+
+    return play(orders, needs, lambda s, op: took[op.kind], name)
 
 
 def simulate_zb_h1(
