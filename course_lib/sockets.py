@@ -103,16 +103,32 @@ def sent_between(pids: list[int]) -> dict[tuple[int, int], int]:
     processes that has a connection."""
     sockets = {**_dump(socket.AF_INET), **_dump(socket.AF_INET6)}
     owner = {inode: pid for pid in pids for inode in _socket_inodes(pid)}
-    by_endpoint = {sockets[i][0]: pid for i, pid in owner.items() if i in sockets}
+    # A connection's other end is the socket with the same two endpoints swapped. One
+    # endpoint is not enough: Linux gives sockets that connect to different places the same
+    # local port, so a port alone can name the wrong process (it once moved one rank's bytes
+    # to another on a loaded machine, and an honest rank looked as if it talked around the
+    # counted group).
+    by_connection = {
+        (_plain(sockets[i][0]), _plain(sockets[i][1])): pid
+        for i, pid in owner.items()
+        if i in sockets
+    }
     totals: dict[tuple[int, int], int] = {}
     for inode, receiver in owner.items():
         if inode not in sockets:
             continue
-        _, remote, received = sockets[inode]
-        sender = by_endpoint.get(remote)
+        local, remote, received = sockets[inode]
+        sender = by_connection.get((_plain(remote), _plain(local)))
         if sender is not None and sender != receiver:
             totals[(sender, receiver)] = totals.get((sender, receiver), 0) + received
     return totals
+
+
+def _plain(endpoint: tuple[str, int]) -> tuple[str, int]:
+    """An endpoint as both ends name it: an IPv6 socket that accepted an IPv4 connection sees
+    the other end as ::ffff:a.b.c.d."""
+    address, port = endpoint
+    return (address.removeprefix("::ffff:"), port)
 
 
 def sent_since(before: dict[tuple[int, int], int], pids: list[int]) -> list[dict[int, int]]:
