@@ -76,7 +76,7 @@ from course_lib.grading.expert_parallel_judge import (
     judge_traffic,
     traffic_budget,
 )
-from course_lib.grading.expert_parallel_ranks import run_cases
+from course_lib.grading.expert_parallel_ranks import run_cases, sync_cases
 
 TRAFFIC_WEIGHTS = {RESULT: 0.0, "dispatch": 1.0}  # right first; the traffic is what scores
 DEDUP_WEIGHTS = {RESULT: 0.0, "bytes": 1.0}
@@ -118,30 +118,46 @@ def _run(
     shares = PerRank(
         [[given(c, d, r) for c, d in zip(cases, drawn, strict=True)] for r in range(P)]
     )
+    key = f"{check}-{new_secret()}"
     results, traffic = run_on_ranks(
         check,
         run_cases,
         fn,
-        sync,
+        sync is not None,
         cases,
         shares,
+        key,
         world_size=P,
         timeout=timeout,
         what=f"your {name} (world size {P}, {len(cases)} cases)",
         traffic=True,
     )
+    calls = calls_by_case(check, traffic.tallies, len(cases))
+    judge_unreported(check, traffic)
+    if sync is not None:
+        # In a call of its own: the layer's gradients are here before sync_router_grads runs.
+        synced = run_on_ranks(
+            check,
+            sync_cases,
+            sync,
+            key,
+            world_size=P,
+            timeout=timeout,
+            what=f"your {getattr(sync, '__name__', 'sync_router_grads')} (world size {P})",
+        )
+        for found, router_grads in zip(results, synced, strict=True):
+            found["copied"] = found["copied"] or router_grads["copied"]
+            for record, grad in zip(found["cases"], router_grads["router_grads"], strict=True):
+                record["router_grad"] = grad
     for found in results:
         if found["copied"]:
             fail(check, found["copied"])
-    # Marks 2i and 2i + 1 open case i's layer and its sync_router_grads: only the layer counts.
-    calls = calls_by_case(check, traffic.tallies, 2 * len(cases))
-    judge_unreported(check, traffic)
     return [
         (
             case,
             solved[i],
             [results[r]["cases"][i] for r in range(P)],
-            [communication(calls[r][2 * i]) for r in range(P)],
+            [communication(calls[r][i]) for r in range(P)],
         )
         for i, case in enumerate(cases)
     ]

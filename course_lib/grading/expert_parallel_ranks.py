@@ -5,11 +5,14 @@ synchronised), and what it returned.
 A rank holds nothing else. The other ranks' tokens and experts, the layer on one process and
 its gradients are drawn and computed in the checking process (`expert_parallel_cases`), and
 the calls each rank makes are reported to the launcher as they happen
-(`course_lib.counted_group`), between the marks that say which case, and which half of it,
-they belong to: the layer (forward and backward), then `sync_router_grads`, which no part
-counts.
+(`course_lib.counted_group`), between the marks that say which case they belong to.
 
-    run_cases(fn, sync, cases, given)   what every rank runs: one record per case
+`sync_router_grads`, which no part counts, runs in a call of its own, after the layer's
+records have reached the launcher: it could otherwise make (uncounted) the gradients the
+layer's backward was meant to make, and write them into whatever the rank kept of them.
+
+    run_cases(fn, backward, cases, given, key)   the layer on every case: one record per case
+    sync_cases(sync, key)                        then sync on the routers run_cases kept
 """
 
 from __future__ import annotations
@@ -37,46 +40,69 @@ def _grads(module: nn.Module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.detach().clone() for p in module.parameters()]
 
 
-def _run_case(fn: Callable, sync: Callable | None, case: Case, given: tuple, i: int) -> dict:
+# The routers of the last run, kept on the rank from its layer's call to its sync's, under
+# the run's key: the sync must find the very modules the layer's backward wrote to.
+_held: dict[str, list[nn.Module | None]] = {}
+
+
+def _run_case(fn: Callable, backward: bool, case: Case, given: tuple, i: int) -> tuple:
     x, g, router, experts = given
     mine = nn.ModuleList(experts)
-    x.requires_grad_(sync is not None)
+    x.requires_grad_(backward)
     record = {"out": None, "returned": None, "raised": None, "x_grad": None}
-    counted_group.mark(2 * i)  # the layer's calls, forward and backward
+    counted_group.mark(i)  # the layer's calls, forward and backward
     try:
         out = fn(x, router, mine, case.k, case.capacity_factor)
     except ValueError as error:  # the checks judge whether it was asked for
         out, record["raised"] = None, str(error) or "ValueError()"
     record["returned"] = type(out).__name__
     ok = isinstance(out, torch.Tensor) and out.shape == x.shape
-    if ok and sync is not None and out.requires_grad:
+    if ok and backward and out.requires_grad:
         out.backward(g)
-    counted_group.mark(2 * i + 1)  # sync_router_grads' calls, which no part counts
     if isinstance(out, torch.Tensor):
         record["out"] = out.detach().clone()
-    if sync is not None and ok:
-        # x's and the experts' gradients as the layer's backward left them: sync_router_grads,
-        # which no part counts, must not be where they are made (it could run the whole
-        # exchange there unseen); it is for the router's gradient only.
+    if backward and ok:
         record["x_grad"] = None if x.grad is None else x.grad.clone()
         record["expert_grads"] = [_grads(expert) for expert in mine]
-        sync(router)
-        record["router_grad"] = _grads(router)[0]
-    return record
+        return record, router
+    return record, None
 
 
-def run_cases(fn: Callable, sync: Callable | None, cases: list[Case], given: list[tuple]) -> dict:
+def run_cases(
+    fn: Callable, backward: bool, cases: list[Case], given: list[tuple], key: str
+) -> dict:
     """On each rank: every case in turn, in the same order on every rank, on this rank's own
-    share of it (`given`, one tuple per case: `expert_parallel_cases.given`); with `sync`,
-    the backward of sum(out * g) too, then `sync(router)`. Marks 2i and 2i + 1 open case i's
-    layer and its sync; mark 2n closes the last."""
+    share of it (`given`, one tuple per case: `expert_parallel_cases.given`); with `backward`,
+    the backward of sum(out * g) too, keeping the routers for `sync_cases(sync, key)`. Mark i
+    opens case i; mark n closes the last."""
+    _held.clear()
     with Provenance(LECTURE_EP) as seen:
-        results = [
-            _run_case(fn, sync, case, share, i)
+        done = [
+            _run_case(fn, backward, case, share, i)
             for i, (case, share) in enumerate(zip(cases, given, strict=True))
         ]
-        counted_group.mark(2 * len(cases))  # what comes after the last case belongs to none
-    return {"cases": results, "copied": seen.complaint()}
+        counted_group.mark(len(cases))  # what comes after the last case belongs to none
+    _held[key] = [router for _, router in done]
+    return {"cases": [record for record, _ in done], "copied": seen.complaint()}
 
 
-__all__ = ["LECTURE_EP", "run_cases"]
+def sync_cases(sync: Callable, key: str) -> dict:
+    """On each rank, after `run_cases(..., key)` returned: `sync(router)` on each case's router
+    whose layer ran its backward, in the same order on every rank; each router's gradient
+    after it (None where no sync ran)."""
+    routers = _held.pop(key, None)
+    if routers is None:
+        raise RuntimeError(
+            "the ranks that ran your layer are gone, so sync_router_grads has no router to "
+            "sync (did your layer destroy the process group?)"
+        )
+    grads: list[torch.Tensor | None] = []
+    with Provenance(LECTURE_EP) as seen:
+        for router in routers:
+            if router is not None:
+                sync(router)
+            grads.append(None if router is None else _grads(router)[0])
+    return {"router_grads": grads, "copied": seen.complaint()}
+
+
+__all__ = ["LECTURE_EP", "run_cases", "sync_cases"]
