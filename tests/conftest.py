@@ -37,6 +37,16 @@ def _sandbox_marker() -> pytest.MarkDecorator:
 require_sandbox = _sandbox_marker()
 
 
+@pytest.fixture(scope="module")
+def pool4() -> Iterator:
+    """Four warm gloo workers, shared by one test module's tests (a module that defines its
+    own `pool4` uses that)."""
+    from course_lib import WorkerPool
+
+    with WorkerPool(4) as pool:
+        yield pool
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, every: float = 0.05) -> bool:
     """Poll `predicate` until it is true or `timeout` seconds pass; return its last value."""
     deadline = time.monotonic() + timeout
