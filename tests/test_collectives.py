@@ -475,12 +475,6 @@ def test_the_model_widget_moves_the_crossover_with_the_latency():
     assert isinstance(widget.figure, Figure)
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    with WorkerPool(4) as pool:
-        yield pool
-
-
 def test_on_an_emulated_network_the_naive_root_is_the_bottleneck_the_model_says(pool4):
     """4 MB of float32 at 100 MB/s and no latency: the naive algorithm's root takes in and
     sends out 3N one message at a time, 6 Nb = 240 ms (the model's 2(P-1)(a + Nb)), measured

@@ -11,12 +11,6 @@ from course_lib.comm import COLLECTIVE_MODEL
 from course_lib.costs import all_to_all_bytes
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    with WorkerPool(4) as pool:
-        yield pool
-
-
 def pass_to_next(numel, dtype):
     """Each rank sends one tensor to the next rank and receives one from the previous."""
     p, r = world_size(), rank()

@@ -22,7 +22,6 @@ from course_lib import (
     CommCounter,
     RankError,
     WireCounter,
-    WorkerPool,
     compare,
     costs,
     data,
@@ -44,12 +43,6 @@ P = 4
 SIZES = (8, 32, 32, 4)
 BATCH, STEPS = 32, 4
 TOLERANCE = {"sgd": 1e-6, "adam": 1e-5}
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with WorkerPool(P) as pool:
-        yield pool
 
 
 def make_optimizer(kind, params):

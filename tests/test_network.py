@@ -15,19 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import CommCounter, WorkerPool, rank, world_size
+from course_lib import CommCounter, rank, world_size
 from course_lib.network import SlowNetwork, Straggler
 
 BANDWIDTH = 100e6  # bytes per second
 LATENCY = 20e-3  # seconds
 REPS = 5
 BAND = 0.2  # the emulation's promised accuracy
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with WorkerPool(4) as pool:
-        yield pool
 
 
 def within_band(measured: float, expected: float) -> bool:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib import CommCounter, WorkerPool, models, rank
+from course_lib import CommCounter, models, rank
 from course_lib.costs import (
     GPT3_175B,
     activation_memory,
@@ -57,12 +57,6 @@ ATOL = 1e-12
 CONFIG = models.GPTConfig()  # vocab 32, seq 16, d_model 32, 4 heads, d_ff 128
 BATCH = 2
 F64 = 8  # bytes per float64
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with WorkerPool(P) as pool:
-        yield pool
 
 
 # --- what each rank should hold, sliced here by hand ----------------------------------------

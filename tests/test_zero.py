@@ -35,12 +35,6 @@ P = 4
 BATCH, STEPS, LR = 16, 3, 1e-2
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    with WorkerPool(P) as pool:
-        yield pool
-
-
 def make_batches(steps=STEPS):
     x, y = data.tokens(BATCH * steps, seed=1)
     return data.batches(x, y, BATCH, steps)
