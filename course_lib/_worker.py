@@ -242,7 +242,20 @@ def _raised(call_id: int, exc: BaseException, note: str | None = None) -> Raised
         tb = tb.tb_next  # hide this module's frames: the student's code comes first
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     message = str(exc) if note is None else f"{note}: {exc}"
-    return Raised(call_id, type(exc).__name__, message, text)
+    return Raised(call_id, type(exc).__name__, message, text, _plain_attributes(exc))
+
+
+def _plain_attributes(exc: BaseException) -> dict:
+    """The exception's public attributes that are numbers, strings or lists of them: what the
+    launcher's `RankError.attributes` can carry (the launcher reads plain data only)."""
+
+    def plain(value: object) -> bool:
+        if isinstance(value, (list, tuple)):
+            return len(value) <= 1000 and all(plain(v) for v in value)
+        return value is None or isinstance(value, (bool, int, float, str))
+
+    found = getattr(exc, "__dict__", {})
+    return {k: v for k, v in found.items() if not k.startswith("_") and plain(v)}
 
 
 class _ResultPickler(cloudpickle.Pickler):

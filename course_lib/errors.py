@@ -18,13 +18,23 @@ class LaunchError(RuntimeError):
 
 
 class RankError(LaunchError):
-    """A rank raised an exception; `rank`, `exc_type` and `remote_traceback` say which."""
+    """A rank raised an exception; `rank`, `exc_type` and `remote_traceback` say which, and
+    `attributes` holds the exception's own public attributes that are plain data (numbers,
+    strings, lists of them), e.g. the `ranks` of a `fault_tolerance.HungRank`."""
 
-    def __init__(self, message: str, rank: int, exc_type: str, remote_traceback: str) -> None:
+    def __init__(
+        self,
+        message: str,
+        rank: int,
+        exc_type: str,
+        remote_traceback: str,
+        attributes: dict | None = None,
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.exc_type = exc_type
         self.remote_traceback = remote_traceback
+        self.attributes = dict(attributes or {})
 
 
 class WorkerDied(LaunchError):
@@ -40,7 +50,13 @@ class LaunchTimeout(LaunchError, TimeoutError):
 
 
 def rank_error(
-    rank: int, world_size: int, exc_type: str, message: str, traceback: str, others: list[int]
+    rank: int,
+    world_size: int,
+    exc_type: str,
+    message: str,
+    traceback: str,
+    others: list[int],
+    attributes: dict | None = None,
 ) -> RankError:
     return RankError(
         f"rank {rank} of {world_size} raised {exc_type}: {message}{_also(others)}\n"
@@ -49,6 +65,7 @@ def rank_error(
         rank,
         exc_type,
         traceback,
+        attributes,
     )
 
 

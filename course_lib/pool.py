@@ -342,7 +342,13 @@ class WorkerPool:
         if isinstance(failure, Died):
             return worker_died(rank, self.world_size, failure.exit_code, others)
         return rank_error(
-            rank, self.world_size, failure.exc_type, failure.message, failure.traceback, others
+            rank,
+            self.world_size,
+            failure.exc_type,
+            failure.message,
+            failure.traceback,
+            others,
+            failure.attributes if isinstance(failure.attributes, dict) else {},
         )
 
     def _hang_failure(self, call: CallState) -> LaunchError:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,8 @@ class Raised:
     exc_type: str
     message: str
     traceback: str
+    # the exception's own public attributes that are plain data (HungRank's `ranks`)
+    attributes: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -279,6 +279,7 @@ LIBRARY_TESTS = frozenset(
         "sandbox",
         "setup",
         "site",
+        "sockets",
         "student_edition",
         "topics",
         "torchrun",

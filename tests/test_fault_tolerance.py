@@ -282,6 +282,7 @@ def test_the_watchdog_names_the_hung_rank():
     message = str(error.value)
     assert "rank 2 never arrived (last heartbeat: step 1)" in message
     assert "rank 0 never" not in message and "rank 1 never" not in message
+    assert error.value.exc_type == "HungRank" and error.value.attributes == {"ranks": [2]}
 
 
 def test_the_watchdog_names_the_straggler():
@@ -419,14 +420,13 @@ def test_the_young_check_takes_sqrt_2cm_in_minutes(capsys):
 
 
 def test_the_named_rank_check_reads_the_ranks_the_error_names(capsys):
-    message = (
-        "rank 0, step 3: the all-reduce did not complete in 2 s; "
-        "rank 1 never arrived (last heartbeat: step 2)"
-    )
-    assert check_named_rank("rank 1", message) is True
+    error = RankError("rank 0 of 4 raised HungRank: ...", 0, "HungRank", "", {"ranks": [1]})
+    assert check_named_rank("rank 1", error) is True
     assert "the heartbeats say who is missing" in capsys.readouterr().out
-    assert check_named_rank("ranks 0, 2, 3", message) is False  # who waited, not who is missing
-    assert check_named_rank(..., message) is None
+    assert check_named_rank("ranks 0, 2, 3", error) is False  # who waited, not who is missing
+    assert check_named_rank(..., error) is None
+    with pytest.raises(ValueError, match="expected the RankError of a HungRank"):
+        check_named_rank("rank 1", RuntimeError("rank 1 never arrived"))
 
 
 def test_the_steps_redone_check_counts_the_logged_steps_done_twice(capsys):

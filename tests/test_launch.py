@@ -252,6 +252,24 @@ def test_raising_rank_stops_all_and_is_named():
     assert all_gone(old, 5)
 
 
+class _Refused(Exception):
+    def __init__(self) -> None:
+        super().__init__("refused")
+        self.ranks, self.why, self.ratio = [1, 3], "late", 0.5  # plain data: it travels
+        self.model, self._private = torch.nn.Linear(1, 1), 7  # not plain, not public: not
+
+
+def raise_with_attributes():
+    raise _Refused()
+
+
+def test_a_rank_errors_plain_attributes_travel_with_it():
+    with pytest.raises(RankError) as info:
+        launch(raise_with_attributes, world_size=1, timeout=60)
+    assert info.value.exc_type == "_Refused"
+    assert info.value.attributes == {"ranks": [1, 3], "why": "late", "ratio": 0.5}
+
+
 def test_hang_times_out_with_each_rank_stack():
     launch(noop)
     old = default_pool().pids

@@ -87,8 +87,17 @@ def test_no_file_is_named_after_something_that_is_not_a_topic():
     assert all(any(c.startswith(f"{a}_") for a in assignments) for c in cheats - assignments)
     tested = {s.removeprefix("test_") for s in stems("tests", "test_*.py")}
     expected = modules | {f"grading_{name}" for name in checks} | LIBRARY_TESTS
-    # A check's part may have its own tests, named after the part: test_grading_<part>.py.
-    allowed = expected | {f"grading_{part}" for part in parts}
+    # A check's part may have its own tests, named after the part: test_grading_<part>.py;
+    # so may a module of a topic's package (course_lib/<topic>/ or course_lib/measure/<topic>/):
+    # test_<topic>_<module>.py.
+    package_parts = {
+        f"{topic}_{stem}"
+        for topic in modules
+        for folder in (f"course_lib/{topic}", f"course_lib/measure/{topic}")
+        if (ROOT / folder).is_dir()
+        for stem in stems(folder, "*.py") - {"__init__"}
+    }
+    allowed = expected | {f"grading_{part}" for part in parts} | package_parts
     assert expected <= tested <= allowed, (
         f"not a topic's test: {sorted(tested - allowed)}; missing: {sorted(expected - tested)}"
     )

@@ -268,11 +268,17 @@ def plot_compute(compute: list[list[float]], straggler: int | None):
 NAMED_RANKS = ("rank 0", "rank 1", "ranks 0, 2, 3")
 
 
-def check_named_rank(named_rank: object, message: str) -> bool | None:
-    """Lecture 13's hang prediction: which rank the error raised on rank 0 (`message`, its first
-    line) names as never having arrived at the all-reduce."""
-    missing = re.findall(r"rank (\d+) never arrived", message)
-    named = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {', '.join(missing) or 'none'}"
+def check_named_rank(named_rank: object, error: BaseException) -> bool | None:
+    """Lecture 13's hang prediction: which rank the error raised on rank 0 names as never
+    having arrived at the all-reduce (its `fault_tolerance.HungRank`'s `ranks`, which the
+    launcher's `RankError` carries as `attributes["ranks"]`)."""
+    missing = getattr(error, "attributes", {}).get("ranks")
+    if not isinstance(missing, list):
+        raise ValueError(
+            f"expected the RankError of a HungRank (with the ranks it names), got {error!r:.200}"
+        )
+    listed = ", ".join(map(str, missing)) or "none"
+    named = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {listed}"
     return check_choice(
         named_rank,
         named,
