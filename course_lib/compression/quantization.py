@@ -150,7 +150,8 @@ class QuantizeState:
 def int8_hook(state: QuantizeState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the mean of the bucket over the ranks, sending 8-bit codes, by the design
     of torch's `quantization_perchannel_hook`: every rank quantizes its whole bucket, all-gathers
-    the scales, then the codes, and dequantizes and sums all P payloads in fp32.
+    the scales, then the codes, and dequantizes and sums all P payloads in fp32 (torch's hook
+    sends uint8 codes with a zero point per chunk; symmetric int8 codes need none).
 
     torch's own hook fails on gloo (torch 2.13): it reads each all-gather's future as NCCL
     fills it, a list of lists, where gloo gives the flat list. Hence this synchronous copy of
