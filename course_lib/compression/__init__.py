@@ -1,8 +1,7 @@
 """Compressed gradient communication, measured (lecture 5).
 
-    q = quantize(grad, chunk_size=256)              # int8 values + one fp32 scale per chunk
-    dequantize(q)                                   # within scale / 2 of grad, element by element
-    quantized_all_reduce(grad)                      # the sum over ranks, sending only 8-bit data
+    q = int8_chunks(grad, chunk_size=256)           # torch's int8 codes + an fp32 scale per chunk
+    q.restored()                                    # within scale / 2 of grad, element by element
     compress_with_feedback(grad, error, TopK(0.01)) # error feedback: keep what was not sent
     EFMomentumSGD(params, lr=0.1, momentum=0.9)     # momentum on the decompressed average
     run = train_compressed("powersgd", batches, sizes=...)  # course_lib.measure.compression
@@ -15,7 +14,8 @@ emulated slow network (`SlowNetwork`).
 - "fp32": torch's `allreduce_hook`, the uncompressed reference (a ring all-reduce).
 - "fp16", "bf16": torch's `fp16_compress_hook` and `bf16_compress_hook` (`bf16_hook`), the
   same all-reduce of gradients cast to 16 bits (`cast_error` measures what each cast does).
-- "int8": `quantized_hook`, an all-reduce whose payloads are 8-bit (fp32 arithmetic).
+- "int8": `int8_hook`, torch's int8 quantization all-gathered (the design of torch's
+  `quantization_perchannel_hook`, which fails on gloo), summed in fp32.
 - "topk", "sign" and their "+ef" versions: `feedback_hook`, all-gathers of top-k or 1-bit
   compressed gradients, with or without error feedback.
 - "dgc": deep gradient compression's top-k with momentum correction (`dgc_hook`).
@@ -26,8 +26,8 @@ emulated slow network (`SlowNetwork`).
 
 By what a reader looks for:
 
-    quantization.py     fewer bits per value: 16-bit casts, int8 `quantize` / `dequantize`,
-                        the 8-bit all-reduce (its error bound, its bytes), the bf16 and int8 hooks
+    quantization.py     fewer bits per value: 16-bit casts, torch's int8 quantization per chunk
+                        (`int8_chunks`), the bf16 and int8 hooks, the bytes of 8-bit all-reduces
     error_feedback.py   top-k and 1-bit compressors, error feedback, signSGD's majority vote,
                         DGC, `EFMomentumSGD`
     powersgd.py         PowerSGD's compression ratio; what torch's `powerSGD_hook` sends
@@ -37,7 +37,7 @@ Import from `course_lib.compression` itself: every name is one here.
 """
 
 from course_lib.compression.error_feedback import (
-    Compressor,
+    BiasedCompressor,
     DGCState,
     EFMomentumSGD,
     FeedbackState,
@@ -65,32 +65,28 @@ from course_lib.compression.powersgd import (
 from course_lib.compression.quantization import (
     CHUNK,
     LEVELS,
-    Quantized,
+    Int8Chunks,
     QuantizeState,
     bf16_hook,
     cast_error,
-    dequantize,
-    error_bound,
     fp32_all_reduce_bytes,
-    part_size,
-    quantize,
-    quantized_all_reduce,
-    quantized_bytes,
-    quantized_hook,
-    quantized_sum_bound,
+    int8_allgather_bytes,
+    int8_chunks,
+    int8_hook,
+    int8_two_phase_bytes,
 )
 
 __all__ = [
+    "BiasedCompressor",
     "CHUNK",
-    "Compressor",
     "DGCState",
     "EFMomentumSGD",
     "FeedbackState",
+    "Int8Chunks",
     "LEVELS",
     "METHODS",
     "ONE_BUCKET_MB",
     "QuantizeState",
-    "Quantized",
     "Sign",
     "TopK",
     "bf16_hook",
@@ -99,21 +95,17 @@ __all__ = [
     "comm_seconds",
     "compress_with_feedback",
     "compressed_mean",
-    "dequantize",
     "dgc_hook",
-    "error_bound",
     "feedback_hook",
     "fp32_all_reduce_bytes",
     "gather_payloads",
+    "int8_allgather_bytes",
+    "int8_chunks",
+    "int8_hook",
+    "int8_two_phase_bytes",
     "latency_steps",
     "majority_vote_hook",
-    "part_size",
     "powersgd_bytes",
     "powersgd_elements",
     "powersgd_ratio",
-    "quantize",
-    "quantized_all_reduce",
-    "quantized_bytes",
-    "quantized_hook",
-    "quantized_sum_bound",
 ]

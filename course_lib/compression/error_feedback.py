@@ -63,11 +63,11 @@ class Sign:
         return 4 + math.ceil(numel / 8)
 
 
-Compressor = TopK | Sign
+BiasedCompressor = TopK | Sign
 
 
 def compress_with_feedback(
-    grad: torch.Tensor, error: torch.Tensor | None, compressor: Compressor
+    grad: torch.Tensor, error: torch.Tensor | None, compressor: BiasedCompressor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One error-feedback step: compress delta = grad + error; return (payload, new error).
 
@@ -82,7 +82,7 @@ def compress_with_feedback(
 class FeedbackState:
     """State of `feedback_hook`: the compressor, and each bucket's error memory."""
 
-    compressor: Compressor
+    compressor: BiasedCompressor
     error_feedback: bool = True
     errors: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -95,7 +95,9 @@ def gather_payloads(payload: torch.Tensor) -> torch.Tensor:
     return gathered.view(p, -1)
 
 
-def compressed_mean(payload: torch.Tensor, numel: int, compressor: Compressor) -> torch.Tensor:
+def compressed_mean(
+    payload: torch.Tensor, numel: int, compressor: BiasedCompressor
+) -> torch.Tensor:
     """All-gather every rank's payload; return the mean of the decompressed payloads."""
     rows = gather_payloads(payload)
     return sum(compressor.decompress(row, numel) for row in rows) / len(rows)

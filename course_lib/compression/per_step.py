@@ -9,7 +9,7 @@ import torch
 
 from course_lib.compression.error_feedback import Sign, TopK
 from course_lib.compression.powersgd import powersgd_bytes
-from course_lib.compression.quantization import CHUNK, fp32_all_reduce_bytes, quantized_bytes
+from course_lib.compression.quantization import CHUNK, fp32_all_reduce_bytes, int8_allgather_bytes
 from course_lib.costs import all_gather_bytes, all_reduce_bytes, alpha_beta_time, collective_steps
 
 ONE_BUCKET_MB = 1024  # DDP bucket size larger than any model here
@@ -48,7 +48,7 @@ def bytes_per_step(
     if method in ("fp16", "bf16"):
         return all_reduce_bytes(2 * numel, world_size)
     if method == "int8":
-        return quantized_bytes(numel, world_size, chunk_size)
+        return int8_allgather_bytes(numel, world_size, chunk_size)
     if method.startswith("topk") or method == "dgc":
         return all_gather_bytes(TopK(topk_fraction).payload_bytes(numel), world_size)
     if method.startswith("sign") or method == "vote":
@@ -60,12 +60,12 @@ def bytes_per_step(
 
 def latency_steps(method: str, world_size: int) -> int:
     """Messages one after another per step: a ring all-reduce takes 2(P-1), an all-gather or
-    an all-to-all P-1; PowerSGD runs three all-reduces, int8 an all-to-all and an all-gather."""
+    an all-to-all P-1; PowerSGD runs three all-reduces, int8 two all-gathers (scales, codes)."""
     collectives = {
         "fp32": ("all_reduce",),
         "fp16": ("all_reduce",),
         "bf16": ("all_reduce",),
-        "int8": ("all_to_all", "all_gather"),
+        "int8": ("all_gather", "all_gather"),
         "powersgd": ("all_reduce",) * 3,
     }
     return sum(collective_steps(op, world_size) for op in collectives.get(method, ("all_gather",)))

@@ -13,7 +13,7 @@ of the lecture's exercises, their expected values and whys off the page.
 
 By what a reader looks for:
 
-    training.py    the quantized all-reduce on its own, the one training loop of every method,
+    training.py    the 8-bit all-reduce on its own, the one training loop of every method,
                    loss curves, the quantization error seen whole
     network.py     the slow network: the bytes and seconds per step as tables, the sweep over
                    bandwidths
@@ -39,7 +39,7 @@ from course_lib.measure.compression.training import (
     build_ddp,
     loss_curves,
     mean_losses,
-    measure_quantized_all_reduce,
+    measure_int8_all_reduce,
     plot_loss_curves,
     plot_quantization_error,
     train_compressed,
@@ -53,7 +53,7 @@ __all__ = [
     "check_powersgd_ratio",
     "loss_curves",
     "mean_losses",
-    "measure_quantized_all_reduce",
+    "measure_int8_all_reduce",
     "network_table",
     "plot_loss_curves",
     "plot_quantization_error",

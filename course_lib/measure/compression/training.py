@@ -1,4 +1,4 @@
-"""Lecture 5's training with compressed gradients: the quantized all-reduce measured on its own,
+"""Lecture 5's training with compressed gradients: the 8-bit all-reduce measured on its own,
 every method of `course_lib.compression` as a DDP comm hook (`build_ddp`) in one training loop
 (`train_compressed`), loss curves against steps or seconds, and the quantization error as a
 histogram."""
@@ -38,15 +38,11 @@ from course_lib.compression import (
     Sign,
     TopK,
     bf16_hook,
-    dequantize,
     dgc_hook,
-    error_bound,
     feedback_hook,
+    int8_chunks,
+    int8_hook,
     majority_vote_hook,
-    quantize,
-    quantized_all_reduce,
-    quantized_hook,
-    quantized_sum_bound,
 )
 from course_lib.data import shard
 from course_lib.network import SlowNetwork
@@ -54,26 +50,38 @@ from course_lib.plots import NotebookFigure
 from course_lib.progress import progress
 from course_lib.runtime import device, rank, world_size
 
-# --- the quantized all-reduce on its own ----------------------------------------------------
+# --- the 8-bit all-reduce on its own --------------------------------------------------------
 
 
-def measure_quantized_all_reduce(n: int, seed: int = 0) -> dict[str, float]:
-    """Run on every rank in `launch`: `quantized_all_reduce` of a random tensor of `n` values
-    (seeded by seed + rank), its largest error against the exact sum and the bound of
-    `quantized_sum_bound`; the bytes this rank sent by `CommCounter` (the all-to-all's tensors,
-    the all-gather by its formula) and written to its sockets (`WireCounter`); and the bytes
-    written by an fp32 all-reduce of the same tensor."""
-    generator = torch.Generator().manual_seed(seed + rank())
-    x = torch.randn(n, generator=generator)
+class _Gradient(nn.Module):
+    """One parameter whose gradient after `backward` is the input: (w * x).sum()."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x).sum()
+
+
+def measure_int8_all_reduce(n: int, seed: int = 0) -> dict[str, float]:
+    """Run on every rank in `launch`: the "int8" hook (`int8_hook`, in DDP) averages a random
+    tensor of `n` values (seeded by seed + rank); its largest error against the exact mean and
+    the bound, the mean over ranks of each one's s/2 (`Int8Chunks.error_bound`); the bytes this
+    rank sent by `CommCounter` (the all-gathers by their formula) and written to its sockets
+    (`WireCounter`); and the bytes written by an fp32 all-reduce of the same tensor."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed + rank()))
+    model = build_ddp(_Gradient(n), "int8")
     with CommCounter() as counter, WireCounter() as wire:
-        total = quantized_all_reduce(x)
+        model(x).backward()  # DDP's hook turns w's gradient x into the mean over ranks
     with WireCounter() as fp32_wire:
         torch.distributed.all_reduce(x.clone())
     everyone = [torch.empty(n) for _ in range(world_size())]
     torch.distributed.all_gather(everyone, x)  # for checking only, outside the counters
+    bound = sum(int8_chunks(t).error_bound() for t in everyone) / world_size()
     return {
-        "max error": (total - torch.stack(everyone).sum(dim=0)).abs().max().item(),
-        "bound": quantized_sum_bound(everyone).max().item(),
+        "max error": (model.module.w.grad - torch.stack(everyone).mean(dim=0)).abs().max().item(),
+        "bound": bound.max().item(),
         "counted": counter.bytes_sent,
         "written": wire.bytes_written,
         "fp32 written": fp32_wire.bytes_written,
@@ -111,7 +119,7 @@ def build_ddp(
     elif method == "dgc":
         ddp.register_comm_hook(DGCState(TopK(topk_fraction), dgc_momentum), dgc_hook)
     elif method == "int8":
-        ddp.register_comm_hook(QuantizeState(chunk_size), quantized_hook)
+        ddp.register_comm_hook(QuantizeState(chunk_size), int8_hook)
     elif method == "powersgd":
         state = PowerSGDState(
             process_group=None,
@@ -226,20 +234,22 @@ def loss_curves(runs: dict[str, Sequence[CompressionLog]], against: str = "step"
 
 
 def plot_quantization_error(tensor: torch.Tensor, chunk_sizes: Sequence[int | None]) -> Figure:
-    """Histograms of |dequantize(quantize(x)) - x| over all elements, one per chunk size
-    (None: one scale for the whole tensor), on log axes, each with a dashed line at the bound
-    s/2 of a typical element's chunk (the median over elements): each element's error is
-    below its own chunk's s/2, so most of a histogram sits left of its line."""
+    """Histograms of |restored - x| over all elements of torch's int8 quantization
+    (`int8_chunks`), one per chunk size (None: one scale for the whole tensor), on log axes,
+    each with a dashed line at the bound s/2 of a typical element's chunk (the median over
+    elements): each element's error is below its own chunk's s/2, so most of a histogram sits
+    left of its line."""
     fig = NotebookFigure(figsize=(6.5, 3.6), layout="constrained")
     ax = fig.add_subplot()
-    errors = {c: (dequantize(quantize(tensor, chunk_size=c)) - tensor).abs() for c in chunk_sizes}
+    payloads = {c: int8_chunks(tensor, chunk_size=c) for c in chunk_sizes}
+    errors = {c: (q.restored() - tensor).abs() for c, q in payloads.items()}
     smallest = min(e[e > 0].min().item() for e in errors.values())
     largest = max(e.max().item() for e in errors.values())
     bins = np.geomspace(smallest / 1.01, largest * 1.01, 60)  # a margin: no error falls outside
     for i, (chunk, error) in enumerate(errors.items()):
         label = "one scale" if chunk is None else f"a scale per {chunk} elements"
         ax.hist(error[error > 0].numpy(), bins=bins, alpha=0.6, color=f"C{i}", label=label)
-        bound = error_bound(quantize(tensor, chunk_size=chunk)).median().item()
+        bound = payloads[chunk].error_bound().median().item()
         ax.axvline(bound, color=f"C{i}", ls="--", lw=1, label=f"{label}: typical s/2")
     ax.set_xscale("log")
     ax.set_yscale("log")
