@@ -1,17 +1,23 @@
 """Assignment 8's partition check accepts right implementations and rejects wrong ones, and
-an exponential search, or the lecture's own dynamic program, earns nothing."""
+an exponential search, or the lecture's own search of every cut, earns nothing."""
 
 from __future__ import annotations
+
+import math
+import random
 
 import pytest
 
 from course_lib.grading import CheckFailed, check_optimal_partition
 from course_lib.grading.pipeline_partition import (
+    LARGE_OPTIMA,
     PartitionProblem,
     brute_force_partition,
+    large_partition_problems,
     partition_problems,
     partition_time,
 )
+from course_lib.measure.pipeline import brute_force_partition as lecture_partition
 from tests.adapters import mutant, planted, solution
 from tests.cheats.a08_pipeline import EXHAUSTIVE_PARTITION
 
@@ -88,6 +94,26 @@ def test_brute_force_agrees_with_a_hand_solved_case():
     assert brute_force_partition(problem) == pytest.approx(3.0)
 
 
+def test_brute_force_partition_matches_the_solutions_dynamic_program():
+    """The lecture's search of every cut against Assignment 8's dynamic program (the
+    instructor's solution): the same slowest part, on stages that cover the layers in order."""
+    rng = random.Random(0)
+    for trial in range(150):
+        n, machines = rng.randint(1, 6), rng.randint(1, 5)
+        times = [rng.uniform(0.1, 3.0) for _ in range(n)]
+        acts = [rng.uniform(0.0, 2.0) for _ in range(n)]
+        weights = [rng.uniform(0.0, 2.0) for _ in range(n)] if trial % 2 else None
+        bandwidth = rng.choice([0.5, 1.0, 4.0])
+        args = (times, acts, machines, bandwidth, weights)
+        brute = lecture_partition(*args)
+        assert math.isclose(brute.time, optimal_partition(*args)[0], rel_tol=1e-12), args
+        assert [s.first for s in brute.stages] == [0] + [s.last + 1 for s in brute.stages[:-1]]
+        assert brute.stages[-1].last == n - 1
+        assert sum(s.machines for s in brute.stages) == machines
+        single = lecture_partition(*args, replicate=False)
+        assert all(s.machines == 1 for s in single.stages)
+
+
 def test_the_problems_separate_the_wrong_partitions():
     problems = partition_problems((0,))
     for wrong in (
@@ -131,8 +157,8 @@ partition_exhaustive = planted(
 def partition_from_the_lecture(
     layer_times, activation_sizes, n_machines, bandwidth=1.0, weight_sizes=None
 ):
-    """Right: the lecture's dynamic program, its stages renumbered."""
-    from course_lib.pipeline import optimal_partition as lecture
+    """Right on small problems: the lecture's search of every cut, its stages renumbered."""
+    from course_lib.measure.pipeline import brute_force_partition as lecture
 
     found = lecture(layer_times, activation_sizes, n_machines, bandwidth, weight_sizes)
     return found.time, [(s.first, s.last + 1, s.machines) for s in found.stages]
@@ -148,5 +174,15 @@ def test_large_problems_take_a_dynamic_program_not_a_search(capsys):
 
 
 def test_the_lectures_partition_is_refused():
-    with pytest.raises(CheckFailed, match="runs course_lib.pipeline.optimal_partition "):
+    with pytest.raises(CheckFailed, match="runs course_lib.measure.pipeline"):
         check_optimal_partition(partition_from_the_lecture)
+
+
+def test_the_stored_optima_are_the_instructors_dynamic_program():
+    """The large problems' optima ship as numbers (the dynamic program that finds them is the
+    part): each is what the solution's dynamic program finds today."""
+    for problem in large_partition_problems(tuple(LARGE_OPTIMA)):
+        value, _ = optimal_partition(*problem.args(), **problem.kwargs())
+        assert value == pytest.approx(LARGE_OPTIMA[problem.seed], rel=1e-12, abs=0), problem.seed
+    with pytest.raises(ValueError, match="no stored optimum for large problem"):
+        large_partition_problems((len(LARGE_OPTIMA),))

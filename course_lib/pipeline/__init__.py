@@ -1,12 +1,12 @@
-"""Pipeline parallelism: schedules, their bubble, a real multi-process pipeline, and the
-optimal cut of a model into stages (lecture 8).
+"""Pipeline parallelism: schedules, their bubble, a real multi-process pipeline, and what a
+cut of a model into stages costs (lecture 8).
 
     order = schedule_order("1f1b", P=4, m=8)           # what each stage runs, in order
     timeline = simulate(4, 8, "1f1b")                   # when: per-stage forward/backward/idle
     timeline.bubble, bubble_formula(4, 8)               # idle share against (P-1)/(m+P-1)
     log = pipeline_step(stage, x, y, lm_loss, m=8, schedule="1f1b")   # on rank = stage index
     timeline = Timeline.from_logs(launch(...))          # the measured timeline, same type
-    optimal_partition(layer_times, activation_sizes, n_machines)      # the A(j, m) recurrence
+    stage_time(layer_times, sync_times, first, last, machines)      # T(first -> last, m)
 
 By what a reader looks for:
 
@@ -14,15 +14,16 @@ By what a reader looks for:
     timeline.py    when each op ran: the simulator, a measured step's timeline, the bubble
     trainer.py     a real pipeline, one stage per rank: send/recv, the emulated device,
                    `pipeline_step` and what it measures
-    partition.py   cutting a model into stages: PipeDream's dynamic program
+    partition.py   cutting a model into stages: what a stage and a link after it take
 
 Import from `course_lib.pipeline` itself: every public name is here.
 
 The simulator and the trainer read the same per-stage orders (`schedule_order`), so what is
 drawn and what runs cannot disagree. This is the lecture's reference: Assignment 8 asks you to
-write your own pipeline trainer, `simulate_schedule` and `optimal_partition`. The lecture's
-measurements and pictures (the Gantt chart, the widget, torch's pipelining, the brute-force
-partition, layer profiles) are in `course_lib.measure.pipeline`.
+write your own pipeline trainer, `simulate_schedule` and `optimal_partition` (PipeDream's
+dynamic program, which this package does not hold: the lecture tries every cut instead). The
+lecture's measurements and pictures (the Gantt chart, the widget, torch's pipelining, the
+brute-force partition, layer profiles) are in `course_lib.measure.pipeline`.
 """
 
 from course_lib.pipeline.partition import (
@@ -30,7 +31,6 @@ from course_lib.pipeline.partition import (
     Stage,
     check_partition_input,
     link_times,
-    optimal_partition,
     partition_stages,
     stage_time,
     sync_times,
@@ -54,7 +54,6 @@ __all__ = [
     "bubble_fraction",
     "check_partition_input",
     "link_times",
-    "optimal_partition",
     "partition_stages",
     "pipeline_step",
     "schedule_order",

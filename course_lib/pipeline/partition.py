@@ -1,6 +1,8 @@
-"""Cutting a model into stages: the time of a stage and of the link after it, PipeDream's
-dynamic program for the cut that minimises the slowest of them (`optimal_partition`), and
-the modules of each stage, to run with `pipeline_step` (lecture 8)."""
+"""Cutting a model into stages: the time of a stage and of the link after it, what a cut is
+(`Stage`, `Partition`), and the modules of each stage, to run with `pipeline_step` (lecture 8).
+The cut that minimises the slowest of them is found by trying every one
+(`measure.pipeline.brute_force_partition`); PipeDream's dynamic program, which finds it in
+polynomial time, is Assignment 8's Part 3."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from torch import nn
 
 from course_lib.costs import pp_boundary_bytes
 
-# --- cutting a model into stages: dynamic programming over layers and machines ---------------
+# --- cutting a model into stages --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -71,47 +73,6 @@ def check_partition_input(layer_times, activation_sizes, n_machines, bandwidth) 
         raise ValueError(f"n_machines must be a whole number >= 1, got {n_machines!r}")
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be > 0, got {bandwidth}")
-
-
-def optimal_partition(
-    layer_times: Sequence[float],
-    activation_sizes: Sequence[float],
-    n_machines: int,
-    bandwidth: float = 1.0,
-    weight_sizes: Sequence[float] | None = None,
-    replicate: bool = True,
-) -> Partition:
-    """The cut of layers into stages on exactly `n_machines` that minimises the slowest part
-    of the pipeline: a stage, or the link after layer i (2 a_i / bandwidth: activations
-    forward, gradients back). PipeDream's recurrence, O(N^2 M^2):
-
-        A(j, m) = min( T(0 -> j, m),
-                       min over i < j, 1 <= m' < m of max(A(i, m - m'), 2 C_i, T(i+1 -> j, m')) )
-
-    `replicate=False`: one machine per stage (m' = 1), so at most `n_machines` stages.
-    """
-    check_partition_input(layer_times, activation_sizes, n_machines, bandwidth)
-    n = len(layer_times)
-    sync = sync_times(weight_sizes, n, bandwidth)
-    comm = link_times(activation_sizes, bandwidth)
-    # best[j][k]: (A(j, k), the stages achieving it) for layers 0..j on k machines
-    best: list[list[tuple[float, tuple[Stage, ...]]]] = [
-        [None] * (n_machines + 1) for _ in range(n)
-    ]
-    for j in range(n):
-        for k in range(1, n_machines + 1):
-            k_first = k if replicate else 1
-            choice = (stage_time(layer_times, sync, 0, j, k_first), (Stage(0, j, k_first),))
-            for i in range(j):
-                for k_last in range(1, k if replicate else min(k, 2)):
-                    before, stages = best[i][k - k_last]
-                    last = stage_time(layer_times, sync, i + 1, j, k_last)
-                    slowest = max(before, comm[i], last)
-                    if slowest < choice[0]:
-                        choice = (slowest, (*stages, Stage(i + 1, j, k_last)))
-            best[j][k] = choice
-    time_, stages = best[n - 1][n_machines]
-    return Partition(time_, stages)
 
 
 def partition_stages(layers: Sequence[nn.Module], partition: Partition) -> list[nn.Sequential]:
