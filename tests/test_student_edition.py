@@ -333,7 +333,6 @@ OPEN_COPIES = {"tensor_parallel": A10_IMPORTS}
 LECTURE_VERSION = "lecture {}'s module ships its own {}, which the lecture runs: not yet decided"
 OPEN_DELIVERABLES = {
     "collectives": LECTURE_VERSION.format(2, "ring_all_reduce"),
-    "gossip": LECTURE_VERSION.format(4, "push_sum_step"),
     "compression": LECTURE_VERSION.format(5, "quantize, dequantize, quantized_all_reduce"),
     "pipeline": LECTURE_VERSION.format(8, "pipeline_step and optimal_partition (the checks' too)"),
     "tensor_parallel": A10_IMPORTS,
