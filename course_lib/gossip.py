@@ -1,16 +1,20 @@
-"""Decentralized training: gossip averaging, Stochastic Gradient Push and group all-reduce,
-synchronous and asynchronous (lecture 4).
+"""Decentralized training: gossip averaging, group all-reduce, push-sum in one process and
+push-sum in a thread that never waits (lecture 4).
 
     ring, expo = Ring(4), ExponentialGraph(4)         # who talks to whom at each step
     x = gossip_round(x, ring, step)                   # D-PSGD: average with neighbours
-    x, w = push_sum_step(x, w, out_nbrs, in_nbrs)     # one SGP round (Algorithm 1, lines 5-7)
     errors = simulate_consensus(expo, x0, rounds=10)  # the same mixing in one process
+    history = simulate_push_sum(RandomPeer(4), x0, rounds=10)  # SGP's (x, w), one process
     pusher = AsyncPushSum(expo, x)                    # push-sum in a thread that never waits
 
 Every rank keeps its own copy of the model. Instead of one all-reduce per step, a rank mixes
 its parameters with a few peers: after t rounds all copies approach their average, at a rate
-set by the topology. Mixing is written "push" style, as in SGP: rank i keeps the share
-1 / (1 + d_i) of what it has and sends the same share to each of its d_i out-neighbours.
+set by the topology. Mixing matrices are written "push" style, as in SGP: rank j keeps the
+share 1 / (1 + d_j) of what it has and sends the same share to each of its d_j out-neighbours.
+`gossip_round` runs regular rounds only (every rank sends and receives the same number of
+copies), where that is plain averaging; on irregular graphs push-sum's weights are needed, and
+its synchronous round over messages is what Assignment 4 asks students to write: the library
+follows it in one process (`simulate_push_sum`) and runs only the asynchronous variant.
 The lecture's experiments (the training loops compared, asynchronous SGD with stale
 gradients) are in course_lib/measure/gossip.py.
 """
@@ -212,33 +216,34 @@ def _exchange(
     return received
 
 
-def gossip_round(x: torch.Tensor, topology: Topology, step: int = 0) -> torch.Tensor:
-    """One round of gossip averaging (D-PSGD's mixing): x_i <- sum_j W[i, j] x_j.
+def regular_degree(topology: Topology, step: int = 0) -> int:
+    """The d of a regular round, in which every rank sends to d ranks and receives from d;
+    a ValueError for an irregular one (on which plain averaging is biased)."""
+    ranks = range(topology.world_size)
+    degrees = {len(topology.out_neighbors(j, step)) for j in ranks}
+    degrees |= {len(topology.in_neighbors(j, step)) for j in ranks}
+    if len(degrees) != 1:
+        raise ValueError(
+            f"{topology!r}, step {step}: ranks send and receive different numbers of copies "
+            f"({sorted(degrees)}), so averaging them would be biased (the rows of W do not "
+            "sum to 1); this takes push-sum's weights (lecture 4, section 4)"
+        )
+    return degrees.pop()
 
-    Pushed shares make every column of W sum to 1, so the sum (and the mean) of the x_i is
-    kept on every graph. The copies converge to that mean when the rows sum to 1 too (W
-    doubly stochastic: ring, exponential graph); elsewhere each x_i tends to w_i times the
-    mean, with w_i push-sum's weight: use push-sum (`push_sum_step`) and z = x / w."""
+
+def gossip_round(x: torch.Tensor, topology: Topology, step: int = 0) -> torch.Tensor:
+    """One round of gossip averaging (D-PSGD's mixing) on a regular round: every rank sends
+    its x to its d out-neighbours and averages it with the d copies it receives.
+
+    x_i <- (x_i + sum of the in-neighbours' x_j) / (1 + d). With every rank sending and
+    receiving d copies (ring, exponential graph, random groups) that is x <- W x with the
+    push-style W, doubly stochastic: the mean is kept and the copies converge to it. An
+    irregular round (a random peer) is refused: there plain averaging is biased."""
+    d = regular_degree(topology, step)
     me = rank()
     out_nbrs, in_nbrs = topology.out_neighbors(me, step), topology.in_neighbors(me, step)
-    share = x / (1 + len(out_nbrs))  # kept, and sent to each out-neighbour
-    return share + sum(_exchange(share.contiguous(), out_nbrs, in_nbrs), torch.zeros_like(x))
-
-
-def push_sum_step(
-    x: torch.Tensor, w: torch.Tensor, out_neighbors: Sequence[int], in_neighbors: Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One push-sum round (SGP, Algorithm 1 lines 5-7) on numerators x and weight w.
-
-    Keep the share p = 1 / (1 + d_out) of (x, w), send (p x, p w) to every out-neighbour, and
-    add what the in-neighbours sent. Totals of x and of w over all ranks are conserved, and
-    z = x / w tends to the average on any strongly connected sequence of graphs."""
-    share = 1.0 / (1 + len(out_neighbors))
-    # x and w travel in one message: half the latency of two, and they stay together.
-    payload = torch.cat([x.reshape(-1), w.reshape(1).to(x.dtype)]) * share
-    received = _exchange(payload, out_neighbors, in_neighbors)
-    total = payload + sum(received, torch.zeros_like(payload))
-    return total[:-1].view_as(x), total[-1].to(w.dtype).reshape(w.shape)
+    received = _exchange(x.contiguous(), out_nbrs, in_nbrs)
+    return (x + sum(received, torch.zeros_like(x))) / (1 + d)
 
 
 class GroupAllReduce:
@@ -273,20 +278,25 @@ class GroupAllReduce:
 # --- 3. consensus --------------------------------------------------------------------------
 
 
-def consensus_error(z: torch.Tensor) -> float:
-    """Root-mean-square distance of the ranks' z from their average (collective: every rank
-    calls it and gets the same number)."""
-    mean = z.detach().clone()
-    dist.all_reduce(mean)
-    mean /= world_size()
-    squared = ((z.detach() - mean) ** 2).sum().reshape(1)
-    dist.all_reduce(squared)
-    return math.sqrt(squared.item() / world_size())
-
-
 def rms_from_mean(z: torch.Tensor) -> float:
-    """`consensus_error` in one process: z holds one row per rank."""
+    """The consensus error: root-mean-square distance of the ranks' estimates (one row of z
+    per rank) from their average."""
     return math.sqrt(((z - z.mean(dim=0)) ** 2).sum().item() / z.shape[0])
+
+
+def simulate_push_sum(
+    topology: Topology, x0: torch.Tensor, rounds: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Push-sum in one process: the (x, w) of every rank (one row each, float64) before the
+    first round and after each of `rounds` rounds, x <- W x and w <- W w with the mixing
+    matrices of the topology's rounds. The ranks' z = x / w tends to the average of x0."""
+    x, w = x0.double().clone(), torch.ones(x0.shape[0], 1, dtype=torch.float64)
+    history = [(x, w)]
+    for step in range(rounds):
+        mixing = topology.mixing_matrix(step)
+        x, w = mixing @ x, mixing @ w
+        history.append((x, w))
+    return history
 
 
 def simulate_consensus(
@@ -295,13 +305,8 @@ def simulate_consensus(
     """Consensus error after 0..rounds rounds of mixing x0 (one row per rank) in one process,
     with the same mixing matrices the ranks use. Without push-sum the rows of x are the
     estimates; with it, z = x / w."""
-    x, w = x0.double().clone(), torch.ones(x0.shape[0], 1, dtype=torch.float64)
-    errors = [rms_from_mean(x)]
-    for step in range(rounds):
-        mixing = topology.mixing_matrix(step)
-        x, w = mixing @ x, mixing @ w
-        errors.append(rms_from_mean(x / w if push_sum else x))
-    return errors
+    history = simulate_push_sum(topology, x0, rounds)
+    return [rms_from_mean(x / w if push_sum else x) for x, w in history]
 
 
 def contraction_rate(topology: Topology, rounds: int | None = None) -> float:

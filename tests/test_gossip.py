@@ -1,6 +1,6 @@
-"""course_lib.gossip and course_lib.measure.gossip: topologies, gossip and push-sum rounds over
-point-to-point messages, group all-reduce, the asynchronous push-sum, stale-gradient SGD and
-the training loops.
+"""course_lib.gossip and course_lib.measure.gossip: topologies, gossip rounds over
+point-to-point messages, push-sum in one process, group all-reduce, the asynchronous push-sum,
+stale-gradient SGD and the training loops.
 
 References are independent of the code under test: torch.distributed's own all-reduce and
 all-gather for sums and means, the mixing matrix applied in one process, and single-process
@@ -27,12 +27,12 @@ from course_lib.gossip import (
     RandomGroups,
     RandomPeer,
     Ring,
-    consensus_error,
     contraction_rate,
     gossip_round,
     push_mixing_matrix,
-    push_sum_step,
+    regular_degree,
     simulate_consensus,
+    simulate_push_sum,
 )
 from course_lib.measure.gossip import (
     check_first_to_agree,
@@ -135,15 +135,59 @@ def test_exponential_graph_averages_exactly_in_log2_p_rounds():
     assert errors[0] > 0.1 and errors[3] < 1e-12
 
 
+def push_sum_by_the_formula(topology, x0, rounds):
+    """Push-sum rank by rank, as SGP writes it: x_i' = x_i / (d_i + 1) plus the shares
+    x_j / (d_j + 1) of the ranks j that send to i; the same for w."""
+    p = x0.shape[0]
+    x, w = [row.double() for row in x0], [torch.ones((), dtype=torch.float64)] * p
+    for step in range(rounds):
+        new_x, new_w = [], []
+        for i in range(p):
+            senders = [j for j in range(p) if i in topology.out_neighbors(j, step)]
+            keep = 1 + len(topology.out_neighbors(i, step))
+            new_x.append(
+                x[i] / keep
+                + sum(x[j] / (1 + len(topology.out_neighbors(j, step))) for j in senders)
+            )
+            new_w.append(
+                w[i] / keep
+                + sum(w[j] / (1 + len(topology.out_neighbors(j, step))) for j in senders)
+            )
+        x, w = new_x, new_w
+    return torch.stack(x), torch.stack(w).reshape(p, 1)
+
+
+@pytest.mark.parametrize("topology", [RandomPeer(6, seed=0), ExponentialGraph(6)])
+def test_simulate_push_sum_is_push_sum_rank_by_rank(topology):
+    x0 = torch.randn(6, 2, dtype=torch.float64)
+    history = simulate_push_sum(topology, x0, 7)
+    assert len(history) == 8
+    for t in (0, 1, 7):
+        x, w = push_sum_by_the_formula(topology, x0, t)
+        torch.testing.assert_close(history[t][0], x, rtol=0, atol=1e-12, msg=f"x, round {t}")
+        torch.testing.assert_close(history[t][1], w, rtol=0, atol=1e-12, msg=f"w, round {t}")
+        torch.testing.assert_close(x.sum(0), x0.sum(0), rtol=0, atol=1e-12)  # totals kept
+        assert w.sum().item() == pytest.approx(6, abs=1e-12)
+
+
 def test_plain_averaging_is_biased_on_a_random_peer_graph_and_push_sum_is_not():
     x0 = torch.randn(6, 2, dtype=torch.float64)
-    topology = RandomPeer(6, seed=0)
-    x, w = x0.clone(), torch.ones(6, 1, dtype=torch.float64)
-    for step in range(60):
-        x, w = topology.mixing_matrix(step) @ x, topology.mixing_matrix(step) @ w
+    x, w = simulate_push_sum(RandomPeer(6, seed=0), x0, 60)[-1]
     torch.testing.assert_close(x / w, x0.mean(0).expand(6, 2), rtol=0, atol=1e-8)
     assert (x.mean(0) - x0.mean(0)).abs().max() < 1e-12  # the total is conserved...
     assert (x - x0.mean(0)).abs().max() > 1e-3  # ...but x alone does not reach the average
+    assert (w - 1).abs().max() > 1e-3  # the weights measure that bias
+
+
+def test_regular_degree_is_the_common_degree_and_refuses_an_irregular_round():
+    assert regular_degree(Ring(5)) == 2 and regular_degree(Ring(2)) == 1
+    assert all(regular_degree(ExponentialGraph(8), s) == 1 for s in range(3))
+    assert regular_degree(RandomGroups(8, 4, seed=1), 2) == 3
+    irregular = RandomPeer(4, seed=2)
+    degrees = {len(irregular.in_neighbors(j, 0)) for j in range(4)}
+    assert len(degrees) > 1  # some rank receives two copies, some none
+    with pytest.raises(ValueError, match="push-sum's weights"):
+        regular_degree(irregular, 0)
 
 
 # --- rounds over point-to-point messages ---------------------------------------------------
@@ -172,45 +216,13 @@ def test_gossip_round_keeps_the_mean_and_equals_the_mixing_matrix(pool4, topolog
         torch.testing.assert_close(got.mean(dim=0), start_mean, rtol=0, atol=1e-12)
 
 
-def push_sum_rounds(topology, rounds):
-    x, w = start_values(rank()), torch.ones((), dtype=torch.float64)
-    totals, errors = [], []
-    for step in range(rounds + 1):
-        sums = torch.cat([x, w.reshape(1)])
-        dist.all_reduce(sums)
-        totals.append(sums)
-        errors.append(consensus_error(x / w))
-        if step < rounds:
-            out_nbrs, in_nbrs = (
-                topology.out_neighbors(rank(), step),
-                topology.in_neighbors(rank(), step),
-            )
-            x, w = push_sum_step(x, w, out_nbrs, in_nbrs)
-    return x / w, w, totals, errors
+def gossip_irregular():
+    return gossip_round(start_values(rank()), RandomPeer(P, seed=2), 0)
 
 
-@pytest.mark.parametrize("topology", [ExponentialGraph(P), RandomPeer(P, seed=2)])
-def test_push_sum_conserves_the_totals_of_x_and_w(pool4, topology):
-    results = pool4.launch(push_sum_rounds, topology, 6, timeout=60)
-    totals = results[0][2]
-    for step, sums in enumerate(totals):
-        torch.testing.assert_close(sums, totals[0], rtol=0, atol=1e-12, msg=f"round {step}")
-    assert totals[0][-1].item() == P  # every weight starts at 1
-
-
-def test_push_sum_reaches_the_average_on_the_exponential_graph(pool4):
-    results = pool4.launch(push_sum_rounds, ExponentialGraph(P), 4, timeout=60)
-    average = torch.stack([start_values(r) for r in range(P)]).mean(dim=0)
-    errors = results[0][3]
-    # P = 4 is a power of two: two rounds of the one-peer exponential graph average exactly.
-    assert errors[0] > 0.1 and errors[1] < errors[0] and errors[2] < 1e-12
-    for r, (z, _, _, rank_errors) in enumerate(results):
-        torch.testing.assert_close(z, average, rtol=0, atol=1e-12, msg=f"rank {r}")
-        assert rank_errors == errors  # consensus_error gives every rank the same number
-    simulated = simulate_consensus(
-        ExponentialGraph(P), torch.stack([start_values(r) for r in range(P)]), 4
-    )
-    assert simulated == pytest.approx(errors, abs=1e-12)
+def test_gossip_round_refuses_an_irregular_round_on_every_rank(pool4):
+    with pytest.raises(RankError, match="push-sum's weights"):
+        pool4.launch(gossip_irregular, timeout=60)
 
 
 def group_average(steps):
@@ -356,6 +368,16 @@ def test_async_sgp_trains_near_all_reduce_sgd(pool4):
     finals = torch.stack([params for _, params in results])
     assert torch.isfinite(finals).all()
     assert (finals.mean(dim=0) - flat_parameters(sgd_reference())).abs().max() < 0.1
+
+
+def test_sgp_on_the_exponential_graph_sends_one_copy_and_keeps_every_weight_at_one(pool4):
+    # Every rank receives exactly one share per round: w stays (1 + 1) / 2 = 1, and the
+    # round is the gossip round of the directed graph, one copy of the model (fp32) a step.
+    results = pool4.launch(decentralized, "sgp", timeout=60)
+    size = models.count_parameters(models.MLP(SIZES))
+    for log, _ in results:
+        assert log.weights == [1.0] * len(log.losses)
+        assert log.bytes_sent == [4 * size] * len(log.losses)
 
 
 def test_synchronous_methods_refuse_a_time_budget(pool4):

@@ -20,7 +20,7 @@ from course_lib.grading.provenance import Provenance
     "check, answer, kwargs",
     [
         (check_all_reduce, collectives.ring_all_reduce, {"bandwidth_optimal": True}),
-        (check_push_sum, gossip.push_sum_step, {}),
+        (check_push_sum, gossip.gossip_round, {}),
         (check_sync_gradients, data_parallel.allreduce_gradients, {}),
         (check_parallel_mlp, tensor_parallel.ParallelMLP, {}),
     ],

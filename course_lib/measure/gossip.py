@@ -10,7 +10,7 @@ stale gradients simulated in one process.
 The checks of the lecture's exercises (`check_ring_of_5`, `check_rounds_for_1000x`,
 `check_first_to_agree`, `check_random_peer_plain_agrees`, `check_non_iid_gossip`) compute
 their expected values and say why here, off the page. The gossip itself (topologies, rounds,
-push-sum, AsyncPushSum) is course_lib/gossip.py.
+push-sum in one process, AsyncPushSum) is course_lib/gossip.py.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from course_lib.gossip import (
     Topology,
     contraction_rate,
     gossip_round,
-    push_sum_step,
 )
 from course_lib.plots import NotebookFigure
 from course_lib.progress import progress
@@ -210,8 +209,10 @@ def train_decentralized(
 
     - "allreduce": all-reduce the gradients (synchronous data parallel);
     - "gossip": D-PSGD, step then one `gossip_round` on `topology` (default: ring);
-    - "sgp": SGP, Algorithm 1: step on x at z = x / w, then `push_sum_step` (default graph:
-      exponential);
+    - "sgp": SGP, Algorithm 1, on its one-peer exponential graph (the default): every rank
+      receives exactly one share per round, so every weight stays w = (1 + 1) / 2 = 1 and
+      z = x; a round is then `gossip_round` on the directed graph, and no weight is sent
+      (push-sum's weights matter on irregular graphs and in "async_sgp");
     - "group": step, then average within random groups (`topology`: RandomGroups, default 2);
     - "async_sgp": push-sum in a thread of its own that never waits (`AsyncPushSum`).
     Each rank trains on its shard of every batch. `straggler.step()` (a `network.Straggler`)
@@ -280,12 +281,9 @@ def _checked_topology(method: str, topology: Topology | None, max_seconds) -> To
 
 def _mix(method: str, x: torch.Tensor, w: torch.Tensor, topology: Topology, groups, step: int):
     """One synchronous round of `method`'s communication after a step: (x, w)."""
-    if method == "gossip":
+    if method in ("gossip", "sgp"):
+        # For "sgp": Algorithm 1, lines 5-7, on a regular graph, where w stays 1.
         return gossip_round(x, topology, step), w
-    if method == "sgp":
-        me = rank()
-        out_nbrs, in_nbrs = topology.out_neighbors(me, step), topology.in_neighbors(me, step)
-        return push_sum_step(x, w, out_nbrs, in_nbrs)  # Algorithm 1, lines 5-7
     if method == "group":
         return groups.average(x, step), w
     return x, w  # "allreduce" averaged the gradients; "async_sgp" mixes in its own thread
