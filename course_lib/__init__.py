@@ -31,8 +31,9 @@ to read: `data_parallel`, `compression`, `pipeline`, `parallel_3d`):
 - `processes` (1): message costs over pipes and gloo;
 - `collectives` (2): all-reduce algorithms and the ring's schedule;
 - `data_parallel` (3): host scheme, all-reduce DP, DDP timelines, accumulation, local SGD;
-- `gossip` (4): topologies, gossip, push-sum, group all-reduce;
-- `compression` (5): 8-bit quantization, error feedback, majority vote, PowerSGD's formulas;
+- `gossip` (4): topologies, gossip averaging, push-sum (in one process, and asynchronous), group
+  all-reduce;
+- `compression` (5): torch's 8-bit quantization, error feedback, majority vote, PowerSGD's formulas;
 - `memory` (6): bytes of weights, gradients, optimizer state and activations; checkpointing;
 - `zero` (7): torch's ZeRO-1 and FSDP2 against the ZeRO formulas; sharded checkpoints;
 - `pipeline` (8): schedules and their bubble, a real GPipe/1F1B pipeline, stage partition;

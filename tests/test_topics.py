@@ -157,8 +157,6 @@ def test_the_tools_given_to_students_are_what_the_set_up_cells_import():
 
 # Imports that break the layers on purpose (docs/architecture.md says why): (importer, imported).
 LAYER_EXCEPTIONS = {
-    # the large partition problems' optimum: the lecture's DP, itself held to a brute force
-    ("grading.pipeline_partition", "pipeline"),
     # the bytes a tensor's storage takes, as lecture 6 counts them
     ("grading.parallel_3d_configurations", "memory"),
 }
