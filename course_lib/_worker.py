@@ -249,13 +249,16 @@ def _plain_attributes(exc: BaseException) -> dict:
     """The exception's public attributes that are numbers, strings or lists of them: what the
     launcher's `RankError.attributes` can carry (the launcher reads plain data only)."""
 
-    def plain(value: object) -> bool:
-        if isinstance(value, (list, tuple)):
-            return len(value) <= 1000 and all(plain(v) for v in value)
-        return value is None or isinstance(value, (bool, int, float, str))
+    def plain(value: object, depth: int = 0) -> bool:
+        if type(value) in (list, tuple):
+            return depth < 4 and len(value) <= 1000 and all(plain(v, depth + 1) for v in value)
+        return value is None or type(value) in (bool, int, float, str)
 
-    found = getattr(exc, "__dict__", {})
-    return {k: v for k, v in found.items() if not k.startswith("_") and plain(v)}
+    try:  # whatever the exception's class does, the error is still reported
+        found = dict(vars(exc))
+        return {k: v for k, v in found.items() if isinstance(k, str) and k[:1] != "_" and plain(v)}
+    except Exception:  # noqa: BLE001
+        return {}
 
 
 class _ResultPickler(cloudpickle.Pickler):

@@ -252,11 +252,17 @@ def test_raising_rank_stops_all_and_is_named():
     assert all_gone(old, 5)
 
 
+class _Label(str):
+    """A string of a class of its own: its pickle names the class, which the launcher refuses
+    to load, so it must not travel."""
+
+
 class _Refused(Exception):
     def __init__(self) -> None:
         super().__init__("refused")
         self.ranks, self.why, self.ratio = [1, 3], "late", 0.5  # plain data: it travels
         self.model, self._private = torch.nn.Linear(1, 1), 7  # not plain, not public: not
+        self.label, self.nested = _Label("x"), [[[[[1]]]]]  # not plain data, too deep: not
 
 
 def raise_with_attributes():
