@@ -75,6 +75,10 @@ _REPORTING = (
 _STUDENT_FACING = (str(Path(_COURSE_DIR, "_worker.py")) + ":_freeze",)
 
 
+# A file's real path, once per file: every Provenance asks for each code it sees first.
+_real_path = functools.cache(os.path.realpath)
+
+
 @functools.cache
 def _kind(filename: str) -> str:
     """ "grader", "library" (course_lib, an installed package), "stdlib" or "student"."""
@@ -82,7 +86,7 @@ def _kind(filename: str) -> str:
         return "stdlib"
     if not filename.startswith(os.sep):  # <cell ...>, <string>: compiled from source
         return "student"
-    path = os.path.realpath(filename)
+    path = _real_path(filename)
     if path.startswith(_GRADER_DIR) or path in _REPORTING:
         return "grader"
     if path.startswith(_STDLIB) and not path.startswith(_INSTALLED):
@@ -94,11 +98,12 @@ def _kind(filename: str) -> str:
 
 def _protected(code: types.CodeType) -> bool:
     """Code the student's code may not call: the grader's, and what reports to the launcher."""
-    if f"{os.path.realpath(code.co_filename)}:{code.co_name}" in _STUDENT_FACING:
+    path = _real_path(code.co_filename)
+    if f"{path}:{code.co_name}" in _STUDENT_FACING:
         return False
     if _kind(code.co_filename) == "grader":
-        return os.path.realpath(code.co_filename) != _THIS_FILE  # leaving a Provenance is not
-    return f"{os.path.realpath(code.co_filename)}:{code.co_name}" in _REPORTING
+        return path != _THIS_FILE  # leaving a Provenance is not
+    return f"{path}:{code.co_name}" in _REPORTING
 
 
 def _all_codes(value: object) -> set[types.CodeType]:
@@ -149,6 +154,11 @@ def _grader_name(code: types.CodeType) -> str:
     return f"{package}.{path.stem}.{code.co_qualname}"
 
 
+# Once per code object for the rank's life (a code object never changes): each check's
+# Provenance takes the signature of every forbidden function and of every function the
+# student's code runs, and disassembling them again per check was a quarter of a grading
+# rank's CPU. The cache can only be cleared, not written: what it returns is what `dis` says.
+@functools.cache
 def _signature(code: types.CodeType) -> tuple:
     """What stays the same when a function is copied from its source under another name: the
     sequence of operations and the names and constants they use."""
