@@ -313,6 +313,26 @@ def test_pool_recovers_after_crash_and_hang():
     assert launch(all_reduce_ranks) == [6.0] * 4
 
 
+def make_groups():
+    """Groups of every shape a check's answer makes: all ranks, one rank, the others."""
+    groups = [dist.new_group([0, 1]), dist.new_group([0]), dist.new_group([1])]
+    dist.all_reduce(torch.ones(1), group=groups[0])
+    return os.getpid(), len(dist.distributed_c10d._world.pg_map)
+
+
+@pytest.mark.parametrize("untrusted", [False, True], ids=["gloo", "counted group"])
+def test_groups_a_call_made_are_destroyed_and_the_workers_stay(untrusted):
+    """A call's `new_group`s do not pile up in a warm worker, and destroying them does not
+    cost the pool its workers: the next call runs in the same processes."""
+    with WorkerPool(2, "gloo", untrusted=untrusted) as pool:
+        first = pool.launch(make_groups, timeout=60)
+        second = pool.launch(make_groups, timeout=60)
+    assert [pid for pid, _ in first] == [pid for pid, _ in second], "the workers were restarted"
+    # The default group, the call's three groups (on a rank that is not in one, a
+    # placeholder): the same count each call, so nothing was left from the first.
+    assert [n for _, n in first] == [n for _, n in second]
+
+
 def test_destroying_the_process_group_restarts_the_pool():
     assert launch(destroy_group, world_size=2) == ["destroyed"] * 2
     assert launch(all_reduce_ranks, world_size=2) == [1.0, 1.0]
