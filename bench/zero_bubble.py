@@ -2,10 +2,10 @@
 
     python bench/zero_bubble.py
 
-4 ranks hold TinyGPT's 4 stages; on the emulated devices F = B = W = 40 ms (1F1B's backward is
-B + W = 80 ms in one op). For m = 4, 8 and 16 each schedule runs one step
-(`measure_zero_bubble`) and its bubble is read from the ranks' timestamps, next to the
-simulator's and the formulas. Target: zero bubble with W's deferred / 1F1B near the formulas'
+4 ranks hold TinyGPT's 4 stages; each op sleeps F = B = W = 40 ms after its compute (torch's
+1F1B: its backward B + W = 80 ms in one op). For m = 4, 8 and 16 each schedule runs one step
+(`measure_zero_bubble`) and its bubble is read from the ranks' wall-clock timestamps, next to
+the simulator's and the formulas. Target: zero bubble with W's deferred / 1F1B near the formulas'
 ratio (0.41 for m = 8), and at most 0.6; the 1F1B-memory variant in between.
 """
 

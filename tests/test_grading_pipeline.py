@@ -245,11 +245,14 @@ def test_bad_pipeline_arguments_are_refused():
 
 
 def step_from_the_lecture(stage, inputs, targets, loss_fn, n_micro, schedule):
-    from course_lib import pipeline
+    from course_lib.measure import pipeline
 
-    return pipeline.pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule)
+    return pipeline.torch_pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule).loss
 
 
 def test_the_lectures_trainer_is_refused():
-    with pytest.raises(CheckFailed, match="runs course_lib.pipeline.pipeline_step[ ,]"):
+    """Lecture 8's trainer is torch's schedule, timed (`torch_pipeline_step`)."""
+    with pytest.raises(
+        CheckFailed, match="runs course_lib.measure.pipeline.torch_pipeline_step[ ,]"
+    ):
         check_pipeline_trainer(step_from_the_lecture, "gpipe", world_sizes=(2,), n_micro=(2,))

@@ -475,7 +475,7 @@ def test_planner_predicts_the_measured_bytes_where_its_model_is_exact(run_8_rank
     tp = 2 * 4 * 1 * (2 * 8 * 16 * F64)
     assert rows["tp sent (bytes)"] == (pytest.approx(tp, rel=RTOL), [tp] * 8)
     # PP: one activation (or gradient) out and one in per micro-batch; each message of
-    # pipeline.trainer._send carries a 9-value float64 header the planner does not count
+    # pipeline.p2p.send_shaped carries a 9-value float64 header the planner does not count
     pp = 2 * 2 * (2 * 8 * 16 * F64)
     assert rows["pp sent+received (bytes)"] == (pytest.approx(pp, rel=RTOL), [pp + 4 * 72] * 8)
     # DP: one all-reduce of the rank's float64 gradients over 2 ranks: 2(P-1)/P = 1 of them

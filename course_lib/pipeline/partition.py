@@ -1,5 +1,5 @@
 """Cutting a model into stages: the time of a stage and of the link after it, what a cut is
-(`Stage`, `Partition`), and the modules of each stage, to run with `pipeline_step` (lecture 8).
+(`Stage`, `Partition`), and the modules of each stage, one per rank of a pipeline (lecture 8).
 The cut that minimises the slowest of them is found by trying every one
 (`measure.pipeline.brute_force_partition`); PipeDream's dynamic program, which finds it in
 polynomial time, is Assignment 8's Part 3."""
@@ -76,5 +76,5 @@ def check_partition_input(layer_times, activation_sizes, n_machines, bandwidth) 
 
 
 def partition_stages(layers: Sequence[nn.Module], partition: Partition) -> list[nn.Sequential]:
-    """The modules of each stage of `partition`, to run with `pipeline_step`."""
+    """The modules of each stage of `partition`, one per rank of a pipeline."""
     return [nn.Sequential(*layers[s.first : s.last + 1]) for s in partition.stages]

@@ -1,6 +1,7 @@
 """Pipeline schedules: the ops each stage runs, in which order, under the naive schedule,
-GPipe, 1F1B and interleaved 1F1B (lecture 8). The simulator (timeline.py) and the trainer
-(trainer.py) both read `schedule_order`, so what is drawn and what runs cannot disagree."""
+GPipe, 1F1B and interleaved 1F1B (lecture 8). The simulator (timeline.py) plays
+`schedule_order`; the lecture checks that torch's ScheduleGPipe / Schedule1F1B ran the same
+order on the ranks, and lecture 10's 3-D step runs it."""
 
 from __future__ import annotations
 

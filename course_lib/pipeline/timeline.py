@@ -26,16 +26,15 @@ class Task:
     end: float
 
 
-# What `pipeline_step` (trainer.py) returns on each rank. It lives here, by the timeline
-# `Timeline.from_logs` builds from it, so that trainer.py imports this file and not both ways.
+# What a timed pipeline step returns on each rank (course_lib.measure.pipeline). It lives
+# here, by the timeline `Timeline.from_logs` builds from it.
 @dataclass
 class StageLog:
-    """What one rank measured during one `pipeline_step`."""
+    """What one rank measured during one pipeline step."""
 
     stage: int
     schedule: str
-    tasks: list[Task] = field(default_factory=list)  # perf_counter times of the device's ops
-    lateness: list[float] = field(default_factory=list)  # host wake-up delays (seconds)
+    tasks: list[Task] = field(default_factory=list)  # each op's start and end (perf_counter)
     peak_in_flight: int = 0  # most micro-batches holding activations at once
     peak_activation_bytes: int = 0  # most bytes autograd held for backward at once
     activation_bytes: list[int] = field(default_factory=list)  # saved per micro-batch forward

@@ -520,12 +520,12 @@ def simulate_schedule(P, m, schedule, t_forward=1.0, t_backward=1.0):
 """
 
 LECTURE_PIPELINE = '''
-from course_lib import pipeline as lecture
+from course_lib.measure import pipeline as lecture
 
 
 def pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule):
-    """The lecture's trainer; only the loss is taken from what it returns."""
-    log = lecture.pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule)
+    """The lecture's trainer (torch's schedule, timed); only the loss is taken from its log."""
+    log = lecture.torch_pipeline_step(stage, inputs, targets, loss_fn, n_micro, schedule)
     return getattr(log, "loss", None)
 '''
 

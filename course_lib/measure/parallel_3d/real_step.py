@@ -16,7 +16,7 @@ from course_lib import comm, models
 from course_lib.costs import FP64_ADAMW, TransformerShape, zero_bytes
 from course_lib.parallel_3d import BF16, Cluster, Model, Plan, ProcessGrid, estimate, new_groups
 from course_lib.pipeline import FORWARD, schedule_order
-from course_lib.pipeline.trainer import _recv, _send
+from course_lib.pipeline.p2p import recv_shaped, send_shaped, wait_all
 from course_lib.runtime import device
 from course_lib.tensor_parallel import ParallelBlock
 from course_lib.zero import held_bytes
@@ -87,23 +87,21 @@ def step_3d(
     for op in schedule_order("1f1b", grid.pp, m)[s]:
         i = op.micro
         if op.kind == FORWARD:
-            inp = xs[i] if s == 0 else _recv(pipe[s - 1])[0].requires_grad_()
+            inp = xs[i] if s == 0 else recv_shaped(pipe[s - 1]).requires_grad_()
             out = stage(inp)
             if last:
                 out = models.lm_loss(out, ys[i]) / m  # the mean over micro-batches
                 loss += out.item()
             else:
-                pending += _send(out, pipe[s + 1], ready=0.0)
+                pending += send_shaped(out, pipe[s + 1])
             inputs[i], outputs[i] = inp, out
         else:
-            grad = None if last else _recv(pipe[s + 1])[0]
+            grad = None if last else recv_shaped(pipe[s + 1])
             torch.autograd.backward(outputs.pop(i), grad)
             inp = inputs.pop(i)
             if s > 0:
-                pending += _send(inp.grad, pipe[s - 1], ready=0.0)
-    for work in pending:
-        if isinstance(work, dist.Work):
-            work.wait()
+                pending += send_shaped(inp.grad, pipe[s - 1])
+    wait_all(pending)
     for p in stage.parameters():  # the replicas' mean gradient: the whole batch's
         dist.all_reduce(p.grad, group=groups["dp"])
         p.grad /= grid.dp

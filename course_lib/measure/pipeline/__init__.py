@@ -1,9 +1,10 @@
 """What lecture 8 measures about pipelines, and how it shows them.
 
+    log = torch_pipeline_step(stage, x, y, loss_fn, m, "1f1b", 0.04, 0.08)  # torch's, timed
     logs = launch(measure_bubbles, make_stage, x, y, loss_fn, schedules, ms, fwd, bwd, ...)
+    timeline = Timeline.from_logs(logs); op_seconds(timeline)   # what ran when; op lengths
     plot_schedule(timeline); PipelineWidget()           # Gantt chart; sliders for P and m
     plot_side_by_side(simulated, measured)              # the same schedules, simulated | measured
-    torch_pipeline_step(stage, x, y, loss_fn, m, "1f1b")  # torch.distributed.pipelining
     torch_interleaved_step(pieces, x, y, loss_fn, m)    # its ScheduleInterleaved1F1B
     zero_bubble_step(stage, x, y, loss_fn, m, defer_w=True)  # backward split into B and W
     brute_force_partition(layer_times, activation_sizes, n_machines)  # every cut, to check
@@ -13,7 +14,8 @@
 
 By what a reader looks for:
 
-    runs.py          the schedules' bubbles measured on ranks; torch's own pipelining
+    runs.py          torch's own schedules (torch.distributed.pipelining) run on ranks and
+                     timed op by op on the wall clock (`TimedStage` sets each op's length)
     figures.py       the Gantt chart, simulated beside measured, and the widget
     partition.py     every cut by brute force (to check the DP), each layer's profile
     zero_bubble.py   backward split into B and W: simulated, and run for real
@@ -21,7 +23,7 @@ By what a reader looks for:
                      in-flight micro-batches, zero bubble's idle time, the first backward
                      and zero bubble's measured bubbles, checked off the page
 
-The schedules, the pipeline and the partition are in `course_lib.pipeline`.
+The schedules, the simulator and the partition are in `course_lib.pipeline`.
 """
 
 from course_lib.measure.pipeline.exercises import (
@@ -44,8 +46,9 @@ from course_lib.measure.pipeline.partition import (
     profile_layers,
 )
 from course_lib.measure.pipeline.runs import (
+    TimedStage,
     measure_bubbles,
-    stretched_ops,
+    op_seconds,
     torch_interleaved_step,
     torch_pipeline_step,
 )
@@ -53,7 +56,6 @@ from course_lib.measure.pipeline.zero_bubble import (
     INPUT_GRAD,
     WEIGHT_GRAD,
     ZB_H1,
-    VirtualDevice,
     measure_zero_bubble,
     peak_activations,
     peak_memory,
@@ -71,7 +73,7 @@ from course_lib.measure.pipeline.zero_bubble import (
 __all__ = [
     "INPUT_GRAD",
     "PipelineWidget",
-    "VirtualDevice",
+    "TimedStage",
     "WEIGHT_GRAD",
     "ZB_H1",
     "brute_force_partition",
@@ -84,6 +86,7 @@ __all__ = [
     "draw_schedule",
     "measure_bubbles",
     "measure_zero_bubble",
+    "op_seconds",
     "peak_activations",
     "peak_memory",
     "pending_w_peak",
@@ -93,7 +96,6 @@ __all__ = [
     "plot_side_by_side",
     "profile_layers",
     "simulate_zb_h1",
-    "stretched_ops",
     "simulate_zero_bubble",
     "torch_interleaved_step",
     "torch_pipeline_step",

@@ -118,7 +118,8 @@ def check_zero_bubble_measured(
     predicted_bubble: object, most_ws_owed: object, runs: dict[str, Timeline], deferred: str
 ) -> tuple[bool | None, bool | None]:
     """The bubbles measured on ranks for 1F1B and for zero bubble with W's deferred (`runs`,
-    by schedule; `deferred` names the second), within 3 points, and the most W's a stage of
+    by schedule; `deferred` names the second), within 5 points (the run adds idle time of its
+    own: messages, wake-ups, compute beyond the sleeps), and the most W's a stage of
     the deferred run owed at once."""
     owed = [pending_w_peak(runs[deferred], s) for s in range(runs[deferred].n_stages)]
     return (
@@ -126,7 +127,7 @@ def check_zero_bubble_measured(
             predicted_bubble,
             {name: runs[name].bubble for name in ("1f1b", deferred)},
             rtol=0,
-            atol=0.03,
+            atol=0.05,
             hint="1F1B: (P-1)/(m+P-1); W's deferred: idle (P-1)(F+B-W) per stage beside m(F+B+W).",
         ),
         check_number(

@@ -74,7 +74,7 @@ def plot_schedule(*timelines: Timeline, titles: Sequence[str] | None = None) -> 
 
 def plot_side_by_side(simulated: Sequence[Timeline], measured: Sequence[Timeline]) -> Figure:
     """Simulated schedules on the left (units), the same schedules run on ranks on the right
-    (ms, on the emulated devices)."""
+    (ms, on the wall clock)."""
     rows = max(t.n_stages for t in (*simulated, *measured)) * 0.32 + 0.5
     fig = NotebookFigure(figsize=(12, 0.9 + rows * len(simulated)), layout="constrained")
     axes = fig.subplots(len(simulated), 2, squeeze=False)

@@ -3,26 +3,18 @@ for real on ranks."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from course_lib.measure.pipeline.runs import LossFn, torch_pipeline_step
 from course_lib.memory import SavedTensors
-from course_lib.pipeline import (
-    FORWARD,
-    EmulatedDevice,
-    LossFn,
-    Op,
-    StageLog,
-    Task,
-    Timeline,
-    pipeline_step,
-)
+from course_lib.pipeline import FORWARD, Op, StageLog, Task, Timeline
+from course_lib.pipeline.p2p import recv_shaped, send_shaped, wait_all
 from course_lib.pipeline.timeline import play
-from course_lib.pipeline.trainer import _recv, _send
 from course_lib.runtime import device, rank, world_size
 
 # --- the zero-bubble schedule: backward split in two -------------------------------------------
@@ -224,21 +216,6 @@ def zero_bubble_order(
     return [[Op(t.kind, t.micro) for t in tasks if t.stage == s] for s in range(n_stages)]
 
 
-class VirtualDevice(EmulatedDevice):
-    """An emulated device on a logical clock: an op starts when its input is ready (the
-    sender's clock, in the message) and the device is free, and lasts exactly `op_s`; nobody
-    sleeps. The real messages still decide what waits for what, so the timeline is counted,
-    not timed: the same on a busy machine as on an idle one (for tests)."""
-
-    def start(self, ready: float | None) -> float:
-        self.lateness.append(0.0)
-        return max((t for t in (ready, self.free_at) if t is not None), default=0.0)
-
-    def finish(self, start: float, op_s: float) -> float:
-        self.free_at = start + op_s
-        return self.free_at
-
-
 def zero_bubble_step(
     stage: nn.Module,
     x: torch.Tensor,
@@ -247,15 +224,15 @@ def zero_bubble_step(
     m: int,
     defer_w: bool = False,
     times: Sequence[float] = (0.0, 0.0, 0.0),
-    clock: type[EmulatedDevice] = EmulatedDevice,
     zb_h1: bool = False,
 ) -> StageLog:
     """One step of the zero-bubble pipeline on rank r = stage index, in `zero_bubble_order`.
 
-    F as in `pipeline_step`; B: the gradient of the stage's input only, sent upstream at
-    once; W: the weights' gradients, later. `times` = (F, B, W) seconds on the rank's
-    emulated device (0: real compute only; the order then comes from F = B = W). zb_h1=True
-    plays ZB-H1's handcrafted order (`defer_w` is then unused).
+    F: the stage's forward, sent downstream; B: the gradient of the stage's input only, sent
+    upstream at once; W: the weights' gradients, later. Each op lasts `times` = (F, B, W)
+    seconds beyond its real compute (a sleep after it, as `TimedStage` does; 0: the compute
+    only, the order then comes from F = B = W), and its start and end are read on the wall
+    clock. zb_h1=True plays ZB-H1's handcrafted order (`defer_w` is then unused).
     """
     P, r = world_size(), rank()
     if x.shape[0] % m:
@@ -265,7 +242,7 @@ def zero_bubble_step(
     )
     stage.to(device())
     xs, ys = ([c.to(device(), copy=True) for c in t.chunk(m)] for t in (x, y))
-    log, dev = StageLog(r, zero_bubble_name(defer_w, zb_h1)), clock()
+    log = StageLog(r, zero_bubble_name(defer_w, zb_h1))
     params = list(stage.parameters())
     weight_grads = [torch.zeros_like(p) for p in params]
     inputs: dict[int, torch.Tensor] = {}
@@ -276,50 +253,50 @@ def zero_bubble_step(
     # W from the graph B kept (retain_graph=True), not by saving each linear layer's input and
     # recomputing: it works for any stage (embedding, layer norm, attention) and is exact. The
     # price: a micro-batch holds all its activations until its W, and W walks the chain of
-    # activation gradients again. Both cost real memory and compute, not the emulated time.
+    # activation gradients again. Both cost real memory and compute (short beside the sleeps).
     with SavedTensors(exclude=params) as saved:
         for op in order[r]:
             i = op.micro
             if op.kind == FORWARD:
-                inp, ready = (xs[i], None) if r == 0 else _recv(r - 1)
-                start, before = dev.start(ready), saved.live_bytes
+                inp = xs[i] if r == 0 else recv_shaped(r - 1)
+                start, before = time.perf_counter(), saved.live_bytes
                 out = stage(inp.requires_grad_() if r > 0 else inp)
                 if r == P - 1:
                     out = loss_fn(out, ys[i]) / m  # mean over micro-batches
                     total_loss += out.item()
-                end = dev.finish(start, times[0])
+                time.sleep(times[0])
+                end = time.perf_counter()
                 if r < P - 1:
-                    pending += _send(out, r + 1, ready=end)
+                    pending += send_shaped(out, r + 1)
                 log.activation_bytes.append(saved.live_bytes - before)
                 inputs[i], outputs[i] = inp, out
                 log.peak_in_flight = max(log.peak_in_flight, len(outputs))
             elif op.kind == INPUT_GRAD:
-                grad, ready = (None, None) if r == P - 1 else _recv(r + 1)
-                start, inp = dev.start(ready), inputs.pop(i)
+                grad = None if r == P - 1 else recv_shaped(r + 1)
+                start, inp = time.perf_counter(), inputs.pop(i)
                 if r > 0:  # stage 0's input is data: no gradient to send
                     (grad_in,) = torch.autograd.grad(outputs[i], [inp], grad, retain_graph=True)
-                end = dev.finish(start, times[1])
+                time.sleep(times[1])
+                end = time.perf_counter()
                 if r > 0:
-                    pending += _send(grad_in, r - 1, ready=end)
+                    pending += send_shaped(grad_in, r - 1)
                 grads_out[i] = grad
             else:  # WEIGHT_GRAD: nobody waits for it
-                start = dev.start(None)
+                start = time.perf_counter()
                 got = torch.autograd.grad(
                     outputs.pop(i), params, grads_out.pop(i), allow_unused=True
                 )
                 for total, g in zip(weight_grads, got, strict=True):
                     if g is not None:
                         total += g
-                end = dev.finish(start, times[2])
+                time.sleep(times[2])
+                end = time.perf_counter()
             log.tasks.append(Task(r, op.kind, i, 0, start, end))
         log.peak_activation_bytes = saved.peak_bytes
-    for work in pending:
-        if isinstance(work, dist.Work):
-            work.wait()
+    wait_all(pending)
     for p, g in zip(params, weight_grads, strict=True):
         p.grad = g
     log.loss = total_loss if r == P - 1 else None
-    log.lateness = dev.lateness
     log.grads = [g.detach().clone() for g in weight_grads]
     return log
 
@@ -332,14 +309,14 @@ def measure_zero_bubble(
     m: int,
     times: Sequence[float],
 ) -> dict[str, StageLog]:
-    """Run on every rank: 1F1B (backward = B + W in one op), both greedy zero-bubble variants
-    and ZB-H1, F, B, W lasting `times`, after warm-up steps that open the links and make the
-    first calls."""
-    pipeline_step(make_stage(), x, y, loss_fn, m=1, schedule="gpipe")
-    zero_bubble_step(make_stage(), x, y, loss_fn, m=1)
+    """Run on every rank: torch's 1F1B (backward = B + W in one op), both greedy zero-bubble
+    variants and ZB-H1, F, B, W lasting `times` beyond their compute, after warm-up steps that
+    open the links and make the first calls."""
     f, b, w = times
+    one_f = torch_pipeline_step(make_stage(), x, y, loss_fn, m, "1f1b", f, b + w, warmups=1)
+    zero_bubble_step(make_stage(), x, y, loss_fn, m=1)
     return {
-        "1f1b": pipeline_step(make_stage(), x, y, loss_fn, m, "1f1b", f, b + w),
+        "1f1b": one_f,
         **{
             zero_bubble_name(defer): zero_bubble_step(make_stage(), x, y, loss_fn, m, defer, times)
             for defer in (False, True)
