@@ -150,7 +150,6 @@ def main() -> None:
     # check scans every rank's memory several times a step), and these objects' pages stay
     # shared with the workers instead of being copied when a collection touches them.
     gc.freeze()
-    _worker.FROZEN_OBJECTS = gc.get_freeze_count()
 
     while os.getppid() == parent:
         _report_exits(sock)

@@ -188,6 +188,13 @@ keep_privately_frozen = mutant(
     ("def free_layer(", "import gc\n\nSTASH = {}\n\n\ndef free_layer("),
     (FREE, STASHED + "    gc.freeze()\n" + FREE),
 ).shard_module
+# ...and the same reaching the real gc.freeze past the worker's own (which notes the call).
+keep_privately_really_frozen = mutant(
+    "zero",
+    "zero3",
+    ("def free_layer(", "import course_lib._worker\n\nSTASH = {}\n\n\ndef free_layer("),
+    (FREE, STASHED + "    course_lib._worker._real_freeze()\n" + FREE),
+).shard_module
 # ZeRO-3 whose shards are views of the padded full parameter (which stays alive).
 view_shards = mutant(
     "zero",
@@ -379,6 +386,7 @@ def test_check_zero2_rejects(impl, message):
         (view_shards, "parameters (held by the model after forward); at most"),
         (keep_privately, "are alive outside the model's shards, in tensors Python can reach"),
         (keep_privately_frozen, "are alive outside the model's shards, in tensors Python"),
+        (keep_privately_really_frozen, "are alive outside the model's shards, in tensors"),
         (no_regather, "during backward it all-gathered 0 bytes"),
         (summed_zero3, "it is 4 (the world size) times the average"),
         (unsharded, "expected a 1-D shard of ceil(638 / 4) = 160 elements"),

@@ -153,8 +153,8 @@ def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def reachable_tensors() -> list[torch.Tensor]:
     """Every tensor the garbage collector knows in this process, after a collection (garbage
     not yet collected is not kept), except what the fork server froze before this worker
-    started (`_worker.FROZEN_OBJECTS`): objects frozen since, by code calling gc.freeze() to
-    hide them from this scan, are unfrozen first."""
+    started: objects frozen since, by code calling gc.freeze() to hide them from this scan,
+    are unfrozen first."""
     if _worker.frozen_by_a_call():
         gc.unfreeze()
     gc.collect()
