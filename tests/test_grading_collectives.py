@@ -481,6 +481,33 @@ def test_the_one_way_ring_earns_half_and_is_told_to_send_half_the_other_way():
     assert "send the second half around the ring the other way" in text
 
 
+def swap_twice(tensor):
+    """Right sums on 2 ranks: the whole tensor swapped and added, then swapped again to make
+    sure. The second swap is twice the bytes two rings on the one link need."""
+    other = 1 - rank()
+    theirs = torch.empty_like(tensor)
+    request = dist.isend(tensor.clone(), other)
+    dist.recv(theirs, other)
+    request.wait()
+    tensor += theirs
+    request = dist.isend(tensor.clone(), other)
+    dist.recv(theirs, other)
+    request.wait()
+
+
+def test_on_2_ranks_the_ring_check_holds_the_sum_of_both_ways():
+    check_all_reduce(swap_twice, world_sizes=[2])  # the sum is right
+    with pytest.raises(CheckFailed) as info:
+        check_bidirectional_ring_all_reduce(swap_twice, world_sizes=[2], shapes=[(7,)])
+    assert info.value.failed == {"bytes"}
+    # 7 float32 twice, 56 bytes, where each way may carry 2 chunks of ceil(7/4) = 2 elements
+    assert (
+        "rank 0 sent 56 bytes in all; one ring all-reduce of half the tensor (N = 7 elements, "
+        "28 bytes) sends at most 2(P-1) chunks of ceil(N/(2P)) elements, 16 bytes each way, 32 "
+        "bytes for the two (on 2 ranks both rings run between the same two ranks)"
+    ) in str(info.value)
+
+
 def ring_lopsided(tensor):
     """Both ways, but a third of the tensor one way and two thirds the other."""
     flat = tensor.view(-1)

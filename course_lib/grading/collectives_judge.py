@@ -225,12 +225,12 @@ def judge_directions(spec: Spec, case: Case, records: list[dict]) -> None:
                 prop="bytes",
             )
         if record["sent"] > 2 * allowed:
+            shared = " (on 2 ranks both rings run between the same two ranks)" if p == 2 else ""
             fail(
                 spec.check,
                 f"{case}: rank {r} sent {record['sent']} bytes in all; {half} each way, "
-                f"{2 * allowed} bytes for the two (on {p} ranks both rings run between the same "
-                "neighbours). Does each step send one chunk of about N/(2P) elements per ring, "
-                "not the whole tensor?",
+                f"{2 * allowed} bytes for the two{shared}. Does each step send one chunk of "
+                "about N/(2P) elements per ring, not the whole tensor?",
                 prop="bytes",
             )
 
