@@ -113,7 +113,7 @@ TOPICS = (
             "all_gather",
             "reduce_scatter",
             "all_reduce_naive",
-            "ring_all_reduce",
+            "bidirectional_ring_all_reduce",
             "all_reduce_fast",
         ),
     ),

@@ -14,18 +14,23 @@ from course_lib.grading import (
     CheckFailed,
     check_all_gather,
     check_all_reduce,
+    check_bidirectional_ring_all_reduce,
     check_broadcast,
     check_reduce,
     check_reduce_scatter,
 )
 from course_lib.grading.collectives import check_all_reduce_fast
-from course_lib.grading.collectives_judge import fast_messages
+from course_lib.grading.collectives_judge import direction_budget, fast_budget, fast_messages
+from course_lib.grading.collectives_ranks import Case
 from tests.adapters import planted, solution
 from tests.cheats.a02_collectives import (
-    FAST_REVERSED_PADDED,
+    BIDIRECTIONAL_PADDED,
+    FAST_PAIRED_FOLD,
+    FAST_RING_OFF_POWERS,
     LECTURE_HALVING_DOUBLING_WRAPPED,
-    LECTURE_RING_WRAPPED,
-    RING_PADDED,
+    LECTURE_RINGS_BOTH_WAYS,
+    LECTURE_SCHEDULE_FOLDED,
+    RINGS_ONE_AFTER_THE_OTHER,
 )
 
 UNEVEN = [(1,), (2,), (7,), (3, 5), ()]  # fewer elements than ranks, not divisible, 0-d
@@ -116,8 +121,9 @@ def all_reduce_torch(tensor):
     dist.all_reduce(tensor)
 
 
-def ring_all_reduce_batched(tensor):
-    """Right, another way: the ring with P2POp / batch_isend_irecv and uneven split points."""
+def one_way_ring(tensor):
+    """Lecture 2's ring, one way, with P2POp / batch_isend_irecv and uneven split points: a
+    right all-reduce, but Part 6's bytes all go to rank + 1."""
     p, me = world_size(), rank()
     flat = tensor.reshape(-1)
     bounds = [len(flat) * i // p for i in range(p + 1)]
@@ -135,12 +141,14 @@ def ring_all_reduce_batched(tensor):
             incoming += buffer
 
 
-# Right, another way: zero-padded chunks of ceil(N/P) elements, so all chunks are equal.
-ring_padded = planted("collectives", "ring_all_reduce", RING_PADDED).ring_all_reduce
-# A cheat: the lecture's ring, called.
-ring_lecture_wrapped = planted(
-    "collectives", "ring_all_reduce", LECTURE_RING_WRAPPED
-).ring_all_reduce
+RING = "bidirectional_ring_all_reduce"
+# Right, other ways: zero-padded chunks of ceil(N/(2P)) elements, so all chunks are equal; and
+# the two rings one after the other, which Part 6 accepts (it does not judge time).
+ring_padded = getattr(planted("collectives", RING, BIDIRECTIONAL_PADDED), RING)
+IN_TURN = planted("collectives", RING, RINGS_ONE_AFTER_THE_OTHER)
+rings_in_turn = getattr(IN_TURN, RING)
+# A cheat: the lecture's ring, called once each way.
+ring_lecture_both_ways = getattr(planted("collectives", RING, LECTURE_RINGS_BOTH_WAYS), RING)
 
 
 def ring_prebound_far_peer(tensor):
@@ -151,7 +159,7 @@ def ring_prebound_far_peer(tensor):
 
     p, me = world_size(), rank()
     if p < 4:
-        return ring_all_reduce_batched(tensor)
+        return SOLVED.bidirectional_ring_all_reduce(tensor)
     total = tensor.clone()
     for peer in range(p):  # everyone to everyone: not a ring
         if peer != me:
@@ -179,7 +187,8 @@ def ring_prebound_far_peer(tensor):
         (check_reduce_scatter, SOLVED.reduce_scatter),
         (check_reduce_scatter, reduce_scatter_blocking),
         (check_all_reduce, SOLVED.all_reduce_naive),
-        (check_all_reduce, SOLVED.ring_all_reduce),
+        (check_all_reduce, SOLVED.bidirectional_ring_all_reduce),
+        (check_all_reduce, one_way_ring),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
@@ -189,17 +198,26 @@ def test_checks_accept_right_implementations(check, fn):
 
 @pytest.mark.parametrize(
     "fn",
-    [SOLVED.ring_all_reduce, ring_all_reduce_batched, ring_padded],
-    ids=["solution", "batched", "padded"],
+    [SOLVED.bidirectional_ring_all_reduce, ring_padded, rings_in_turn],
+    ids=["solution", "padded", "in_turn"],
 )
 def test_ring_check_accepts_right_rings(fn):
-    check_all_reduce(fn, bandwidth_optimal=True, shapes=UNEVEN, seeds=[0, 1])
+    check_bidirectional_ring_all_reduce(fn, shapes=UNEVEN, seeds=[0, 1])
 
 
 def test_ring_check_accepts_the_solution_on_8_ranks():
-    check_all_reduce(
-        SOLVED.ring_all_reduce, bandwidth_optimal=True, world_sizes=[8], shapes=[(5,), (13,)]
+    check_bidirectional_ring_all_reduce(
+        SOLVED.bidirectional_ring_all_reduce, world_sizes=[8], shapes=[(5,), (13,), (40,)]
     )
+
+
+def test_ring_budget_each_way_by_hand():
+    # 2(P-1) chunks of ceil(N/(2P)) elements: 7 float32 on 3 ranks, 4 chunks of 2; 12 int64
+    # on 4 ranks, 6 chunks of 2; 1 element on 5 ranks, 8 chunks of 1 (the padded answer's).
+    assert direction_budget(Case(3, (7,), torch.float32, 0)) == 4 * 2 * 4
+    assert direction_budget(Case(4, (3, 4), torch.int64, 0)) == 6 * 2 * 8
+    assert direction_budget(Case(5, (), torch.float64, 0)) == 8 * 1 * 8
+    assert direction_budget(Case(1, (7,), torch.float32, 0)) == 0
 
 
 TORCH_VERSIONS = [
@@ -374,7 +392,7 @@ def reduce_scatter_rebinds_output(output, input_list):
 def ring_in_float64(tensor):
     """Sums a float64 copy "for precision": int64 values above 2**53 get rounded."""
     work = tensor.double()
-    SOLVED.ring_all_reduce(work)
+    SOLVED.bidirectional_ring_all_reduce(work)
     tensor.copy_(work)
 
 
@@ -429,25 +447,84 @@ def test_float_buffer_breaks_large_int64_sums():
 
 def test_ring_check_rejects_a_wrong_neighbour():
     text = expect_failure(
-        check_all_reduce,
+        check_bidirectional_ring_all_reduce,
         ring_wrong_neighbour,
         "talks only to its neighbours, here ranks [1, 3]",
-        bandwidth_optimal=True,
         world_sizes=[4],
         shapes=[(8,)],  # equal chunks, so the wrong pairs still exchange matching sizes
     )
-    assert text.startswith("check_all_reduce(bandwidth_optimal=True): ")
+    assert text.startswith("check_bidirectional_ring_all_reduce: ")
 
 
 def test_ring_check_rejects_a_ring_over_the_byte_budget():
     check_all_reduce(ring_whole_tensor)  # the sum is right: only the ring check rejects it
     text = expect_failure(
-        check_all_reduce, ring_whole_tensor, "rank 0 sent 56 bytes", bandwidth_optimal=True
+        check_bidirectional_ring_all_reduce,
+        ring_whole_tensor,
+        "rank 0 sent all its bytes one way, 56 to rank + 1 (rank 1) and none to rank - 1",
     )
     # The first case over the budget: 3 ranks, 7 float32 (28 bytes), passed on twice.
     assert "world size 3, float32, shape (7,)" in text
-    assert "2(P-1)/P * N = 37.3333 bytes per rank" in text
-    assert "2(P-1) chunks of ceil(N/P) elements, 48 bytes" in text
+    assert "2(P-1) chunks of ceil(N/(2P)) elements, 32 bytes each way" in text
+
+
+def test_the_one_way_ring_earns_half_and_is_told_to_send_half_the_other_way():
+    check_all_reduce(one_way_ring, world_sizes=[3, 4, 5])  # the sum is right
+    with pytest.raises(CheckFailed) as info:
+        check_bidirectional_ring_all_reduce(one_way_ring, shapes=[(12,), (2, 17)])
+    assert info.value.failed == {"bytes"} and info.value.score == 0.5
+    text = str(info.value)
+    # 3 ranks, 12 float32: 4 chunks of 4 to rank + 1, where one way may carry 4 chunks of 2
+    assert (
+        "world size 3, float32, shape (12,), seed 0: rank 0 sent all its bytes one way, 64 " in text
+    )
+    assert "send the second half around the ring the other way" in text
+
+
+def swap_twice(tensor):
+    """Right sums on 2 ranks: the whole tensor swapped and added, then swapped again to make
+    sure. The second swap is twice the bytes two rings on the one link need."""
+    other = 1 - rank()
+    theirs = torch.empty_like(tensor)
+    request = dist.isend(tensor.clone(), other)
+    dist.recv(theirs, other)
+    request.wait()
+    tensor += theirs
+    request = dist.isend(tensor.clone(), other)
+    dist.recv(theirs, other)
+    request.wait()
+
+
+def test_on_2_ranks_the_ring_check_holds_the_sum_of_both_ways():
+    check_all_reduce(swap_twice, world_sizes=[2])  # the sum is right
+    with pytest.raises(CheckFailed) as info:
+        check_bidirectional_ring_all_reduce(swap_twice, world_sizes=[2], shapes=[(7,)])
+    assert info.value.failed == {"bytes"}
+    # 7 float32 twice, 56 bytes, where each way may carry 2 chunks of ceil(7/4) = 2 elements
+    assert (
+        "rank 0 sent 56 bytes in all; one ring all-reduce of half the tensor (N = 7 elements, "
+        "28 bytes) sends at most 2(P-1) chunks of ceil(N/(2P)) elements, 16 bytes each way, 32 "
+        "bytes for the two (on 2 ranks both rings run between the same two ranks)"
+    ) in str(info.value)
+
+
+def ring_lopsided(tensor):
+    """Both ways, but a third of the tensor one way and two thirds the other."""
+    flat = tensor.view(-1)
+    third = flat.numel() // 3
+    IN_TURN._one_way(flat[:third], -1)
+    IN_TURN._one_way(flat[third:], +1)
+
+
+def test_ring_check_holds_each_way_to_half():
+    check_all_reduce(ring_lopsided, world_sizes=[3, 4])  # the sum is right
+    with pytest.raises(CheckFailed) as info:
+        check_bidirectional_ring_all_reduce(ring_lopsided, world_sizes=[4], shapes=[(48,)])
+    assert info.value.failed == {"bytes"}
+    # 4 ranks, 32 of 48 float32 to rank + 1: 6 chunks of 8, where one way may carry 6 of 6
+    assert "rank 0 sent 192 bytes to rank + 1 (rank 1); one ring all-reduce of half" in str(
+        info.value
+    )
 
 
 def all_reduce_direct(tensor):
@@ -470,18 +547,20 @@ def all_reduce_direct(tensor):
 
 
 def test_a_passing_check_says_what_it_verified(capsys):
-    check_all_reduce(
-        SOLVED.ring_all_reduce, bandwidth_optimal=True, world_sizes=[3], shapes=[(7,)],
+    check_bidirectional_ring_all_reduce(
+        SOLVED.bidirectional_ring_all_reduce, world_sizes=[3], shapes=[(7,)],
         dtypes=[torch.float32],
     )  # fmt: skip
     out = capsys.readouterr().out
-    # 3 ranks, chunks of 3, 2, 2 float32: every step passes each chunk once, 4 steps.
+    # 3 ranks, halves of 4 and 3 float32 in chunks of 2, 1, 1 and 1, 1, 1: each ring passes
+    # each chunk 2(P-1) = 4 times in all, 4 * 4 + 4 * 3 = 28 elements.
     assert out.startswith(
-        "check_all_reduce(bandwidth_optimal=True): passed. Verified 1 case(s) on 3 rank(s): "
+        "check_bidirectional_ring_all_reduce: passed. Verified 1 case(s) on 3 rank(s): "
         "every rank's result matches torch.distributed.all_reduce"
     )
     assert "; 112 bytes sent in all;" in out
-    assert "(closest to the limit: 40 of 48 bytes)" in out
+    # the busiest way: 8 elements less the chunks of its place and the next, 6 of 4 * 2
+    assert "(closest to the limit: 24 of 32 bytes one way)" in out
 
 
 def test_a_failing_check_lists_several_failing_cases():
@@ -494,25 +573,25 @@ def test_a_failing_check_lists_several_failing_cases():
 
 def test_a_ring_that_passes_whole_tensors_earns_half():
     with pytest.raises(CheckFailed) as info:
-        check_all_reduce(ring_whole_tensor, bandwidth_optimal=True, world_sizes=[3, 4])
+        check_bidirectional_ring_all_reduce(ring_whole_tensor, world_sizes=[3, 4])
     assert info.value.failed == {"bytes"} and info.value.score == 0.5
-    assert "Partial credit: ring passed (50%), bytes failed (50%)" in str(info.value)
+    assert "Partial credit: neighbours passed (50%), bytes failed (50%)" in str(info.value)
 
 
 def test_direct_reduce_scatter_and_all_gather_earns_half():
     check_all_reduce(all_reduce_direct, world_sizes=[3, 4], shapes=UNEVEN)  # a right sum
     with pytest.raises(CheckFailed) as info:
-        check_all_reduce(all_reduce_direct, bandwidth_optimal=True, world_sizes=[4])
-    assert info.value.failed == {"ring"} and info.value.score == 0.5
+        check_bidirectional_ring_all_reduce(all_reduce_direct, world_sizes=[4])
+    assert info.value.failed == {"neighbours"} and info.value.score == 0.5
 
 
 def test_ring_check_rejects_the_naive_all_reduce():
     # Right sums, but rank 0 talks to every rank and sends (P-1) N.
     text = expect_failure(
-        check_all_reduce, SOLVED.all_reduce_naive, "talks only to its neighbours",
-        bandwidth_optimal=True, world_sizes=[4],
+        check_bidirectional_ring_all_reduce, SOLVED.all_reduce_naive,
+        "talks only to its neighbours", world_sizes=[4],
     )  # fmt: skip
-    assert "[ring] failed" in text and "[bytes] failed" in text
+    assert "[neighbours] failed" in text and "[bytes] failed" in text
     assert "No points for this part" not in text  # the result was right: it is not the gate
 
 
@@ -535,39 +614,37 @@ def test_bad_argument_is_a_clear_error():
     expect_failure(check_broadcast, "broadcast", "expected your function, got str")
 
 
-def test_the_lectures_ring_is_refused_even_wrapped():
+def test_the_lectures_ring_is_refused_even_run_once_each_way():
     expect_failure(
-        check_all_reduce,
-        ring_lecture_wrapped,
-        "runs course_lib.collectives.ring_all_reduce",
-        bandwidth_optimal=True,
-        world_sizes=(2,),
+        check_bidirectional_ring_all_reduce,
+        ring_lecture_both_ways,
+        "runs course_lib.collectives._ring",
+        world_sizes=(3,),
     )
 
 
 def test_peers_are_seen_on_every_route():
     expect_failure(
-        check_all_reduce,
+        check_bidirectional_ring_all_reduce,
         ring_prebound_far_peer,
         "rank 0 called dist.send with rank 2",
-        bandwidth_optimal=True,
         world_sizes=(4,),
         dtypes=(torch.float64,),
     )
 
 
-# --- Part 7: all_reduce_fast, the ring's bytes in 2 log2 P messages -------------------------
+# --- Part 7: all_reduce_fast, halving-doubling's bounds on any number of ranks -------------
 
 FAST_SHAPES = [(1,), (7,), (3, 5), ()]  # fewer elements than ranks, not divisible, 0-d
+FAST = "all_reduce_fast"
 
-# Right, another way: partners 1, 2, 4 apart while halving, on zero-padded equal chunks.
-fast_reversed_padded = planted(
-    "collectives", "all_reduce_fast", FAST_REVERSED_PADDED
-).all_reduce_fast
-# A cheat: the lecture's halving-doubling, called.
-fast_lecture_wrapped = planted(
-    "collectives", "all_reduce_fast", LECTURE_HALVING_DOUBLING_WRAPPED
-).all_reduce_fast
+# Right, another way: Rabenseifner's fold in pairs, partners 1, 2, 4 apart, padded chunks.
+fast_paired_fold = getattr(planted("collectives", FAST, FAST_PAIRED_FOLD), FAST)
+# Cheats: the lecture's halving-doubling, called; a fold around the lecture's schedule; the
+# ring where P is not a power of two.
+fast_lecture_wrapped = getattr(planted("collectives", FAST, LECTURE_HALVING_DOUBLING_WRAPPED), FAST)
+fast_lecture_schedule = getattr(planted("collectives", FAST, LECTURE_SCHEDULE_FOLDED), FAST)
+fast_ring_off_powers = getattr(planted("collectives", FAST, FAST_RING_OFF_POWERS), FAST)
 
 
 def butterfly(tensor):
@@ -583,35 +660,92 @@ def butterfly(tensor):
         distance *= 2
 
 
-def test_fast_message_bound_is_twice_log2_p():
-    # From costs.all_reduce_seconds' latencies for halving-doubling, not written again here.
-    assert [fast_messages(p) for p in (1, 2, 4, 8, 16)] == [0, 2, 4, 6, 8]
+def butterfly_folded(tensor):
+    """The butterfly on Q ranks with the others folded in and out: right sums, messages within
+    the limit, but whole tensors in every round."""
+    p, me = world_size(), rank()
+    q = 1 << (p.bit_length() - 1)
+    if me >= q:
+        dist.send(tensor, me - q)
+        dist.recv(tensor, me - q)
+        return
+    if me + q < p:
+        theirs = torch.empty_like(tensor)
+        dist.recv(theirs, me + q)
+        tensor += theirs
+    incoming, distance = torch.empty_like(tensor), 1
+    while distance < q:
+        request = dist.isend(tensor.clone(), me ^ distance)
+        dist.recv(incoming, me ^ distance)
+        request.wait()
+        tensor += incoming
+        distance *= 2
+    if me + q < p:
+        dist.send(tensor, me + q)
+
+
+def test_fast_message_bound_is_halving_doublings_plus_the_fold():
+    # 2 log2 Q from costs.all_reduce_seconds' latencies for halving-doubling on Q ranks (not
+    # written again here), and 2 more where P > Q: one message in, one back.
+    assert [fast_messages(p) for p in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16)] == [
+        0, 2, 4, 4, 6, 6, 6, 6, 8, 8
+    ]  # fmt: skip
+
+
+def test_fast_byte_bound_by_hand():
+    # 2(Q-1) chunks of ceil(N/Q) elements, and N more where P > Q
+    assert fast_budget(Case(4, (7,), torch.float32, 0)) == 6 * 2 * 4  # Q = 4, as before
+    assert fast_budget(Case(8, (7,), torch.float32, 0)) == 14 * 1 * 4
+    assert fast_budget(Case(6, (7,), torch.float32, 0)) == (6 * 2 + 7) * 4  # Q = 4
+    assert fast_budget(Case(3, (3, 5), torch.int64, 0)) == (2 * 8 + 15) * 8  # Q = 2
+    assert fast_budget(Case(5, (), torch.float64, 0)) == (6 * 1 + 1) * 8
+    assert fast_budget(Case(1, (7,), torch.float32, 0)) == 0
 
 
 @pytest.mark.parametrize(
-    "fn", [SOLVED.all_reduce_fast, fast_reversed_padded], ids=["solution", "reversed_padded"]
+    "fn", [SOLVED.all_reduce_fast, fast_paired_fold], ids=["solution", "paired_fold"]
 )
 def test_fast_check_accepts_right_answers(fn, capsys):
     start = time.perf_counter()
     check_all_reduce_fast(fn, shapes=FAST_SHAPES, seeds=[0, 1])
     seconds = time.perf_counter() - start
     out = capsys.readouterr().out
-    assert out.startswith("check_all_reduce_fast: passed. Verified 72 case(s) on 2, 4, 8 rank(s)")
+    assert out.startswith(
+        "check_all_reduce_fast: passed. Verified 144 case(s) on 2, 3, 4, 5, 6, 8 rank(s)"
+    )
     assert "closest to the limit: 6 of 6)" in out  # 8 ranks: every rank sends 2 log2 8
     print(f"check_all_reduce_fast: {seconds:.1f} s")
 
 
+def test_fast_check_accepts_both_folds_on_7_ranks():
+    for fn in (SOLVED.all_reduce_fast, fast_paired_fold):
+        check_all_reduce_fast(fn, world_sizes=[7], shapes=[(9,), (2, 3)], dtypes=[torch.int64])
+
+
 def test_fast_check_refuses_the_ring_for_its_messages_on_8_ranks():
-    check_all_reduce(SOLVED.ring_all_reduce, world_sizes=[8])  # the sum is right
+    check_all_reduce(one_way_ring, world_sizes=[8])  # the sum is right
     text = expect_failure(
         check_all_reduce_fast,
-        SOLVED.ring_all_reduce,
+        one_way_ring,
         "rank 0 sent 14 messages (sends and isends, empty ones included); at most "
         "2 log2 P = 6 are allowed on 8 ranks",
         world_sizes=[8],
         dtypes=[torch.float32],
     )
     assert "[messages] failed" in text and "[bytes]" not in text  # the ring's bytes are fine
+
+
+def test_fast_check_refuses_the_ring_where_p_is_not_a_power_of_two():
+    check_all_reduce(fast_ring_off_powers, world_sizes=[2, 3, 4, 5, 6])  # the sum is right
+    check_all_reduce_fast(fast_ring_off_powers, world_sizes=[2, 3, 4])  # within the bounds
+    text = expect_failure(
+        check_all_reduce_fast,
+        fast_ring_off_powers,
+        "rank 0 sent 8 messages (sends and isends, empty ones included); at most "
+        "2 floor(log2 P) + 2 = 6 (P = 5, Q = 4) are allowed on 5 ranks",
+        dtypes=[torch.float32],
+    )
+    assert "No points" not in text and "Partial credit" not in text  # all or nothing
 
 
 def test_fast_check_refuses_the_butterfly_for_its_bytes():
@@ -627,11 +761,26 @@ def test_fast_check_refuses_the_butterfly_for_its_bytes():
     assert "[bytes] failed" in text and "[messages]" not in text  # log2 P messages are fine
 
 
+def test_fast_check_refuses_a_folded_butterfly_for_its_bytes():
+    check_all_reduce(butterfly_folded, world_sizes=[3, 5, 6])  # the sum is right
+    text = expect_failure(
+        check_all_reduce_fast,
+        butterfly_folded,
+        # 6 ranks, Q = 4, 7 float32: two whole tensors and the one handed back, 84 bytes,
+        # where 6 chunks of 2 elements and the 7 handed back make 76
+        "world size 6, float32, shape (7,), seed 0: rank 0 sent 84 bytes",
+        world_sizes=[6],
+    )
+    assert "with Q = 4, the largest power of two <= P, plus N for the fold: 76 bytes" in text
+    assert "[bytes] failed" in text and "[messages]" not in text
+
+
 def test_fast_check_refuses_the_naive_all_reduce():
     text = expect_failure(
         check_all_reduce_fast,
         SOLVED.all_reduce_naive,
         "rank 0 sent 7 messages",  # the root, on 8 ranks
+        world_sizes=[2, 4, 8],
         dtypes=[torch.int64],
     )
     # The root sends (P-1) N: on 4 ranks, 7 int64 three times, over 6 chunks of 2 elements.
@@ -649,6 +798,15 @@ def test_fast_check_refuses_the_lectures_halving_doubling_even_wrapped():
     )
 
 
-def test_fast_check_runs_on_powers_of_two_only():
-    with pytest.raises(ValueError, match="powers of two only"):
-        check_all_reduce_fast(SOLVED.all_reduce_fast, world_sizes=[3])
+def test_fast_check_refuses_a_fold_around_the_lectures_schedule():
+    expect_failure(
+        check_all_reduce_fast,
+        fast_lecture_schedule,
+        "runs course_lib.collectives.halving_doubling_rounds",
+        world_sizes=[3],
+    )
+
+
+def test_fast_check_needs_ranks():
+    with pytest.raises(ValueError, match="world sizes >= 1"):
+        check_all_reduce_fast(SOLVED.all_reduce_fast, world_sizes=[0])

@@ -7,7 +7,7 @@ import pytest
 from course_lib import collectives, data_parallel, gossip, tensor_parallel
 from course_lib.grading import (
     CheckFailed,
-    check_all_reduce,
+    check_bidirectional_ring_all_reduce,
     check_parallel_mlp,
     check_push_sum,
     check_sync_gradients,
@@ -19,7 +19,7 @@ from course_lib.grading.provenance import Provenance
 @pytest.mark.parametrize(
     "check, answer, kwargs",
     [
-        (check_all_reduce, collectives.ring_all_reduce, {"bandwidth_optimal": True}),
+        (check_bidirectional_ring_all_reduce, collectives.ring_all_reduce, {}),
         (check_push_sum, gossip.gossip_round, {}),
         (check_sync_gradients, data_parallel.allreduce_gradients, {}),
         (check_parallel_mlp, tensor_parallel.ParallelMLP, {}),

@@ -5,12 +5,14 @@
     check_all_gather(all_gather)               all_gather(tensor_list, tensor)
     check_reduce_scatter(reduce_scatter)       reduce_scatter(output, input_list)
     check_all_reduce(all_reduce)               all_reduce(tensor): the sum on every rank
-    check_all_reduce(ring_all_reduce, bandwidth_optimal=True)
+    check_bidirectional_ring_all_reduce(bidirectional_ring_all_reduce)
                                                ... and each rank talks only to its two
-                                               neighbours and sends at most 2(P-1)/P * N
-    check_all_reduce_fast(all_reduce_fast)     all_reduce(tensor) on 2, 4 and 8 ranks, each rank
-                                               sending at most 2 log2 P messages and at
-                                               most 2(P-1)/P * N
+                                               neighbours and sends each way at most
+                                               (P-1)/P * N: half the tensor on each ring
+    check_all_reduce_fast(all_reduce_fast)     all_reduce(tensor) on 2 to 8 ranks, each rank
+                                               sending at most 2 floor(log2 P) messages
+                                               (+2 when P is no power of two) and about
+                                               2(Q-1)/Q * N bytes (+N), Q = 2^floor(log2 P)
 
 Every case runs the student's function on inputs drawn here, in the checking process, from a
 secret seed; each rank receives only its own (`collectives_cases`). The reference is what
@@ -46,6 +48,7 @@ from course_lib.grading.collectives_judge import (
     Tally,
     judge_bytes,
     judge_case,
+    judge_directions,
     judge_messages,
     judge_neighbours,
 )
@@ -56,14 +59,19 @@ from course_lib.grading.traffic import Sent
 # values in another order differs by a few units in the last place (~1e-7 relative).
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12), torch.int64: (0, 0)}
 
-# The ring part's points: half for talking only to the neighbours, half for the bytes, and
-# neither unless the sum is right on every rank (a right sum alone is part 5's naive answer).
-RING_WEIGHTS = {RESULT: 0.0, "ring": 0.5, "bytes": 0.5}
+# The ring part's points: half for talking only to the neighbours, half for the bytes each
+# way, and neither unless the sum is right on every rank (a right sum alone is part 5's
+# naive answer).
+RING_WEIGHTS = {RESULT: 0.0, "neighbours": 0.5, "bytes": 0.5}
 
 DTYPES = (torch.float32, torch.float64, torch.int64)
 DEFAULT_SHAPES = ((5,), (2, 3))
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
-FAST_WORLD_SIZES = (2, 4, 8)  # Part 7: powers of two, and 8, where the ring's 14 messages > 6
+# Part 6 on 5 ranks too: 3 and 4 have few far ranks to send to by mistake.
+RING_WORLD_SIZES = (1, 2, 3, 4, 5)
+# Part 7: 2 and 4, powers of two; 3, 5 and 6, which a halving-doubling must fold to 2 or 4;
+# and 8, where the ring's 14 messages are over 6.
+FAST_WORLD_SIZES = (2, 3, 4, 5, 6, 8)
 
 
 def _check(
@@ -83,7 +91,7 @@ def _check(
         fail(spec.check, f"expected your function, got {type(fn).__name__} {fn!r:.60}")
     shapes = [tuple(s) if isinstance(s, Iterable) else (int(s),) for s in shapes]
     name = getattr(fn, "__name__", "function")
-    verdict = Verdict(spec.check, RING_WEIGHTS if spec.bandwidth_optimal else None)
+    verdict = Verdict(spec.check, RING_WEIGHTS if spec.bidirectional else None)
     tally = Tally()
     busiest = 0  # Part 7's measure: the busiest rank's bytes, summed over the cases
     secret = new_secret()
@@ -119,11 +127,11 @@ def _check(
                 record.update(_communication(sent[r][i]))
             with verdict.case():
                 judge_case(spec, name, case, records, point_to_point_only)
-            if spec.bandwidth_optimal:
+            if spec.bidirectional:
                 with verdict.case():
                     judge_neighbours(spec, case, records)
                 with verdict.case():
-                    judge_bytes(spec, case, records)
+                    judge_directions(spec, case, records)
             if spec.fewest_messages:
                 busiest += max(record["sent"] for record in records)
                 with verdict.case():
@@ -157,12 +165,18 @@ def _records(spec: Spec, case: Case, inputs: list[dict], found: list[dict]) -> l
 
 
 def _communication(calls: list[Sent]) -> dict:
-    """What one rank's calls in one case add up to, from the launcher's tallies."""
+    """What one rank's calls in one case add up to, from the launcher's tallies: `sent_to`,
+    the bytes of its sends by destination rank."""
+    sent_to = Counter()
+    for call in calls:
+        if call.op in ("send", "isend"):
+            sent_to[call.peer] += call.sent
     return {
         "calls": Counter(call.op for call in calls),
         "sent": sum(call.sent for call in calls),
         "received": sum(call.received for call in calls),
         "peers": [(call.op, call.peer) for call in calls if call.op in POINT_TO_POINT],
+        "sent_to": sent_to,
     }
 
 
@@ -239,7 +253,6 @@ def check_reduce_scatter(
 
 def check_all_reduce(
     all_reduce: Callable,
-    bandwidth_optimal: bool = False,
     *,
     world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
     shapes: Iterable = ((1,), (7,), (3, 4)),
@@ -248,13 +261,34 @@ def check_all_reduce(
     timeout: float = 20.0,
     point_to_point_only: bool = True,
 ) -> None:
-    """`all_reduce(tensor)`: every rank's `tensor` becomes the sum over all ranks, in place.
-    With `bandwidth_optimal=True` (a ring): each rank sends only to and receives only from
-    its neighbours rank +- 1, and sends at most 2(P-1)/P * N elements (plus rounding)."""
+    """`all_reduce(tensor)`: every rank's `tensor` becomes the sum over all ranks, in place."""
     __tracebackhide__ = True
-    check = "check_all_reduce" + ("(bandwidth_optimal=True)" if bandwidth_optimal else "")
-    spec = Spec("all_reduce", check, tolerance=TOLERANCE, bandwidth_optimal=bandwidth_optimal)
+    spec = Spec("all_reduce", "check_all_reduce", tolerance=TOLERANCE)
     _check(spec, all_reduce, world_sizes, shapes, dtypes, seeds, timeout, point_to_point_only)
+
+
+def check_bidirectional_ring_all_reduce(
+    bidirectional_ring_all_reduce: Callable,
+    *,
+    world_sizes: Iterable[int] = RING_WORLD_SIZES,
+    shapes: Iterable = ((1,), (7,), (3, 4)),
+    dtypes: Iterable[torch.dtype] = DTYPES,
+    seeds: Iterable[int] = (0,),
+    timeout: float = 20.0,
+    point_to_point_only: bool = True,
+) -> None:
+    """`bidirectional_ring_all_reduce(tensor)`: every rank's `tensor` becomes the sum over all
+    ranks, in place (the gate); each rank sends to and receives from rank +- 1 only (half
+    the points); and sends each way, to rank + 1 and to rank - 1, at most 2(P-1) chunks of
+    ceil(N/(2P)) elements, one ring all-reduce of half the tensor (the other half; on 2
+    ranks, where both rings share the one neighbour, at most twice that in all). Whether the
+    two rings run at the same time is not judged."""
+    __tracebackhide__ = True
+    spec = Spec(
+        "all_reduce", "check_bidirectional_ring_all_reduce", tolerance=TOLERANCE, bidirectional=True
+    )
+    fn = bidirectional_ring_all_reduce
+    _check(spec, fn, world_sizes, shapes, dtypes, seeds, timeout, point_to_point_only)
 
 
 def check_all_reduce_fast(
@@ -268,13 +302,15 @@ def check_all_reduce_fast(
     point_to_point_only: bool = True,
 ) -> None:
     """`all_reduce_fast(tensor)`: every rank's `tensor` becomes the sum over all ranks, in
-    place, on a power-of-two number of ranks, and each rank sends at most 2 log2 P messages
-    (`fast_messages`) and at most 2(P-1) chunks of ceil(N/P) elements (the ring's budget).
-    All or nothing: a right sum that breaks either bound scores 0."""
+    place, on any number of ranks P; with Q the largest power of two <= P, each rank sends at
+    most 2 log2 Q messages and 2(Q-1) chunks of ceil(N/Q) elements (halving-doubling on Q
+    ranks, `fast_messages`, `fast_budget`), and when P > Q 2 messages and N elements more (a
+    fold of the P - Q other ranks in and out). All or nothing: a right sum that breaks
+    either bound scores 0."""
     __tracebackhide__ = True
     world_sizes = sorted(set(world_sizes))
-    if any(p < 1 or p & (p - 1) for p in world_sizes):
-        raise ValueError(f"check_all_reduce_fast runs on powers of two only, got {world_sizes}")
+    if any(p < 1 for p in world_sizes):
+        raise ValueError(f"check_all_reduce_fast needs world sizes >= 1, got {world_sizes}")
     spec = Spec("all_reduce", "check_all_reduce_fast", tolerance=TOLERANCE, fewest_messages=True)
     _check(spec, all_reduce_fast, world_sizes, shapes, dtypes, seeds, timeout, point_to_point_only)
 
@@ -284,6 +320,7 @@ __all__ = [
     "check_all_gather",
     "check_all_reduce",
     "check_all_reduce_fast",
+    "check_bidirectional_ring_all_reduce",
     "check_broadcast",
     "check_reduce",
     "check_reduce_scatter",

@@ -1,13 +1,15 @@
 """Assignment 2's checks, judging in the calling process: what the ranks reported for one
 case, against torch's result, the rules of the assignment (send/recv only, every request
-waited for, inputs left unchanged), for the ring its neighbours and its bytes, and for the
-fast all-reduce (Part 7) its messages and its bytes.
+waited for, inputs left unchanged), for the bidirectional ring (Part 6) its neighbours and
+its bytes each way, and for the fast all-reduce (Part 7) its messages and its bytes.
 
     Spec                    what differs between the collectives when judging them
     judge_case              the result and the calls of one case, every rank
-    judge_neighbours, judge_bytes   the ring's two properties
-    judge_messages, judge_bytes     the fast all-reduce's two bounds
-    fast_messages(P)        its message bound: the latencies of halving-doubling, 2 log2 P
+    judge_neighbours, judge_directions   the bidirectional ring's two properties
+    direction_budget(case)  its bytes each way: one ring all-reduce of half the tensor
+    judge_messages, judge_bytes          the fast all-reduce's two bounds
+    fast_messages(P), fast_budget(case)  its bounds: halving-doubling on the largest power of
+                            two of ranks, plus a fold of the others in and out
     _hint                   what to try, from the shape of a wrong result
     Tally                   what a passing check verified, for its summary
 """
@@ -34,12 +36,8 @@ class Spec:
     check: str
     tolerance: dict | None  # None: exact for every dtype
     root: str | None = None  # "src" or "dst"
-    bandwidth_optimal: bool = False  # Part 6: neighbours only, the ring's bytes
-    fewest_messages: bool = False  # Part 7: the ring's bytes in 2 log2 P messages
-
-    @property
-    def counts_bytes(self) -> bool:
-        return self.bandwidth_optimal or self.fewest_messages
+    bidirectional: bool = False  # Part 6: neighbours only, half the ring's bytes each way
+    fewest_messages: bool = False  # Part 7: halving-doubling's messages and bytes, any P
 
 
 class Tally:
@@ -54,13 +52,16 @@ class Tally:
         self.cases += 1
         self.world_sizes.add(case.world_size)
         self.sent += sum(record["sent"] for record in records)
-        if spec.counts_bytes:
-            most = max(record["sent"] for record in records)
-            share = most / max(_ring_budget(case), 1)
-            self.busiest = max(self.busiest, (share, most, _ring_budget(case)))
+        if spec.bidirectional:
+            allowed = direction_budget(case)
+            most = max(max(_each_way(case, r, record)) for r, record in enumerate(records))
+            self.busiest = max(self.busiest, (most / max(allowed, 1), most, allowed))
         if spec.fewest_messages:
+            allowed = fast_budget(case)
+            most = max(record["sent"] for record in records)
+            self.busiest = max(self.busiest, (most / max(allowed, 1), most, allowed))
             most, allowed = max(map(_messages, records)), fast_messages(case.world_size)
-            self.chattiest = max(self.chattiest, (most / allowed, most, allowed))
+            self.chattiest = max(self.chattiest, (most / max(allowed, 1), most, allowed))
 
     def summary(self, spec: Spec, point_to_point_only: bool) -> str:
         sizes = ", ".join(str(p) for p in sorted(self.world_sizes))
@@ -72,19 +73,21 @@ class Tally:
         if point_to_point_only:
             text += ", built from send/recv/isend/irecv only, every request waited for"
         text += f"; {self.sent} bytes sent in all"
-        if spec.bandwidth_optimal:
+        if spec.bidirectional:
             _, most, budget = self.busiest
             text += (
-                "; every rank talked only to its ring neighbours and sent at most 2(P-1) "
-                f"chunks of ceil(N/P) elements (closest to the limit: {most} of {budget} bytes)"
+                "; every rank talked only to its two neighbours and sent each way at most 2(P-1) "
+                f"chunks of ceil(N/(2P)) elements (closest to the limit: {most} of {budget} "
+                "bytes one way)"
             )
         if spec.fewest_messages:
             _, most, budget = self.busiest
             _, chattiest, allowed = self.chattiest
             text += (
-                f"; every rank sent at most 2 log2 P messages (closest to the limit: {chattiest} "
-                f"of {allowed}) and at most 2(P-1) chunks of ceil(N/P) elements (closest to the "
-                f"limit: {most} of {budget} bytes)"
+                "; with Q the largest power of two <= P, every rank sent at most 2 log2 Q "
+                f"messages, 2 more when P > Q (closest to the limit: {chattiest} of {allowed}), "
+                "and at most 2(Q-1) chunks of ceil(N/Q) elements, N more when P > Q (closest "
+                f"to the limit: {most} of {budget} bytes)"
             )
         return text
 
@@ -145,7 +148,8 @@ def judge_case(spec: Spec, name: str, case: Case, records: list[dict], p2p_only:
 
 
 def judge_neighbours(spec: Spec, case: Case, records: list[dict]) -> None:
-    """The "ring" property: each rank sends to and receives from its neighbours only."""
+    """The "neighbours" property: each rank sends to and receives from rank - 1 and rank + 1
+    only (on 2 ranks both are the one other rank)."""
     __tracebackhide__ = True
     p = case.world_size
     for r, record in enumerate(records):
@@ -156,54 +160,137 @@ def judge_neighbours(spec: Spec, case: Case, records: list[dict]) -> None:
                 fail(
                     spec.check,
                     f"{case}: rank {r} called dist.{op} with {other}; in a ring each rank "
-                    f"talks only to its neighbours, here ranks {sorted(neighbours)}: send to "
-                    "rank + 1 and receive from rank - 1 (modulo the world size)",
-                    prop="ring",
+                    f"talks only to its neighbours, here ranks {sorted(neighbours)}: one ring "
+                    "sends to rank + 1 and receives from rank - 1, the other the opposite way "
+                    "(modulo the world size)",
+                    prop="neighbours",
                 )
 
 
-def _ring_budget(case: Case) -> int:
-    """Bytes a rank may send in a ring all-reduce: 2(P-1) steps of one chunk each, a chunk
-    padded up to ceil(N/P) elements at most."""
-    p, itemsize = case.world_size, torch.empty((), dtype=case.dtype).element_size()
-    return all_reduce_bytes(p * -(-_numel(case.shape) // p) * itemsize, p)
+def _itemsize(case: Case) -> int:
+    return torch.empty((), dtype=case.dtype).element_size()
 
 
-def judge_bytes(spec: Spec, case: Case, records: list[dict]) -> None:
-    """The "bytes" property: no rank sends more than `_ring_budget`."""
+def direction_budget(case: Case) -> int:
+    """Bytes a rank may send each way in Part 6: a ring all-reduce of half the tensor, 2(P-1)
+    steps of one chunk, a chunk of at most ceil(N/(2P)) elements (= ceil(ceil(N/2)/P): the
+    larger half cut in P, or 2P equal padded chunks)."""
+    p = case.world_size
+    chunk = -(-_numel(case.shape) // (2 * p))
+    return int(all_reduce_bytes(p * chunk * _itemsize(case), p))
+
+
+def _each_way(case: Case, r: int, record: dict) -> tuple[int, int]:
+    """Bytes rank r sent to rank r + 1 and to rank r - 1; on 2 ranks (one neighbour, both
+    rings on it) half its bytes each way, as only their sum can be judged."""
+    p, to = case.world_size, record["sent_to"]
+    if p == 2:
+        return (record["sent"] + 1) // 2, record["sent"] // 2
+    return to.get((r + 1) % p, 0), to.get((r - 1) % p, 0)
+
+
+def judge_directions(spec: Spec, case: Case, records: list[dict]) -> None:
+    """The "bytes" property of Part 6: each way (to rank + 1, to rank - 1) no rank sends more
+    than `direction_budget`, and in all no more than twice it (on 2 ranks, where both rings
+    share the one neighbour, only the sum is judged)."""
     __tracebackhide__ = True
     p, numel = case.world_size, _numel(case.shape)
-    itemsize = torch.empty((), dtype=case.dtype).element_size()
-    allowed = _ring_budget(case)
-    what, hint = (
-        "a ring all-reduce",
-        ("Does each step send one chunk of about N/P elements, not the whole tensor?"),
+    allowed = direction_budget(case)
+    half = (
+        f"one ring all-reduce of half the tensor (N = {numel} elements, "
+        f"{numel * _itemsize(case)} bytes) sends at most 2(P-1) chunks of ceil(N/(2P)) "
+        f"elements, {allowed} bytes"
     )
-    if spec.fewest_messages:
-        what, hint = (
-            "this all-reduce",
-            (
-                "Does every rank send each piece of the tensor once on the way in (summing) and "
-                "once on the way out, halving what it sends as the rounds go, not whole tensors?"
-            ),
-        )
     for r, record in enumerate(records):
-        if record["sent"] > allowed:
+        to = record["sent_to"]
+        ways = {"rank + 1": (r + 1) % p, "rank - 1": (r - 1) % p} if p > 2 else {}
+        for way, peer in ways.items():
+            if to.get(peer, 0) <= allowed:
+                continue
+            other_way, other = next((w, q) for w, q in ways.items() if q != peer)
+            if not to.get(other, 0):
+                fail(
+                    spec.check,
+                    f"{case}: rank {r} sent all its bytes one way, {to[peer]} to {way} (rank "
+                    f"{peer}) and none to {other_way} (rank {other}); {half} each way. Cut the "
+                    "flat tensor in two halves and send the second half around the ring the "
+                    "other way, so that each of the rank's two links carries half.",
+                    prop="bytes",
+                )
             fail(
                 spec.check,
-                f"{case}: rank {r} sent {record['sent']} bytes; {what} of "
-                f"N = {numel} elements ({numel * itemsize} bytes) sends at most "
-                f"2(P-1)/P * N = {all_reduce_bytes(float(numel * itemsize), p):g} bytes per rank, "
-                f"and at most 2(P-1) chunks of ceil(N/P) elements, {allowed} bytes, when chunks "
-                f"are padded. {hint}",
+                f"{case}: rank {r} sent {to[peer]} bytes to {way} (rank {peer}); {half} each "
+                "way. Does each ring carry only its half of the tensor, one chunk of about "
+                "N/(2P) elements a step?",
+                prop="bytes",
+            )
+        if record["sent"] > 2 * allowed:
+            shared = " (on 2 ranks both rings run between the same two ranks)" if p == 2 else ""
+            fail(
+                spec.check,
+                f"{case}: rank {r} sent {record['sent']} bytes in all; {half} each way, "
+                f"{2 * allowed} bytes for the two{shared}. Does each step send one chunk of "
+                "about N/(2P) elements per ring, not the whole tensor?",
                 prop="bytes",
             )
 
 
+def _fold(world_size: int) -> tuple[int, bool]:
+    """Q, the largest power of two <= P, and whether P - Q ranks must be folded in and out."""
+    q = 1 << (world_size.bit_length() - 1)
+    return q, q < world_size
+
+
 def fast_messages(world_size: int) -> int:
     """Messages a rank may send in Part 7: the latencies lecture 2's alpha-beta model charges
-    halving-doubling (`costs.all_reduce_seconds` with alpha = 1, beta = 0), 2 log2 P."""
-    return round(all_reduce_seconds("halving_doubling", 0, world_size, alpha=1.0, beta=0.0))
+    halving-doubling on Q ranks (`costs.all_reduce_seconds` with alpha = 1, beta = 0),
+    2 log2 Q, and when P is not a power of two 2 more: the fold's message in and its message
+    back, on the critical path of every rank."""
+    q, folded = _fold(world_size)
+    hd = round(all_reduce_seconds("halving_doubling", 0, q, alpha=1.0, beta=0.0))
+    return hd + 2 * folded
+
+
+def fast_budget(case: Case) -> int:
+    """Bytes a rank may send in Part 7: halving-doubling of N elements on Q ranks, 2(Q-1)
+    chunks of ceil(N/Q) elements (the ring's budget), and when P is not a power of two the
+    whole tensor once more (a fold hands the result back to the rank that folded in)."""
+    q, folded = _fold(case.world_size)
+    nbytes = _numel(case.shape) * _itemsize(case)
+    chunked = q * -(-_numel(case.shape) // q) * _itemsize(case)
+    return int(all_reduce_bytes(chunked, q)) + nbytes * folded
+
+
+def _fast_rule(world_size: int) -> str:
+    q, folded = _fold(world_size)
+    if folded:
+        return f"2 floor(log2 P) + 2 = {fast_messages(world_size)} (P = {world_size}, Q = {q})"
+    return f"2 log2 P = {fast_messages(world_size)}"
+
+
+def judge_bytes(spec: Spec, case: Case, records: list[dict]) -> None:
+    """The "bytes" property of Part 7: no rank sends more than `fast_budget`."""
+    __tracebackhide__ = True
+    p, numel = case.world_size, _numel(case.shape)
+    nbytes = numel * _itemsize(case)
+    q, folded = _fold(p)
+    allowed = fast_budget(case)
+    rule = (
+        f"2(Q-1) chunks of ceil(N/Q) elements with Q = {q}, the largest power of two <= P, "
+        f"plus N for the fold: {allowed} bytes"
+        if folded
+        else f"2(P-1) chunks of ceil(N/P) elements, {allowed} bytes"
+    )
+    for r, record in enumerate(records):
+        if record["sent"] > allowed:
+            fail(
+                spec.check,
+                f"{case}: rank {r} sent {record['sent']} bytes; this all-reduce of N = {numel} "
+                f"elements ({nbytes} bytes) may send at most {rule}, per rank. Does every rank "
+                "send each piece of the tensor once on the way in (summing) and once on the "
+                "way out, halving what it sends as the rounds go, not whole tensors?",
+                prop="bytes",
+            )
 
 
 def _messages(record: dict) -> int:
@@ -220,7 +307,7 @@ def judge_messages(spec: Spec, case: Case, records: list[dict]) -> None:
             fail(
                 spec.check,
                 f"{case}: rank {r} sent {sent} messages (sends and isends, empty ones "
-                f"included); at most 2 log2 P = {allowed} are allowed on {p} ranks. A ring "
+                f"included); at most {_fast_rule(p)} are allowed on {p} ranks. A ring "
                 f"sends 2(P-1) = {2 * (p - 1)}: exchange with fewer partners, sending each a "
                 "larger piece.",
                 prop="messages",

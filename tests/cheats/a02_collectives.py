@@ -1,10 +1,11 @@
 """Assignment 2's cheats (each scores 0 on its part) and right answers written differently
 (full marks), among them the ways to take what a check trusts from the rank's process (its
 frames, its heap, its counters, its operators). More are proven in
-tests/test_grading_collectives.py (a ring talking to far ranks through pre-bound names), which
-also runs the checks on LECTURE_RING_WRAPPED, RING_PADDED, LECTURE_HALVING_DOUBLING_WRAPPED
-and FAST_REVERSED_PADDED, and in tests/test_grading_judge.py (patching the checks' helpers on
-a rank)."""
+tests/test_grading_collectives.py (a ring talking to far ranks through pre-bound names, a ring
+that sends everything one way), which also runs the checks on LECTURE_RINGS_BOTH_WAYS,
+BIDIRECTIONAL_PADDED, RINGS_ONE_AFTER_THE_OTHER, LECTURE_HALVING_DOUBLING_WRAPPED,
+LECTURE_SCHEDULE_FOLDED, FAST_RING_OFF_POWERS and FAST_PAIRED_FOLD, and in
+tests/test_grading_judge.py (patching the checks' helpers on a rank)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ PREBOUND_ALL_REDUCE = '''
 from torch.distributed import all_reduce as early_all_reduce
 
 
-def ring_all_reduce(tensor):
+def bidirectional_ring_all_reduce(tensor):
     """A few messages to the neighbours for show; the sum from torch's own all-reduce,
     through a name bound before the check could wrap it."""
     p, me = world_size(), rank()
@@ -39,13 +40,19 @@ def broadcast(tensor, src):
     torch.ops.c10d.broadcast_([tensor], group, src, 0, False, -1)[1].wait()
 '''
 
-LECTURE_RING_WRAPPED = '''
-import course_lib.collectives as lecture
+# Part 6: lecture 2's ring (its `_ring`, which takes the ranks in any order) on each half,
+# the second with the ranks listed backwards: the right neighbours and bytes each way, and
+# not the student's code.
+LECTURE_RINGS_BOTH_WAYS = '''
+from course_lib import collectives as lecture
 
 
-def ring_all_reduce(tensor):
-    """The lecture's ring, called."""
-    lecture.ring_all_reduce(tensor)
+def bidirectional_ring_all_reduce(tensor):
+    """The lecture's ring, run once each way."""
+    first, second = torch.tensor_split(tensor.view(-1), 2)
+    ranks = list(range(world_size()))
+    lecture._ring(first, ranks)
+    lecture._ring(second, ranks[::-1])
 '''
 
 REBIND_CHECK = '''
@@ -56,28 +63,71 @@ def broadcast(tensor, src):
 check_broadcast = lambda *args, **kwargs: None  # noqa: E731
 '''
 
-# Chunks of ceil(N/P) elements, all equal: at N = 1 on 3 ranks it sends 4 chunks of one
-# element, more than 2(P-1)/P * N, yet within the check's budget for padded chunks.
-RING_PADDED = """
-def ring_all_reduce(tensor):
+# Right, another way: 2P zero-padded chunks of ceil(N/(2P)) elements, the first P on the ring
+# to rank - 1 and the other P on the ring to rank + 1, each step's four messages posted at
+# once with batch_isend_irecv. At N = 1 on 3 ranks it sends 4 one-element chunks each way,
+# more than (P-1)/P * N, yet within the check's budget for padded chunks.
+BIDIRECTIONAL_PADDED = """
+def bidirectional_ring_all_reduce(tensor):
     p, me = world_size(), rank()
-    size = -(-tensor.numel() // p)  # ceil(N / P): every chunk the same size
-    padded = torch.zeros(size * p, dtype=tensor.dtype)
+    size = -(-tensor.numel() // (2 * p))  # ceil(N / 2P): every chunk the same size
+    padded = torch.zeros(2 * p * size, dtype=tensor.dtype)
     padded[: tensor.numel()] = tensor.reshape(-1)
-    chunks = padded.view(p, size)
-    right, left = (me + 1) % p, (me - 1) % p
-    buffer = torch.empty(size, dtype=tensor.dtype)
+    # (chunks, this rank's place on the ring, where it sends, where it receives from)
+    rings = [
+        (padded[: p * size].view(p, size), (p - me) % p, (me - 1) % p, (me + 1) % p),
+        (padded[p * size :].view(p, size), me, (me + 1) % p, (me - 1) % p),
+    ]
     for step in range(2 * (p - 1)):
-        send = dist.isend(chunks[(me - step) % p].clone(), right)
-        dist.recv(buffer, left)
-        send.wait()
-        incoming = chunks[(me - step - 1) % p]
-        if step < p - 1:
+        reducing, s = step < p - 1, step % (p - 1)
+        ops, landing = [], []
+        for chunks, place, to, source in rings:
+            shift = 0 if reducing else 1
+            buffer = torch.empty(size, dtype=tensor.dtype)
+            ops.append(dist.P2POp(dist.isend, chunks[(place + shift - s) % p].clone(), to))
+            ops.append(dist.P2POp(dist.irecv, buffer, source))
+            landing.append((chunks[(place + shift - s - 1) % p], buffer))
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        for chunk, buffer in landing:
+            if reducing:
+                chunk += buffer
+            else:
+                chunk.copy_(buffer)
+    tensor.copy_(padded[: tensor.numel()].view_as(tensor))
+"""
+
+# Right, another way, as Part 6's text allows: the two rings one after the other (the larger
+# half first, on the ring to rank - 1), each a plain one-way ring: right on neighbours and on
+# bytes each way, though the two directions of a link are never busy at once.
+RINGS_ONE_AFTER_THE_OTHER = '''
+def _one_way(flat, hop):
+    """The ring all-reduce of `flat`, each step passing a chunk to rank + hop (+1 or -1)."""
+    p, me = world_size(), rank()
+    place, to, source = me * hop % p, (me + hop) % p, (me - hop) % p
+    chunks = torch.tensor_split(flat, p)
+    for step in range(2 * (p - 1)):
+        reducing, s = step < p - 1, step % (p - 1)
+        if reducing:
+            outgoing, incoming = chunks[(place - s) % p], chunks[(place - s - 1) % p]
+        else:
+            outgoing, incoming = chunks[(place + 1 - s) % p], chunks[(place - s) % p]
+        buffer = torch.empty_like(incoming)
+        request = dist.isend(outgoing, to)
+        dist.recv(buffer, source)
+        request.wait()
+        if reducing:
             incoming += buffer
         else:
             incoming.copy_(buffer)
-    tensor.copy_(padded[: tensor.numel()].view_as(tensor))
-"""
+
+
+def bidirectional_ring_all_reduce(tensor):
+    flat = tensor.view(-1)
+    middle = flat.numel() // 2
+    _one_way(flat[middle:], -1)
+    _one_way(flat[:middle], +1)
+'''
 
 # Part 7 (all_reduce_fast): the lecture's halving-doubling, called, scores 0 ...
 LECTURE_HALVING_DOUBLING_WRAPPED = '''
@@ -89,35 +139,126 @@ def all_reduce_fast(tensor):
     halving_doubling_all_reduce(tensor)
 '''
 
-# ... and halving-doubling the other way round is right: partners 1, 2, ..., P/2 apart while
-# halving (rank r ends with chunk "r with its bits reversed"), P/2, ..., 1 while doubling, on
-# chunks padded with zeros to ceil(N/P) elements each.
-FAST_REVERSED_PADDED = """
+# ... and so does a fold written by hand around the lecture's schedule for Q ranks
+# (`halving_doubling_rounds(Q, rank)`, a pure function that takes any power of two): right
+# sums, right bounds, and the rounds are the lecture's.
+LECTURE_SCHEDULE_FOLDED = """
+from course_lib.collectives import REDUCE_SCATTER, halving_doubling_rounds
+
+
 def all_reduce_fast(tensor):
     p, me = world_size(), rank()
-    size = -(-tensor.numel() // p)
-    padded = torch.zeros(size * p, dtype=tensor.dtype)
-    padded[: tensor.numel()] = tensor.reshape(-1)
-    rounds, low, high, distance = [], 0, p, 1
-    while distance < p:
+    q = 1 << (p.bit_length() - 1)
+    flat = tensor.view(-1)
+    if me >= q:
+        dist.send(flat, me - q)
+        dist.recv(flat, me - q)
+        return
+    if me + q < p:
+        theirs = torch.empty_like(flat)
+        dist.recv(theirs, me + q)
+        flat += theirs
+    starts = [0]
+    for chunk in torch.tensor_split(flat, q):
+        starts.append(starts[-1] + chunk.numel())
+    for step in halving_doubling_rounds(q, me):
+        target = flat[starts[step.recv[0]] : starts[step.recv[1]]]
+        incoming = torch.empty_like(target)
+        request = dist.isend(flat[starts[step.send[0]] : starts[step.send[1]]], step.partner)
+        dist.recv(incoming, step.partner)
+        request.wait()
+        if step.phase == REDUCE_SCATTER:
+            target += incoming
+        else:
+            target.copy_(incoming)
+    if me + q < p:
+        dist.send(flat, me + q)
+"""
+
+# Halving-doubling with partners 1, 2, 4 apart (rank v ends the halving with chunk "v with its
+# bits reversed"), on zero-padded chunks of ceil(N/Q) elements, among the ranks `members`.
+_HALVING_DOUBLING_PADDED = """
+def _halving_doubling(flat, members):
+    q, me = len(members), members.index(rank())
+    size = -(-flat.numel() // q)
+    padded = torch.zeros(size * q, dtype=flat.dtype)
+    padded[: flat.numel()] = flat
+    rounds, low, high, distance = [], 0, q, 1
+    while distance < q:
         middle = (low + high) // 2
         lower = not me & distance
         keep, give = ((low, middle), (middle, high)) if lower else ((middle, high), (low, middle))
-        theirs = torch.empty((keep[1] - keep[0]) * size, dtype=tensor.dtype)
-        request = dist.isend(padded[give[0] * size : give[1] * size].clone(), me ^ distance)
-        dist.recv(theirs, me ^ distance)
+        partner = members[me ^ distance]
+        theirs = torch.empty((keep[1] - keep[0]) * size, dtype=flat.dtype)
+        request = dist.isend(padded[give[0] * size : give[1] * size].clone(), partner)
+        dist.recv(theirs, partner)
         request.wait()
         padded[keep[0] * size : keep[1] * size] += theirs
-        rounds.append((me ^ distance, keep, give))
+        rounds.append((partner, keep, give))
         (low, high), distance = keep, 2 * distance
     for partner, keep, give in reversed(rounds):
-        incoming = torch.empty((give[1] - give[0]) * size, dtype=tensor.dtype)
+        incoming = torch.empty((give[1] - give[0]) * size, dtype=flat.dtype)
         request = dist.isend(padded[keep[0] * size : keep[1] * size].clone(), partner)
         dist.recv(incoming, partner)
         request.wait()
         padded[give[0] * size : give[1] * size] = incoming
-    tensor.copy_(padded[: tensor.numel()].view_as(tensor))
+    flat.copy_(padded[: flat.numel()])
 """
+
+# A right halving-doubling where P is a power of two, and the ring elsewhere: 2(P-1) messages,
+# over the limit on 5 and 6 ranks (8 and 10 > 6): all or nothing, 0.
+FAST_RING_OFF_POWERS = (
+    _HALVING_DOUBLING_PADDED
+    + """
+
+def all_reduce_fast(tensor):
+    p, me = world_size(), rank()
+    flat = tensor.view(-1)
+    if p & (p - 1) == 0:
+        _halving_doubling(flat, list(range(p)))
+        return
+    chunks = torch.tensor_split(flat, p)
+    for step in range(2 * (p - 1)):
+        reducing, s = step < p - 1, step % (p - 1)
+        shift = 0 if reducing else 1
+        incoming = chunks[(me + shift - s - 1) % p]
+        buffer = torch.empty_like(incoming)
+        request = dist.isend(chunks[(me + shift - s) % p], (me + 1) % p)
+        dist.recv(buffer, (me - 1) % p)
+        request.wait()
+        if reducing:
+            incoming += buffer
+        else:
+            incoming.copy_(buffer)
+"""
+)
+
+# Right, another way: Rabenseifner's fold in pairs. Among the first 2(P - Q) ranks each odd
+# rank hands its tensor to the even rank below it; the Q ranks left (the even ones among the
+# first 2(P - Q), then all the others) run halving-doubling with partners 1, 2, 4 apart on
+# padded chunks, and each even rank hands the sum back.
+FAST_PAIRED_FOLD = (
+    _HALVING_DOUBLING_PADDED
+    + """
+
+def all_reduce_fast(tensor):
+    p, me = world_size(), rank()
+    q = 1 << (p.bit_length() - 1)
+    paired = 2 * (p - q)  # ranks 0 .. paired - 1 fold in pairs
+    flat = tensor.view(-1)
+    if me < paired and me % 2:
+        dist.send(flat, me - 1)
+        dist.recv(flat, me - 1)
+        return
+    if me < paired:
+        theirs = torch.empty_like(flat)
+        dist.recv(theirs, me + 1)
+        flat += theirs
+    _halving_doubling(flat, [r for r in range(p) if r >= paired or r % 2 == 0])
+    if me < paired:
+        dist.send(flat, me + 1)
+"""
+)
 
 # (1) The check's secrets, looked for in the process: a function that
 # walks its callers' frames and the heap for the reference ("expected") or the other ranks'
@@ -184,7 +325,7 @@ FRAMES_RING = (
     THIEF
     + """
 
-def ring_all_reduce(tensor):
+def bidirectional_ring_all_reduce(tensor):
     _token()
     loot = [t for t in _loot(tensor) if not torch.equal(t, tensor)]
     if loot:
@@ -233,7 +374,7 @@ EVERY_PART = frozenset(
         "test_reduce",
         "test_all_gather",
         "test_reduce_scatter",
-        "test_ring_all_reduce",
+        "test_bidirectional_ring_all_reduce",
         "test_all_reduce_fast",
     }
 )
@@ -270,9 +411,9 @@ CHEATS = [
     ),
     Cheat(
         "the sum looked for in the frames and the heap, one element to the neighbour",
-        "ring_all_reduce",
+        "bidirectional_ring_all_reduce",
         FRAMES_RING,
-        frozenset({"test_ring_all_reduce"}),
+        frozenset({"test_bidirectional_ring_all_reduce"}),
     ),
     Cheat(
         "the counters emptied around a built-in reduce-scatter",
@@ -295,9 +436,9 @@ CHEATS = [
     ),
     Cheat(
         "built-in all-reduce through a pre-bound name",
-        "ring_all_reduce",
+        "bidirectional_ring_all_reduce",
         PREBOUND_ALL_REDUCE,
-        frozenset({"test_ring_all_reduce"}),
+        frozenset({"test_bidirectional_ring_all_reduce"}),
     ),
     Cheat(
         "built-in all-reduce through the group object",
@@ -312,15 +453,27 @@ CHEATS = [
         frozenset({"test_broadcast", "test_all_reduce_naive"}),  # naive uses broadcast
     ),
     Cheat(
-        "the lecture's ring wrapped",
-        "ring_all_reduce",
-        LECTURE_RING_WRAPPED,
-        frozenset({"test_ring_all_reduce"}),
+        "the lecture's ring run once each way",
+        "bidirectional_ring_all_reduce",
+        LECTURE_RINGS_BOTH_WAYS,
+        frozenset({"test_bidirectional_ring_all_reduce"}),
     ),
     Cheat(
         "the lecture's halving-doubling wrapped",
         "all_reduce_fast",
         LECTURE_HALVING_DOUBLING_WRAPPED,
+        frozenset({"test_all_reduce_fast"}),
+    ),
+    Cheat(
+        "a fold by hand around the lecture's halving-doubling schedule",
+        "all_reduce_fast",
+        LECTURE_SCHEDULE_FOLDED,
+        frozenset({"test_all_reduce_fast"}),
+    ),
+    Cheat(
+        "halving-doubling on powers of two, the ring elsewhere",
+        "all_reduce_fast",
+        FAST_RING_OFF_POWERS,
         frozenset({"test_all_reduce_fast"}),
     ),
     Cheat(
@@ -333,11 +486,20 @@ CHEATS = [
 ]
 
 ALTERNATIVES = [
-    Alternative("ring on zero-padded equal chunks", "ring_all_reduce", RING_PADDED),
     Alternative(
-        "halving-doubling, partners 1, 2, 4 apart, padded chunks",
+        "both rings on zero-padded equal chunks, batch_isend_irecv",
+        "bidirectional_ring_all_reduce",
+        BIDIRECTIONAL_PADDED,
+    ),
+    Alternative(
+        "the two rings one after the other",
+        "bidirectional_ring_all_reduce",
+        RINGS_ONE_AFTER_THE_OTHER,
+    ),
+    Alternative(
+        "a fold in pairs, halving-doubling with partners 1, 2, 4 apart, padded chunks",
         "all_reduce_fast",
-        FAST_REVERSED_PADDED,
+        FAST_PAIRED_FOLD,
     ),
     Alternative(
         "broadcast along a binary tree",
