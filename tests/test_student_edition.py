@@ -330,7 +330,6 @@ A10_IMPORTS = (
     "can leave the library only when a10 stops importing them"
 )
 OPEN_COPIES = {"tensor_parallel": A10_IMPORTS}
-LECTURE_VERSION = "lecture {}'s module ships its own {}, which the lecture runs: not yet decided"
 OPEN_DELIVERABLES = {
     "tensor_parallel": A10_IMPORTS,
 }
