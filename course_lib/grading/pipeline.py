@@ -89,11 +89,11 @@ from course_lib.grading.pipeline_timeline import check_timeline
 from course_lib.grading.pipeline_trainer import ATOL, RTOL, judge_run
 from course_lib.grading.provenance import Provenance
 
-# The lecture's pipeline module answers parts 5-7 as it stands (its trainer, simulator and
-# partition), its measure module holds a zero-bubble schedule (the open part), and the checks'
-# schedule order, brute force and split-schedule simulator would help (defined in parts,
-# named here, where the notebook sees them): an answer that runs any of them, or a copy, is
-# not the student's own.
+# Lecture 8's modules hold what would answer parts under other names (the simulator, Part
+# 2's algorithm; ZB-H1's order, a right answer to the open Part 4; the zero-bubble runtime and
+# the run of torch's schedules, trainers close to Part 1's), and the checks' schedule order,
+# brute force and split-schedule simulator would help (defined in parts, named here, where the
+# notebook sees them): an answer that runs any of them, or a copy, is not the student's own.
 FORBIDDEN = (
     "course_lib.pipeline",
     "course_lib.measure.pipeline",
