@@ -144,7 +144,7 @@ def serve(spec: dict, conn: Connection) -> None:
 
 
 def _become_worker(spec: dict) -> None:
-    global _stack_file, _streams
+    global _stack_file, _streams, FREEZE_SENTINEL
     os.environ.update(spec["env"])
     # Line-buffered text streams on the pipes, so prints reach the notebook as they happen.
     _streams = (_line_stream(1), _line_stream(2))
@@ -155,7 +155,6 @@ def _become_worker(spec: dict) -> None:
     threading.Thread(target=_die_with_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(1)
     gc.freeze = _freeze
-    global FREEZE_SENTINEL
     FREEZE_SENTINEL = []  # this worker's own: the fork server froze the one it imported
 
 
